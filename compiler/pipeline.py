@@ -1,0 +1,193 @@
+"""The compile driver: source -> trace -> lower -> passes -> golden -> artifact.
+
+The pipeline is a visible, named list of steps; each pass named in model.yaml runs in order, is
+logged with its effect, and is followed by the IR verifier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mgx.formats import ir
+from mgx.formats.artifact import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    ArtifactContents,
+    Fingerprint,
+    GenerationDefaults,
+    GoldenSet,
+    PassRecord,
+    write_artifact,
+)
+from mgx.passes import get_pass
+
+from ._progress import Progress
+from .spec import ModelSpec
+
+__all__ = ["CompileError", "CompileResult", "compile_model", "STORAGE_DTYPES"]
+
+STORAGE_DTYPES = {"fp32": ir.DType.F32, "bf16": ir.DType.BF16, "fp16": ir.DType.F16}
+# Tensors kept in fp32 whatever the storage dtype: tiny, and precision matters.
+_KEEP_FP32 = ("rope.inv_freq",)
+
+
+class CompileError(Exception):
+    """Compilation stopped; the message names the step and the cause."""
+
+
+@dataclass(slots=True)
+class CompileResult:
+    """What a compile produced."""
+
+    output: Path
+    golden_json: Path | None
+    graph: ir.Graph
+    golden: GoldenSet | None
+    timings: dict[str, float] = field(default_factory=dict)
+    file_size: int = 0
+
+
+def _round_model_weights(model: Any, dtype: str) -> None:
+    """Round the source model's weights to the storage dtype, so the reference sees stored values."""
+    import torch
+
+    if dtype == "fp32":
+        return
+    target = torch.bfloat16 if dtype == "bf16" else torch.float16
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(target).to(torch.float32))
+
+
+def to_storage(array: np.ndarray, dtype: ir.DType) -> np.ndarray:
+    """An fp32 array in the storage dtype (bf16 as uint16 bits, rounded to nearest even)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == ir.DType.F32:
+        return array
+    if dtype == ir.DType.F16:
+        return array.astype(np.float16)
+    bits = array.view(np.uint32)
+    rounding = ((bits >> 16) & 1) + 0x7FFF
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(array)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def convert_tensors(graph: ir.Graph, dtype: ir.DType) -> None:
+    """Store every plain fp32 weight in ``dtype``."""
+    for name, t in graph.tensors.items():
+        if name in _KEEP_FP32 or t.dtype != ir.DType.F32 or t.scheme != "none" or dtype == ir.DType.F32:
+            continue
+        graph.tensors[name] = ir.Tensor(name, dtype, t.shape, to_storage(t.data, dtype), t.scheme, t.scheme_params,
+                                        t.layout)
+
+
+def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress) -> list[PassRecord]:
+    """Run the spec's passes in order, verifying the IR after each."""
+    records = []
+    for p in spec.passes:
+        try:
+            fn = get_pass(p.name)
+        except KeyError as exc:
+            raise CompileError(f"passes: {exc.args[0]}") from None
+        with progress.step(f"pass {p.name}"):
+            try:
+                result = fn(graph, dict(p.options))
+                ir.verify(graph)
+            except (ValueError, ir.IRError) as exc:
+                raise CompileError(f"pass {p.name!r} failed: {exc}") from None
+        progress._write(f"    {p.name}: {result.summary}\n")
+        records.append(PassRecord(p.name, dict(p.options), result.summary))
+    return records
+
+
+def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path | None = None,
+                  progress: Progress | None = None) -> CompileResult:
+    """Compile ``spec`` into a .mgx file; returns where it went and what it holds."""
+    from .golden import record_golden, write_golden_json
+    from .lower import LoweringError, lower_model, trace_model
+    from .sources import SourceError, load_source
+
+    progress = progress or Progress()
+    out_path = Path(output or spec.output or Path.cwd() / f"{spec.name}.mgx")
+    with progress.step(f"load {spec.source.description}"):
+        try:
+            src = load_source(spec.source)
+        except SourceError as exc:
+            raise CompileError(str(exc)) from None
+        _round_model_weights(src.model, spec.dtype)
+    with progress.step("trace (torch.export)"):
+        try:
+            program = trace_model(src.model)
+        except Exception as exc:  # torch.export raises many types; name the step and the cause
+            raise CompileError(f"tracing {src.model_type} model failed: {type(exc).__name__}: {_line(exc)}") from None
+    with progress.step("lower to IR"):
+        try:
+            graph, _ = lower_model(src.model, program)
+        except (LoweringError, ir.IRError) as exc:
+            raise CompileError(str(exc)) from None
+    passes = run_passes(graph, spec, progress)
+    convert_tensors(graph, STORAGE_DTYPES[spec.dtype])
+    ir.verify(graph)
+    with progress.step(f"golden outputs ({len(spec.golden.prompts)} prompts x {spec.golden.max_new_tokens} tokens)"):
+        golden = record_golden(src.model, src.tokenizer, spec.golden)
+    tokenizer_hash = hashlib.sha256(
+        (src.tokenizer_json + "\0" + (src.chat_template or "")).encode("utf-8")
+    ).hexdigest()
+    fingerprint = Fingerprint(
+        source_hash=src.source_hash,
+        tokenizer_hash=tokenizer_hash,
+        dtype=spec.dtype,
+        quantization=_quantization(graph),
+        target=spec.target,
+        format_version=f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
+    )
+    g = spec.generation
+    eos = list(graph.arch.eos_token_ids)
+    contents = ArtifactContents(
+        graph=graph,
+        tokenizer_json=src.tokenizer_json,
+        chat_template=src.chat_template,
+        generation=GenerationDefaults(
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            max_new_tokens=g.max_new_tokens,
+            repetition_penalty=g.repetition_penalty,
+            stop_token_ids=eos,
+        ),
+        passes=passes,
+        fingerprint=fingerprint,
+        golden=golden,
+        metadata={"name": spec.name, "source": spec.source.description, "producer": "mgxc"},
+    )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with progress.step(f"write {out_path.name}"):
+        write_artifact(out_path, contents, progress=progress.bar("writing"))
+    golden_json = None
+    if golden is not None and golden_dir is not None:
+        golden_json = golden_dir / f"{spec.name}.json"
+        write_golden_json(golden_json, spec.name, _fingerprint_dict(fingerprint), golden)
+    return CompileResult(out_path, golden_json, graph, golden, dict(progress.timings), out_path.stat().st_size)
+
+
+def _quantization(graph: ir.Graph) -> str:
+    schemes = sorted({t.scheme for t in graph.tensors.values() if t.scheme != "none"})
+    return "+".join(schemes) or "none"
+
+
+def _fingerprint_dict(fp: Fingerprint) -> dict[str, str]:
+    return {k: getattr(fp, k) for k in ("source_hash", "tokenizer_hash", "dtype", "quantization", "target",
+                                          "format_version")}
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

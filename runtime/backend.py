@@ -1,0 +1,224 @@
+"""Backends execute IR ops for the model runner; they own weights, memory and kernels.
+
+A backend implements one method per op kind. ``Backend.run_op`` is the dispatch table from op kind
+to method, so the runner stays free of tensor code. Backends are registered by name in ``BACKENDS``
+and imported only when chosen, so a host without a GPU never imports GPU libraries.
+
+``ReferenceBackend`` runs the numpy reference kernels. Weight prep, reference backend only:
+bf16/f16 weights stay as the artifact's mapped bytes until an op first needs them; they are then
+upcast to float32 once and cached for the life of the backend (so it holds an f32 copy of every
+weight it has used; f32 weights are used in place, without copying).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mgx.formats.ir import Graph, Op, Tensor
+from mgx.kernels import reference as ref
+
+from .batch import StepBatch
+from .errors import UnsupportedModelError
+from .kv_cache import ContiguousKVCache, KVCache
+
+__all__ = ["Array", "Backend", "ReferenceBackend", "BACKENDS", "create_backend"]
+
+# An activation value [T, F] as the backend holds it: numpy float32 for the reference backend,
+# a device tensor for GPU backends. The runner never looks inside.
+Array = Any
+
+# The quantization-aware roles of linear-like ops, handed to the weight's dequantizer.
+_AUX_ROLES = ("scales", "zeros", "meta")
+
+
+class Backend(ABC):
+    """Runs ops of one graph. Subclasses implement the per-kind methods below."""
+
+    name: ClassVar[str]
+    # Op kinds this backend runs; the runner refuses graphs with others before the first step.
+    supported_ops: ClassVar[frozenset[str]] = frozenset(
+        {"embedding", "rms_norm", "linear", "split", "rope", "attention", "silu_mul", "add", "lm_head"}
+    )
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+
+    @abstractmethod
+    def new_kv_cache(self) -> KVCache:
+        """A KV cache for this graph's attention layers, in this backend's memory."""
+
+    def run_op(self, op: Op, args: list[Array], batch: StepBatch, kv: KVCache) -> list[Array]:
+        """Run ``op`` on its input values; returns its output values in order."""
+        match op.kind:
+            case "embedding":
+                return [self.embedding(op, args[0])]
+            case "rms_norm":
+                return [self.rms_norm(op, args[0])]
+            case "linear":
+                return [self.linear(op, args[0])]
+            case "split":
+                return self.split(op, args[0])
+            case "rope":
+                return list(self.rope(op, args[0], args[1], batch.positions))
+            case "attention":
+                return [self.attention(op, args[0], args[1], args[2], batch, kv)]
+            case "silu_mul":
+                return [self.silu_mul(op, args[0], args[1] if len(args) > 1 else None)]
+            case "add":
+                return [self.add(op, args[0], args[1])]
+            case "lm_head":
+                return [self.lm_head(op, args[0], batch.sample_rows)]
+        raise UnsupportedModelError(f"backend {self.name!r} has no kernel for op kind {op.kind!r}")
+
+    @abstractmethod
+    def embedding(self, op: Op, tokens: np.ndarray) -> Array:
+        """tokens [T] int64 -> [T, H]."""
+
+    @abstractmethod
+    def rms_norm(self, op: Op, x: Array) -> Array:
+        """x [T, F] -> [T, F]."""
+
+    @abstractmethod
+    def linear(self, op: Op, x: Array) -> Array:
+        """x [T, K] -> [T, N], reading the weight according to its scheme."""
+
+    @abstractmethod
+    def split(self, op: Op, x: Array) -> list[Array]:
+        """x [T, sum(sizes)] -> [T, size] per size."""
+
+    @abstractmethod
+    def rope(self, op: Op, q: Array, k: Array, positions: np.ndarray) -> tuple[Array, Array]:
+        """q [T, Hq*D], k [T, Hk*D] rotated at positions [T]."""
+
+    @abstractmethod
+    def attention(self, op: Op, q: Array, k: Array, v: Array, batch: StepBatch, kv: KVCache) -> Array:
+        """Append k, v [T, Hk*D] to each sequence's cache, attend q [T, Hq*D] over it -> [T, Hq*D]."""
+
+    @abstractmethod
+    def silu_mul(self, op: Op, gate: Array, up: Array | None) -> Array:
+        """silu(gate) * up -> [T, F]."""
+
+    @abstractmethod
+    def add(self, op: Op, a: Array, b: Array) -> Array:
+        """a + b."""
+
+    @abstractmethod
+    def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> np.ndarray:
+        """Logits for ``rows`` [R] of x [T, H] only -> host float32 [R, V]."""
+
+
+class ReferenceBackend(Backend):
+    """The numpy oracle: float32 compute on the host, one sequence at a time in attention."""
+
+    name = "reference"
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        self._f32: dict[str, np.ndarray] = {}  # tensor name -> float32 values, filled on first use
+        for op in graph.ops:
+            for role, tname in op.weights.items():
+                if role not in _AUX_ROLES:
+                    self._check_weight(op, graph.tensors[tname])
+
+    def new_kv_cache(self) -> KVCache:
+        return ContiguousKVCache(self.graph.states)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _check_weight(self, op: Op, t: Tensor) -> None:
+        if t.scheme not in ref.SCHEMES or t.layout != "row_major":
+            raise UnsupportedModelError(
+                f"{op.kind} from {op.source or '?'}: weight {t.name} uses scheme {t.scheme!r}, layout "
+                f"{t.layout!r}; the reference backend knows schemes {', '.join(sorted(ref.SCHEMES))} "
+                "with layout 'row_major'"
+            )
+
+    def _weight(self, op: Op, role: str) -> np.ndarray | None:
+        """Float32 values of the op's ``role`` weight (None when it has none), upcast once and cached."""
+        name = op.weights.get(role)
+        if name is None:
+            return None
+        values = self._f32.get(name)
+        if values is None:
+            tensors = self.graph.tensors
+            aux = {r: tensors[op.weights[r]] for r in _AUX_ROLES if r in op.weights}
+            values = self._f32[name] = ref.dequantize(tensors[name], aux)
+        return values
+
+    # -- ops ----------------------------------------------------------------------------------
+
+    def embedding(self, op: Op, tokens: np.ndarray) -> np.ndarray:
+        return ref.embedding(tokens, self._weight(op, "weight"))
+
+    def rms_norm(self, op: Op, x: np.ndarray) -> np.ndarray:
+        return ref.rms_norm(x, self._weight(op, "weight"), eps=float(op.attrs["eps"]), group=int(op.attrs["group"]))
+
+    def linear(self, op: Op, x: np.ndarray) -> np.ndarray:
+        return ref.linear(x, self._weight(op, "weight"), self._weight(op, "bias"))
+
+    def split(self, op: Op, x: np.ndarray) -> list[np.ndarray]:
+        return ref.split(x, [int(s) for s in op.attrs["sizes"]])
+
+    def rope(self, op: Op, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a = op.attrs
+        return ref.rope(
+            q,
+            k,
+            positions,
+            self._weight(op, "inv_freq"),
+            head_dim=int(a["head_dim"]),
+            rotary_dim=int(a["rotary_dim"]),
+            attention_scaling=float(a["attention_scaling"]),
+        )
+
+    def attention(
+        self, op: Op, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: StepBatch, kv: KVCache
+    ) -> np.ndarray:
+        a = op.attrs
+        layer = int(a["layer"])
+        out = np.empty_like(q, dtype=np.float32)  # [T, Hq*D]
+        for i, seq_id in enumerate(batch.seq_ids):
+            rows = batch.rows(i)
+            kv.append(seq_id, layer, k[rows], v[rows], batch.positions[rows])
+            keys, values = kv.read(seq_id, layer)  # [S, Hk*D] each
+            out[rows] = ref.attention(
+                q[rows],
+                keys,
+                values,
+                batch.positions[rows],
+                num_heads=int(a["num_heads"]),
+                num_kv_heads=int(a["num_kv_heads"]),
+                head_dim=int(a["head_dim"]),
+                scale=float(a["scale"]),
+                sliding_window=int(a["sliding_window"]),
+            )
+        return out
+
+    def silu_mul(self, op: Op, gate: np.ndarray, up: np.ndarray | None) -> np.ndarray:
+        return ref.silu_mul(gate, up)
+
+    def add(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return ref.add(a, b)
+
+    def lm_head(self, op: Op, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return ref.linear(x[rows], self._weight(op, "weight"), self._weight(op, "bias"))
+
+
+# Backend name -> "module:Class", imported on first use.
+BACKENDS: dict[str, str] = {
+    "reference": "mgx.runtime.backend:ReferenceBackend",
+}
+
+
+def create_backend(name: str, graph: Graph) -> Backend:
+    """Import the backend registered as ``name`` and build it for ``graph``."""
+    target = BACKENDS.get(name)
+    if target is None:
+        raise UnsupportedModelError(f"unknown backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    module, _, cls_name = target.partition(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    return cls(graph)

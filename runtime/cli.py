@@ -1,0 +1,152 @@
+"""``mgx-run``: run a compiled MGX model (.mgx) from the command line."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Exit codes: 0 ok; 1 a bad request or a golden mismatch; 2 a damaged or unreadable artifact.
+EXIT_ERROR = 1
+EXIT_ARTIFACT = 2
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _user_errors(fn: F) -> F:
+    """Turn the errors a user can cause into one ``error: ...`` line and an exit code, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from mgx.formats.artifact import ArtifactError
+
+        from .errors import EngineError
+
+        try:
+            return fn(*args, **kwargs)
+        except ArtifactError as e:
+            _fail(str(e), EXIT_ARTIFACT)
+        except (EngineError, OSError) as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            sys.exit(130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _model_path(path: str) -> str:
+    if not os.path.exists(path):
+        _fail(f"no such model file: {path}")
+    if not os.path.isfile(path):
+        _fail(f"not a file: {path} (expected a compiled .mgx model)")
+    return path
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Run a compiled MGX model (a .mgx file made by `mgxc compile`).
+
+    \b
+    Examples:
+      mgx-run generate model.mgx --prompt "Once upon a time"
+      mgx-run generate model.mgx --prompt "What is 2+2?" --chat --temperature 0
+      mgx-run check model.mgx          # verify the file and replay its golden outputs
+
+    Unset sampling options use the defaults recorded in the artifact.
+    """
+
+
+@main.command()
+@click.argument("model", metavar="MODEL.mgx")
+@click.option("-p", "--prompt", required=True, help="Text to continue (or the user message with --chat).")
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate.")
+@click.option("-t", "--temperature", type=click.FloatRange(min=0), help="0 = greedy; higher = more random.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus sampling mass.")
+@click.option("--top-k", type=click.IntRange(min=0), help="Sample among the K most likely tokens (0 = all).")
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), help="> 1 discourages repeats.")
+@click.option("--seed", type=int, help="Random seed: the same seed gives the same output.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
+@_user_errors
+def generate(
+    model: str,
+    prompt: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    repetition_penalty: float | None,
+    seed: int | None,
+    chat: bool,
+) -> None:
+    """Generate text from MODEL.mgx, streaming it to stdout; timings go to stderr."""
+    from .engine import Engine, GenerationResult
+
+    engine = Engine(_model_path(model))
+    events = engine.generate(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        chat=chat,
+        stream=True,
+    )
+    result = None
+    for event in events:
+        if isinstance(event, GenerationResult):
+            result = event
+        elif event.text:
+            click.echo(event.text, nl=False)
+            sys.stdout.flush()
+    click.echo()
+    assert result is not None
+    t = result.timings
+    click.echo(
+        f"load {t.load_s * 1e3:.1f} ms | prompt {result.prompt_tokens} tokens, prefill "
+        f"{t.prefill_tokens_per_s:.1f} tok/s | {len(result.token_ids)} tokens generated, decode "
+        f"{t.tokens_per_s:.1f} tok/s | finish: {result.finish_reason}",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("model", metavar="MODEL.mgx")
+@_user_errors
+def check(model: str) -> None:
+    """Verify MODEL.mgx and replay its golden set; exit 1 on a mismatch, 2 on a damaged file."""
+    from mgx.formats.artifact import verify_artifact
+
+    from .engine import Engine
+    from .golden import check_golden
+
+    path = _model_path(model)
+    verify_artifact(path)
+    click.echo(f"{path}: file ok")
+    engine = Engine(path)
+    golden = engine.contents.golden
+    if golden is None or not golden.cases:
+        _fail(f"{path} has no golden set to replay (compile it with one)")
+    report = check_golden(engine, golden)
+    for case in report.cases:
+        label = f"case {case.index} {case.prompt[:40]!r}" if case.prompt else f"case {case.index}"
+        if case.ok:
+            click.echo(f"{label}: ok ({case.tokens} tokens, max top-1 logit error {case.max_logit_error:.2e})")
+        else:
+            assert case.divergence is not None
+            click.echo(f"{label}: MISMATCH at {case.divergence.describe()}")
+    if not report.ok:
+        failed = sum(not c.ok for c in report.cases)
+        _fail(f"{failed} of {len(report.cases)} golden cases differ (logit atol {report.logit_atol:g})")
+    click.echo(f"all {len(report.cases)} golden cases match")

@@ -1,0 +1,166 @@
+"""The model runner on tiny random graphs: incremental = full, batched = alone, and = a torch Llama."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mgx.formats import ir
+from mgx.runtime.batch import SeqChunk
+from mgx.runtime.errors import UnsupportedModelError
+from mgx.runtime.kv_cache import ContiguousKVCache, KVCacheError
+from mgx.runtime.model_runner import ModelRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helper
+from _tiny_graph import TinyConfig, build_tiny_graph  # noqa: E402
+
+VARIANTS = {
+    "plain": {},
+    "fused-qknorm-bias-partial-rope": {"fused": True, "qk_norm": True, "attention_bias": True, "rotary_dim": 4},
+    "window-tied-bf16": {"sliding_window": 4, "tie_word_embeddings": True, "dtype": ir.DType.BF16},
+    "mqa-f16-scaled": {"num_kv_heads": 1, "dtype": ir.DType.F16, "attention_scaling": 1.2},
+}
+PROMPT = np.array([3, 17, 5, 5, 60, 0, 42, 8, 9, 11, 30], dtype=np.int64)
+
+
+def full_logits(graph: ir.Graph, ids: np.ndarray) -> np.ndarray:
+    (logits,) = ModelRunner(graph).step([SeqChunk(0, ids, all_logits=True)])
+    return logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_incremental_decoding_matches_one_full_forward(variant: str) -> None:
+    graph, _ = build_tiny_graph(**VARIANTS[variant])
+    want = full_logits(graph, PROMPT)  # [S, V]
+    runner = ModelRunner(graph)
+    got = [runner.step([SeqChunk(1, PROMPT[:4], all_logits=True)])[0]]
+    got += [runner.step([SeqChunk(1, PROMPT[4:7], all_logits=True)])[0]]  # a chunk after a prefill
+    got += [runner.step([SeqChunk(1, [tok])])[0] for tok in PROMPT[7:]]
+    np.testing.assert_allclose(np.concatenate(got), want, atol=1e-5)
+    assert runner.length(1) == PROMPT.size
+
+
+@pytest.mark.parametrize("variant", ["plain", "window-tied-bf16"])
+def test_batch_of_three_matches_each_alone(variant: str) -> None:
+    graph, _ = build_tiny_graph(**VARIANTS[variant])
+    prompts = [PROMPT, PROMPT[2:5], np.array([7])]
+    alone = [full_logits(graph, p) for p in prompts]
+    runner = ModelRunner(graph)
+    # Step 1: sequences 10 and 11 prefill; step 2: 10 decodes while 12 prefills and 11 adds two tokens.
+    a, b = runner.step([SeqChunk(10, PROMPT[:-1], all_logits=True), SeqChunk(11, prompts[1][:1])])
+    np.testing.assert_allclose(a, alone[0][:-1], atol=1e-5)
+    np.testing.assert_allclose(b, alone[1][:1], atol=1e-5)
+    a, c, b = runner.step([SeqChunk(10, PROMPT[-1:]), SeqChunk(12, prompts[2]), SeqChunk(11, prompts[1][1:])])
+    np.testing.assert_allclose(a, alone[0][-1:], atol=1e-5)
+    np.testing.assert_allclose(b, alone[1][-1:], atol=1e-5)
+    np.testing.assert_allclose(c, alone[2][-1:], atol=1e-5)
+    runner.free(11)
+    assert runner.length(11) == 0 and runner.length(10) == PROMPT.size
+
+
+def torch_llama(cfg: TinyConfig, w: dict[str, np.ndarray], ids: np.ndarray):
+    """A tiny HF-Llama-style forward in torch (float64) over the same weights, written independently."""
+    import torch
+
+    F = torch.nn.functional
+    W = {k: torch.from_numpy(v).double() for k, v in w.items()}
+    s, d, hq, hk = ids.size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    rot = cfg.rotary_dim or d
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
+
+    def proj(x, name, bias=False):
+        return F.linear(x, W[f"{name}.weight"], W[f"{name}.bias"] if bias else None)
+
+    freqs = torch.arange(s).double()[:, None] * W["rope.inv_freq"][None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos() * cfg.attention_scaling, emb.sin() * cfg.attention_scaling  # [S, R]
+
+    def rope(x):  # [H, S, D]
+        xr, xp = x[..., :rot], x[..., rot:]
+        rotated = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], dim=-1)
+        return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    mask = (j <= i) & ((j > i - cfg.sliding_window) if cfg.sliding_window else True)
+    x = W["embed_tokens.weight"][torch.from_numpy(ids)]
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}"
+        h = norm(x, W[f"{p}.input_layernorm.weight"])
+        q = proj(h, f"{p}.self_attn.q_proj", cfg.attention_bias).view(s, hq, d).transpose(0, 1)
+        k = proj(h, f"{p}.self_attn.k_proj", cfg.attention_bias).view(s, hk, d).transpose(0, 1)
+        v = proj(h, f"{p}.self_attn.v_proj", cfg.attention_bias).view(s, hk, d).transpose(0, 1)
+        if cfg.qk_norm:
+            q, k = norm(q, W[f"{p}.self_attn.q_norm.weight"]), norm(k, W[f"{p}.self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(hq // hk, 0), v.repeat_interleave(hq // hk, 0)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+        x = x + proj(a.transpose(0, 1).reshape(s, hq * d), f"{p}.self_attn.o_proj")
+        h = norm(x, W[f"{p}.post_attention_layernorm.weight"])
+        x = x + proj(F.silu(proj(h, f"{p}.mlp.gate_proj")) * proj(h, f"{p}.mlp.up_proj"), f"{p}.mlp.down_proj")
+    return proj(norm(x, W["norm.weight"]), "lm_head").numpy()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_runner_matches_a_torch_llama(variant: str) -> None:
+    pytest.importorskip("torch")
+    cfg = TinyConfig(**VARIANTS[variant])
+    graph, weights = build_tiny_graph(cfg)
+    np.testing.assert_allclose(full_logits(graph, PROMPT), torch_llama(cfg, weights, PROMPT), atol=1e-4)
+
+
+def test_weights_are_upcast_once_on_first_use() -> None:
+    graph, _ = build_tiny_graph(dtype=ir.DType.BF16)
+    runner = ModelRunner(graph)
+    cache = runner.backend._f32
+    assert cache == {}  # nothing upcast at load
+    runner.step([SeqChunk(0, [1, 2])])
+    first = dict(cache)
+    assert "layers.0.self_attn.q_proj.weight" in first
+    runner.step([SeqChunk(0, [3])])
+    assert all(cache[name] is arr for name, arr in first.items())
+
+
+def test_steps_must_continue_each_sequence() -> None:
+    runner = ModelRunner(build_tiny_graph()[0])
+    runner.step([SeqChunk(0, [1, 2, 3])])
+    with pytest.raises(ValueError, match="positions 3, 4"):
+        runner.step([SeqChunk(0, [4], positions=[5])])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        runner.step([SeqChunk(1, [2]), SeqChunk(0, [99])])
+    assert runner.length(0) == 3 and runner.length(1) == 0  # a refused step changes nothing
+    with pytest.raises(ValueError, match="appears twice"):
+        runner.step([SeqChunk(0, [1]), SeqChunk(0, [2])])
+
+
+def test_unsupported_graphs_are_refused_at_load() -> None:
+    graph, _ = build_tiny_graph()
+    graph.states.append(ir.StateSpec(5, "recurrent", shape=(4, 4)))
+    with pytest.raises(UnsupportedModelError, match="recurrent"):
+        ModelRunner(graph)
+    graph, _ = build_tiny_graph()
+    w = graph.tensors["layers.0.mlp.up_proj.weight"]
+    w.scheme = "int4_g128"
+    with pytest.raises(UnsupportedModelError, match=r"layers.0.mlp.up_proj.weight uses scheme 'int4_g128'"):
+        ModelRunner(graph)
+    with pytest.raises(UnsupportedModelError, match="unknown backend 'tpu'"):
+        ModelRunner(build_tiny_graph()[0], backend="tpu")
+
+
+def test_contiguous_kv_cache_grows_and_frees() -> None:
+    cache = ContiguousKVCache([ir.StateSpec(0, "kv", 2, 3)], initial_capacity=2)
+    rows = np.arange(30, dtype=np.float32).reshape(5, 6)
+    cache.append(7, 0, rows[:1], -rows[:1], np.array([0]))
+    cache.append(7, 0, rows[1:], -rows[1:], np.arange(1, 5))
+    k, v = cache.read(7, 0)
+    np.testing.assert_array_equal(k, rows)
+    np.testing.assert_array_equal(v, -rows)
+    assert cache.length(7) == 5 and cache.nbytes() > 0
+    with pytest.raises(KVCacheError, match="do not continue"):
+        cache.append(7, 0, rows[:1], rows[:1], np.array([9]))
+    cache.free(7)
+    assert cache.length(7) == 0 and cache.nbytes() == 0

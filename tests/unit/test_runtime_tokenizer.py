@@ -1,0 +1,90 @@
+"""Tokenizer wrapper: encode/decode, streaming detokenization, chat templates."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from mgx.runtime.errors import ChatTemplateError
+from mgx.runtime.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helper
+from _tiny_graph import CHAT_TEMPLATE, byte_level_bpe_json, word_level_json  # noqa: E402
+
+TEXTS = ["héllo wörld, ça va?", "日本語のテキスト 🙂 emoji 🚀!", "the cat sat", "🙂🙂 a", "x"]
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    return Tokenizer(byte_level_bpe_json(), CHAT_TEMPLATE, bos_token_id=0, eos_token_ids=[1])
+
+
+def test_encode_adds_bos_and_decode_round_trips(bpe: Tokenizer) -> None:
+    for text in TEXTS:
+        ids = bpe.encode(text)
+        assert ids[0] == 0 and bpe.encode(text, add_special_tokens=False) == ids[1:]
+        assert bpe.decode(ids) == text
+    assert bpe.decode([0, 1], skip_special_tokens=False) == "<s></s>"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_never_emits_broken_characters(bpe: Tokenizer, text: str) -> None:
+    ids = bpe.encode(text, add_special_tokens=False)
+    singles = [bpe.decode([i]) for i in ids]
+    detok = bpe.detokenizer(context=[0])
+    deltas = [detok.push(i) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    if any("\ufffd" in s for s in singles):  # multi-byte characters really were split across tokens
+        assert "" in deltas[:-1]
+
+
+def test_streaming_emits_text_as_soon_as_it_is_stable(bpe: Tokenizer) -> None:
+    ids = bpe.encode("a 🙂 b", add_special_tokens=False)
+    detok = bpe.detokenizer()
+    out = [detok.push(i) for i in ids]
+    assert out[0] == "a"  # an ASCII token comes out at once
+    assert "🙂" in "".join(out)  # the emoji comes out once its last byte arrives, before the flush
+    assert detok.flush() == ""
+
+
+def test_streaming_flushes_a_dangling_character(bpe: Tokenizer) -> None:
+    ids = bpe.encode("🙂", add_special_tokens=False)
+    detok = bpe.detokenizer()
+    assert all(detok.push(i) == "" for i in ids[:-1])
+    assert detok.flush() == "\ufffd"
+
+
+def test_word_level_streaming_keeps_spaces() -> None:
+    tok = Tokenizer(word_level_json(["the", "cat", "sat"]))
+    ids = tok.encode("the cat sat")
+    detok = tok.detokenizer(context=ids[:1])
+    assert "".join(detok.push(i) for i in ids[1:]) + detok.flush() == tok.decode(ids)[len("the") :]
+
+
+def test_chat_template_renders_a_user_turn(bpe: Tokenizer) -> None:
+    text = bpe.render_chat([{"role": "user", "content": "hi"}])
+    assert text == "<s><|user|>hi</s><|assistant|>"
+    ids = bpe.encode_prompt("hi", chat=True)
+    assert ids == bpe.encode(text, add_special_tokens=False) and ids.count(0) == 1  # one BOS, from the template
+
+
+def test_chat_template_errors_are_clear() -> None:
+    no_template = Tokenizer(byte_level_bpe_json())
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        no_template.encode_prompt("hi", chat=True)
+    strict = Tokenizer(byte_level_bpe_json(), "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        strict.render_chat([{"role": "user", "content": "hi"}])
+    broken = Tokenizer(byte_level_bpe_json(), "{% for %}")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        broken.render_chat([])
+
+
+def test_chat_template_is_sandboxed() -> None:
+    evil = Tokenizer(byte_level_bpe_json(), "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        evil.render_chat([])
