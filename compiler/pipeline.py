@@ -109,8 +109,12 @@ def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress) -> list[Pas
 
 
 def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path | None = None,
-                  progress: Progress | None = None) -> CompileResult:
-    """Compile ``spec`` into a .mgx file; returns where it went and what it holds."""
+                  progress: Progress | None = None, source: Any = None) -> CompileResult:
+    """Compile ``spec`` into a .mgx file; returns where it went and what it holds.
+
+    ``source`` may pass an already loaded ``LoadedSource`` for ``spec.source`` (its weights are
+    rounded to the storage dtype in place).
+    """
     from .golden import record_golden, write_golden_json
     from .lower import LoweringError, lower_model, trace_model
     from .sources import SourceError, load_source
@@ -119,7 +123,7 @@ def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path 
     out_path = Path(output or spec.output or Path.cwd() / f"{spec.name}.mgx")
     with progress.step(f"load {spec.source.description}"):
         try:
-            src = load_source(spec.source)
+            src = source or load_source(spec.source)
         except SourceError as exc:
             raise CompileError(str(exc)) from None
         _round_model_weights(src.model, spec.dtype)
