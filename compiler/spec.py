@@ -211,7 +211,7 @@ def _generation(raw: Any) -> GenerationSpec:
     _check_keys("generation", data, allowed)
     kinds = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "max_new_tokens": int,
              "repetition_penalty": (int, float)}
-    values = {k: _typed(f"generation.{k}", v, kinds[k], "a number" if kinds[k] != int else "an integer")
+    values = {k: _typed(f"generation.{k}", v, kinds[k], "a number" if kinds[k] is not int else "an integer")
               for k, v in data.items()}
     return GenerationSpec(**values)
 

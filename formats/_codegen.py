@@ -38,7 +38,9 @@ def generate(out_dir: Path, flatc: str = "flatc") -> list[Path]:
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([flatc, *FLATC_ARGS, "-o", tmp, str(SCHEMA)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [flatc, *FLATC_ARGS, "-o", tmp, str(SCHEMA)], check=True, capture_output=True, text=True
+        )
         produced = Path(tmp).joinpath(*_NAMESPACE_PATH)
         for old in out_dir.glob("*.py"):
             old.unlink()
@@ -52,7 +54,10 @@ def main() -> int:
     """Regenerate ``formats/fbs/`` in place."""
     version = flatc_version()
     if version != FLATC_VERSION:
-        print(f"warning: flatc is {version}, the committed code was generated with {FLATC_VERSION}", file=sys.stderr)
+        print(
+            f"warning: flatc is {version}, the committed code was generated with {FLATC_VERSION}",
+            file=sys.stderr,
+        )
     for path in generate(GENERATED_DIR):
         print(path.relative_to(FORMATS_DIR.parent))
     return 0

@@ -26,7 +26,7 @@ class GenerationDefaults:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 disables it
     top_k: int = 0  # keep only the k most likely tokens; 0 disables it
     max_new_tokens: int = 256  # cap on generated tokens per request
-    repetition_penalty: float = 1.0  # divides logits of tokens already seen; 1 disables it
+    repetition_penalty: float = 1.0  # penalises tokens already seen, as Hugging Face does; 1 disables it
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation, besides EOS
 
     def __post_init__(self) -> None:

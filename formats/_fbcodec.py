@@ -12,7 +12,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
 import flatbuffers
 import numpy as np
@@ -31,6 +31,7 @@ from ._contents import (
     GoldenSet,
     PassRecord,
 )
+from ._fbread import Reader, Table
 from ._layout import CHECKSUM_ALGORITHM, TensorSlot
 from .fbs import (
     Arch,
@@ -61,12 +62,22 @@ _MAX_TOKENIZER_BYTES = 1 << 30  # a larger json_size is corruption
 _DTYPE_TO_FB = {d: getattr(DType.DType, d.name) for d in ir.DType}
 _DTYPE_FROM_FB = {code: d for d, code in _DTYPE_TO_FB.items()}
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-T = TypeVar("T")
 
-# Fields stored as scalars (or strings) under the same snake_case name in the schema.
+# Fields stored as scalars (or strings) under the same snake_case name in the schema and the dataclass.
 _ARCH_SCALARS = (
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-    "max_position", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "bos_token_id", "pad_token_id",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "pad_token_id",
 )
 _GENERATION_SCALARS = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty")
 _FINGERPRINT_FIELDS = ("source_hash", "tokenizer_hash", "dtype", "quantization", "target", "format_version")
@@ -105,8 +116,7 @@ def _encode_model(contents: ArtifactContents, slots: list[TensorSlot], tokenizer
     b = flatbuffers.Builder(1 << 16)
     g = contents.graph
     fingerprint = {f: b.CreateString(getattr(contents.fingerprint, f)) for f in _FINGERPRINT_FIELDS}
-    autotune = [_encode_autotune(b, arch, entries) for arch, entries in contents.autotune.items()]
-    fields = {
+    fields = {  # children are built as the values are evaluated, before the Model table starts
         "format_major": FORMAT_MAJOR,
         "format_minor": FORMAT_MINOR,
         "producer": b.CreateString(contents.producer),
@@ -119,7 +129,9 @@ def _encode_model(contents: ArtifactContents, slots: list[TensorSlot], tokenizer
         "passes": _vector(b, [_encode_pass(b, p) for p in contents.passes]),
         "golden": None if contents.golden is None else _encode_golden(b, contents.golden),
         "fingerprint": _table(b, FbFingerprint, fingerprint),
-        "autotune": _vector(b, autotune),
+        "autotune": _vector(
+            b, [_encode_autotune(b, arch, entries) for arch, entries in contents.autotune.items()]
+        ),
         "metadata": _vector(b, [_key_value(b, k, v) for k, v in contents.metadata.items()]),
     }
     b.Finish(_table(b, Model, fields), file_identifier=FILE_IDENTIFIER)
@@ -182,12 +194,29 @@ def _encode_arch(b: flatbuffers.Builder, arch: ir.ArchConfig) -> int:
 def _encode_program(b: flatbuffers.Builder, g: ir.Graph) -> int:
     ops = [_encode_op(b, i, op) for i, op in enumerate(g.ops)]
     states = [
-        _table(b, FbStateSpec, {"layer": s.layer, "kind": b.CreateString(s.kind), "num_kv_heads": s.num_kv_heads,
-                                "head_dim": s.head_dim, "shape": _numbers(b, s.shape, "<i8")})
+        _table(
+            b,
+            FbStateSpec,
+            {
+                "layer": s.layer,
+                "kind": b.CreateString(s.kind),
+                "num_kv_heads": s.num_kv_heads,
+                "head_dim": s.head_dim,
+                "shape": _numbers(b, s.shape, "<i8"),
+            },
+        )
         for s in g.states
     ]
-    return _table(b, Program, {"ops": _vector(b, ops), "inputs": _strings(b, g.inputs),
-                               "outputs": _strings(b, g.outputs), "states": _vector(b, states)})
+    return _table(
+        b,
+        Program,
+        {
+            "ops": _vector(b, ops),
+            "inputs": _strings(b, g.inputs),
+            "outputs": _strings(b, g.outputs),
+            "states": _vector(b, states),
+        },
+    )
 
 
 def _encode_op(b: flatbuffers.Builder, index: int, op: ir.Op) -> int:
@@ -196,28 +225,36 @@ def _encode_op(b: flatbuffers.Builder, index: int, op: ir.Op) -> int:
         _table(b, WeightRef, {"role": b.CreateString(role), "tensor": b.CreateString(name)})
         for role, name in op.weights.items()
     ]
-    return _table(b, Op, {
-        "kind": b.CreateString(op.kind),
-        "inputs": _strings(b, op.inputs),
-        "outputs": _strings(b, op.outputs),
-        "weights": _vector(b, weights),
-        "attrs": _encode_attrs(b, op.attrs, where),
-        "source": b.CreateString(op.source),
-    })
+    return _table(
+        b,
+        Op,
+        {
+            "kind": b.CreateString(op.kind),
+            "inputs": _strings(b, op.inputs),
+            "outputs": _strings(b, op.outputs),
+            "weights": _vector(b, weights),
+            "attrs": _encode_attrs(b, op.attrs, where),
+            "source": b.CreateString(op.source),
+        },
+    )
 
 
 def _encode_tensor(b: flatbuffers.Builder, t: ir.Tensor, slot: TensorSlot) -> int:
-    return _table(b, FbTensor, {
-        "name": b.CreateString(t.name),
-        "dtype": _DTYPE_TO_FB[t.dtype],
-        "shape": _numbers(b, t.shape, "<i8"),
-        "offset": slot.offset,
-        "length": slot.length,
-        "scheme": b.CreateString(t.scheme),
-        "scheme_params": _encode_attrs(b, t.scheme_params, f"tensor {t.name!r} scheme_params"),
-        "layout": b.CreateString(t.layout),
-        "checksum": b.CreateByteVector(slot.checksum),
-    })
+    return _table(
+        b,
+        FbTensor,
+        {
+            "name": b.CreateString(t.name),
+            "dtype": _DTYPE_TO_FB[t.dtype],
+            "shape": _numbers(b, t.shape, "<i8"),
+            "offset": slot.offset,
+            "length": slot.length,
+            "scheme": b.CreateString(t.scheme),
+            "scheme_params": _encode_attrs(b, t.scheme_params, f"tensor {t.name!r} scheme_params"),
+            "layout": b.CreateString(t.layout),
+            "checksum": b.CreateByteVector(slot.checksum),
+        },
+    )
 
 
 def _encode_attrs(b: flatbuffers.Builder, attrs: dict[str, Any], where: str) -> int:
@@ -226,22 +263,20 @@ def _encode_attrs(b: flatbuffers.Builder, attrs: dict[str, Any], where: str) -> 
 
 def _encode_attr(b: flatbuffers.Builder, name: str, value: Any, where: str) -> int:
     kind, value = _attr_kind(value, f"{where}: attribute {name!r}")
-    fields: dict[str, Any] = {"name": b.CreateString(name), "kind": kind}
-    if kind == AttrKind.AttrKind.Int:
-        fields["i"] = value
-    elif kind == AttrKind.AttrKind.Float:
-        fields["f"] = value
-    elif kind == AttrKind.AttrKind.Bool:
-        fields["b"] = value
-    elif kind == AttrKind.AttrKind.String:
-        fields["s"] = b.CreateString(value)
-    elif kind == AttrKind.AttrKind.Ints:
-        fields["ints"] = _numbers(b, value, "<i8")
-    elif kind == AttrKind.AttrKind.Floats:
-        fields["floats"] = _numbers(b, value, "<f8")
-    else:
-        fields["strings"] = _strings(b, value)
-    return _table(b, Attr, fields)
+    field, build = _ATTR_WRITERS[kind]
+    return _table(b, Attr, {"name": b.CreateString(name), "kind": kind, field: build(b, value)})
+
+
+# Which Attr field holds each AttrKind's value, and how to build it (the inverse of _ATTR_READERS).
+_ATTR_WRITERS: dict[int, tuple[str, Callable[[flatbuffers.Builder, Any], Any]]] = {
+    AttrKind.AttrKind.Int: ("i", lambda b, v: v),
+    AttrKind.AttrKind.Float: ("f", lambda b, v: v),
+    AttrKind.AttrKind.Bool: ("b", lambda b, v: v),
+    AttrKind.AttrKind.String: ("s", lambda b, v: b.CreateString(v)),
+    AttrKind.AttrKind.Ints: ("ints", lambda b, v: _numbers(b, v, "<i8")),
+    AttrKind.AttrKind.Floats: ("floats", lambda b, v: _numbers(b, v, "<f8")),
+    AttrKind.AttrKind.Strings: ("strings", _strings),
+}
 
 
 def _attr_kind(value: Any, what: str) -> tuple[int, Any]:
@@ -279,11 +314,15 @@ def _int64(v: int, what: str) -> int:
 
 def _encode_tokenizer(b: flatbuffers.Builder, contents: ArtifactContents, tokenizer_zstd: bytes) -> int:
     template = contents.chat_template
-    return _table(b, Tokenizer, {
-        "json_zstd": b.CreateByteVector(tokenizer_zstd),
-        "json_size": len(contents.tokenizer_json.encode("utf-8")),
-        "chat_template": None if template is None else b.CreateString(template),
-    })
+    return _table(
+        b,
+        Tokenizer,
+        {
+            "json_zstd": b.CreateByteVector(tokenizer_zstd),
+            "json_size": len(contents.tokenizer_json.encode("utf-8")),
+            "chat_template": None if template is None else b.CreateString(template),
+        },
+    )
 
 
 def _encode_generation(b: flatbuffers.Builder, gen: GenerationDefaults) -> int:
@@ -293,20 +332,30 @@ def _encode_generation(b: flatbuffers.Builder, gen: GenerationDefaults) -> int:
 
 
 def _encode_pass(b: flatbuffers.Builder, p: PassRecord) -> int:
-    return _table(b, FbPassRecord, {"name": b.CreateString(p.name),
-                                    "options_json": _json(b, p.options, f"pass {p.name!r} options"),
-                                    "summary": b.CreateString(p.summary)})
+    return _table(
+        b,
+        FbPassRecord,
+        {
+            "name": b.CreateString(p.name),
+            "options_json": _json(b, p.options, f"pass {p.name!r} options"),
+            "summary": b.CreateString(p.summary),
+        },
+    )
 
 
 def _encode_golden(b: flatbuffers.Builder, golden: GoldenSet) -> int:
     cases = [
-        _table(b, FbGoldenCase, {
-            "prompt": b.CreateString(c.prompt),
-            "chat": c.chat,
-            "prompt_ids": _numbers(b, c.prompt_ids, "<i4"),
-            "expected_ids": _numbers(b, c.expected_ids, "<i4"),
-            "expected_top1_logits": _numbers(b, c.expected_top1_logits, "<f8"),
-        })
+        _table(
+            b,
+            FbGoldenCase,
+            {
+                "prompt": b.CreateString(c.prompt),
+                "chat": c.chat,
+                "prompt_ids": _numbers(b, c.prompt_ids, "<i4"),
+                "expected_ids": _numbers(b, c.expected_ids, "<i4"),
+                "expected_top1_logits": _numbers(b, c.expected_top1_logits, "<f8"),
+            },
+        )
         for c in golden.cases
     ]
     return _table(b, FbGoldenSet, {"cases": _vector(b, cases), "logit_atol": golden.logit_atol})
@@ -314,8 +363,15 @@ def _encode_golden(b: flatbuffers.Builder, golden: GoldenSet) -> int:
 
 def _encode_autotune(b: flatbuffers.Builder, gpu_arch: str, entries: list[AutotuneEntry]) -> int:
     encoded = [
-        _table(b, FbAutotuneEntry, {"kernel": b.CreateString(e.kernel), "shape_key": b.CreateString(e.shape_key),
-                                    "config_json": _json(b, e.config, f"autotune {e.kernel!r} config")})
+        _table(
+            b,
+            FbAutotuneEntry,
+            {
+                "kernel": b.CreateString(e.kernel),
+                "shape_key": b.CreateString(e.shape_key),
+                "config_json": _json(b, e.config, f"autotune {e.kernel!r} config"),
+            },
+        )
         for e in entries
     ]
     return _table(b, AutotuneTable, {"gpu_arch": b.CreateString(gpu_arch), "entries": _vector(b, encoded)})
@@ -337,207 +393,192 @@ class Decoded:
 
 
 def decode_model(buf: bytes) -> Decoded:
-    """Decode a FlatBuffer; any failure (of flatbuffers, struct, UTF-8, zstd or a dataclass's
-    validation) becomes ArtifactError("corrupt FlatBuffer: ...")."""
+    """Decode a FlatBuffer; any failure (bounds, struct, UTF-8, JSON, zstd or a dataclass's validation)
+    becomes ArtifactError("corrupt FlatBuffer: ...")."""
     try:
-        return _Decoder(buf).model()
+        return _decode_model(Reader(buf).root(Model, FILE_IDENTIFIER))
     except ArtifactError as e:
         raise ArtifactError(f"corrupt FlatBuffer: {e}") from None
-    # Any exception at all: a corrupt buffer breaks the generated accessors in unforeseeable ways.
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a corrupt buffer breaks decoding in unforeseeable ways
         message = " ".join(str(e).split())
         raise ArtifactError(f"corrupt FlatBuffer: {type(e).__name__}: {message}") from None
 
 
-class _Decoder:
-    """Reads one FlatBuffer; charges every vector and string to a byte budget the buffer's size,
-    so that a crafted buffer whose vectors alias each other cannot make decoding run for ages."""
+def _decode_model(m: Table) -> Decoded:
+    tensors, slots = {}, []
+    for t in m.tables("tensors", FbTensor):
+        tensor, slot = _decode_tensor(t)
+        if tensor.name in tensors:
+            raise ArtifactError(f"tensor {tensor.name!r} appears twice in the tensor table")
+        tensors[tensor.name] = tensor
+        slots.append(slot)
+    program = _required_table(m, "program", Program)
+    graph = ir.Graph(
+        arch=_decode_arch(_required_table(m, "arch", Arch)),
+        ops=[_decode_op(op) for op in program.tables("ops", Op)],
+        tensors=tensors,
+        states=[_decode_state(s) for s in program.tables("states", FbStateSpec)],
+        inputs=program.strings("inputs"),
+        outputs=program.strings("outputs"),
+    )
+    fingerprint = _required_table(m, "fingerprint", FbFingerprint)
+    tokenizer_json, chat_template = _decode_tokenizer(m.table("tokenizer", Tokenizer))
+    golden = m.table("golden", FbGoldenSet)
+    contents = ArtifactContents(
+        graph=graph,
+        tokenizer_json=tokenizer_json,
+        fingerprint=Fingerprint(**{f: _required(fingerprint, f) for f in _FINGERPRINT_FIELDS}),
+        chat_template=chat_template,
+        generation=_decode_generation(m.table("generation", Generation)),
+        passes=[_decode_pass(p) for p in m.tables("passes", FbPassRecord)],
+        golden=None if golden is None else _decode_golden(golden),
+        metadata={_required(kv, "key"): _required(kv, "value") for kv in m.tables("metadata", KeyValue)},
+        autotune=dict(_decode_autotune(t) for t in m.tables("autotune", AutotuneTable)),
+        producer=m.string("producer") or "",
+    )
+    version = (m.scalar("format_major"), m.scalar("format_minor"))
+    return Decoded(contents, slots, version, m.string("checksum_algorithm") or "")
 
-    def __init__(self, buf: bytes) -> None:
-        self.buf = buf
-        self.budget = len(buf)
 
-    def _spend(self, n: int) -> None:
-        self.budget -= n
-        if self.budget < 0:
-            raise ArtifactError(f"its vectors and strings add up to more than its {len(self.buf)} bytes")
+def _required(t: Table, name: str) -> str:
+    value = t.string(name)
+    if value is None:
+        raise ArtifactError(f"{t.name}.{name} is missing")
+    return value
 
-    def each(self, count: int, get: Callable[[int], T]) -> list[T]:
-        """Items 0..count-1 of a vector of tables or strings."""
-        self._spend(4 * count)
-        return [get(i) for i in range(count)]
 
-    def text(self, raw: bytes | None, what: str) -> str:
-        """A required string."""
-        if raw is None:
-            raise ArtifactError(f"{what} is missing")
-        self._spend(len(raw))
-        return raw.decode("utf-8")
+def _required_table(t: Table, name: str, module: ModuleType) -> Table:
+    value = t.table(name, module)
+    if value is None:
+        raise ArtifactError(f"{t.name}.{name} is missing")
+    return value
 
-    def optional_text(self, raw: bytes | None) -> str | None:
-        return None if raw is None else self.text(raw, "")
 
-    def texts(self, count: int, get: Callable[[int], bytes]) -> list[str]:
-        return [self.text(raw, "a list item") for raw in self.each(count, get)]
+def _decode_json(t: Table, name: str) -> Any:
+    text = t.string(name)
+    return {} if text is None else json.loads(text)
 
-    def numbers(self, array: np.ndarray | int) -> list:
-        """A vector of scalars (the generated ``...AsNumpy()`` returns 0 when the vector is absent)."""
-        if isinstance(array, int):
-            return []
-        self._spend(array.nbytes)
-        return array.tolist()
 
-    def json(self, raw: bytes | None) -> Any:
-        return {} if raw is None else json.loads(self.text(raw, ""))
+def _decode_arch(a: Table) -> ir.ArchConfig:
+    return ir.ArchConfig(
+        model_type=_required(a, "model_type"),
+        eos_token_ids=a.numbers("eos_token_ids", "<i8"),
+        extra=_decode_json(a, "extra_json"),
+        **{name: a.scalar(name) for name in _ARCH_SCALARS},
+    )
 
-    # -- tables --------------------------------------------------------------------------------
 
-    def model(self) -> Decoded:
-        if not Model.Model.ModelBufferHasIdentifier(self.buf, 0):
-            raise ArtifactError(f"file identifier is not {FILE_IDENTIFIER!r}")
-        m = Model.Model.GetRootAs(self.buf, 0)
-        if m.Arch() is None or m.Program() is None or m.Fingerprint() is None:
-            raise ArtifactError("arch, program or fingerprint is missing")
-        tensors, slots = {}, []
-        for t in self.each(m.TensorsLength(), m.Tensors):
-            tensor, slot = self.tensor(t)
-            if tensor.name in tensors:
-                raise ArtifactError(f"tensor {tensor.name!r} appears twice in the tensor table")
-            tensors[tensor.name] = tensor
-            slots.append(slot)
-        program = m.Program()
-        graph = ir.Graph(
-            arch=self.arch(m.Arch()),
-            ops=self.each(program.OpsLength(), lambda i: self.op(program.Ops(i))),
-            tensors=tensors,
-            states=self.each(program.StatesLength(), lambda i: self.state(program.States(i))),
-            inputs=self.texts(program.InputsLength(), program.Inputs),
-            outputs=self.texts(program.OutputsLength(), program.Outputs),
+def _decode_op(o: Table) -> ir.Op:
+    return ir.Op(
+        kind=_required(o, "kind"),
+        inputs=o.strings("inputs"),
+        outputs=o.strings("outputs"),
+        weights={_required(w, "role"): _required(w, "tensor") for w in o.tables("weights", WeightRef)},
+        attrs=_decode_attrs(o, "attrs"),
+        source=o.string("source") or "",
+    )
+
+
+def _decode_state(s: Table) -> ir.StateSpec:
+    return ir.StateSpec(
+        layer=s.scalar("layer"),
+        kind=_required(s, "kind"),
+        num_kv_heads=s.scalar("num_kv_heads"),
+        head_dim=s.scalar("head_dim"),
+        shape=tuple(s.numbers("shape", "<i8")),
+    )
+
+
+def _decode_tensor(t: Table) -> tuple[ir.Tensor, TensorSlot]:
+    name = _required(t, "name")
+    dtype = _DTYPE_FROM_FB.get(t.scalar("dtype"))
+    if dtype is None:
+        raise ArtifactError(
+            f"tensor {name!r} has dtype code {t.scalar('dtype')}, which this reader does not know"
         )
-        tokenizer_json, chat_template = self.tokenizer(m.Tokenizer())
-        fp = m.Fingerprint()
-        contents = ArtifactContents(
-            graph=graph,
-            tokenizer_json=tokenizer_json,
-            fingerprint=Fingerprint(
-                **{f: self.text(getattr(fp, _camel(f))(), f"fingerprint.{f}") for f in _FINGERPRINT_FIELDS}
-            ),
-            chat_template=chat_template,
-            generation=self.generation(m.Generation()),
-            passes=self.each(m.PassesLength(), lambda i: self.pass_record(m.Passes(i))),
-            golden=None if m.Golden() is None else self.golden(m.Golden()),
-            metadata=dict(self.each(m.MetadataLength(), lambda i: self.key_value(m.Metadata(i)))),
-            autotune=dict(self.each(m.AutotuneLength(), lambda i: self.autotune(m.Autotune(i)))),
-            producer=self.optional_text(m.Producer()) or "",
-        )
-        algorithm = self.optional_text(m.ChecksumAlgorithm()) or ""
-        return Decoded(contents, slots, (m.FormatMajor(), m.FormatMinor()), algorithm)
+    tensor = ir.Tensor(
+        name=name,
+        dtype=dtype,
+        shape=tuple(t.numbers("shape", "<i8")),
+        scheme=_required(t, "scheme"),
+        scheme_params=_decode_attrs(t, "scheme_params"),
+        layout=_required(t, "layout"),
+    )
+    return tensor, TensorSlot(name, t.scalar("offset"), t.scalar("length"), t.bytes("checksum"))
 
-    def arch(self, a: Any) -> ir.ArchConfig:
-        return ir.ArchConfig(
-            model_type=self.text(a.ModelType(), "arch.model_type"),
-            eos_token_ids=self.numbers(a.EosTokenIdsAsNumpy()),
-            extra=self.json(a.ExtraJson()),
-            **{name: getattr(a, _camel(name))() for name in _ARCH_SCALARS},
-        )
 
-    def op(self, o: Any) -> ir.Op:
-        weights = self.each(o.WeightsLength(), o.Weights)
-        return ir.Op(
-            kind=self.text(o.Kind(), "op kind"),
-            inputs=self.texts(o.InputsLength(), o.Inputs),
-            outputs=self.texts(o.OutputsLength(), o.Outputs),
-            weights={self.text(w.Role(), "weight role"): self.text(w.Tensor(), "weight tensor") for w in weights},
-            attrs=self.attrs(o.AttrsLength(), o.Attrs),
-            source=self.optional_text(o.Source()) or "",
-        )
+def _decode_attrs(t: Table, name: str) -> dict[str, Any]:
+    return dict(_decode_attr(a) for a in t.tables(name, Attr))
 
-    def state(self, s: Any) -> ir.StateSpec:
-        return ir.StateSpec(layer=s.Layer(), kind=self.text(s.Kind(), "state kind"), num_kv_heads=s.NumKvHeads(),
-                            head_dim=s.HeadDim(), shape=tuple(self.numbers(s.ShapeAsNumpy())))
 
-    def tensor(self, t: Any) -> tuple[ir.Tensor, TensorSlot]:
-        name = self.text(t.Name(), "tensor name")
-        dtype = _DTYPE_FROM_FB.get(t.Dtype())
-        if dtype is None:
-            raise ArtifactError(f"tensor {name!r} has dtype code {t.Dtype()}, which this reader does not know")
-        tensor = ir.Tensor(
-            name=name,
-            dtype=dtype,
-            shape=tuple(self.numbers(t.ShapeAsNumpy())),
-            scheme=self.text(t.Scheme(), f"tensor {name!r} scheme"),
-            scheme_params=self.attrs(t.SchemeParamsLength(), t.SchemeParams),
-            layout=self.text(t.Layout(), f"tensor {name!r} layout"),
-        )
-        checksum = t.ChecksumAsNumpy()
-        checksum = b"" if isinstance(checksum, int) else checksum.tobytes()
-        return tensor, TensorSlot(name, t.Offset(), t.Length(), checksum)
-
-    def attrs(self, count: int, get: Callable[[int], Any]) -> dict[str, Any]:
-        return dict(self.attr(a) for a in self.each(count, get))
-
-    def attr(self, a: Any) -> tuple[str, Any]:
-        name, kind, K = self.text(a.Name(), "attribute name"), a.Kind(), AttrKind.AttrKind
-        if kind == K.Int:
-            return name, a.I()
-        if kind == K.Float:
-            return name, a.F()
-        if kind == K.Bool:
-            return name, a.B()
-        if kind == K.String:
-            return name, self.text(a.S(), f"attribute {name!r} value")
-        if kind == K.Ints:
-            return name, self.numbers(a.IntsAsNumpy())
-        if kind == K.Floats:
-            return name, self.numbers(a.FloatsAsNumpy())
-        if kind == K.Strings:
-            return name, self.texts(a.StringsLength(), a.Strings)
+def _decode_attr(a: Table) -> tuple[str, Any]:
+    name, kind = _required(a, "name"), a.scalar("kind")
+    read = _ATTR_READERS.get(kind)
+    if read is None:
         raise ArtifactError(f"attribute {name!r} has kind code {kind}, which this reader does not know")
+    return name, read(a)
 
-    def tokenizer(self, t: Any) -> tuple[str, str | None]:
-        if t is None:
-            return "", None
-        size, packed = t.JsonSize(), t.JsonZstdAsNumpy()
-        if size > _MAX_TOKENIZER_BYTES:
-            raise ArtifactError(f"tokenizer.json size {size} is implausible")
-        data = b"" if isinstance(packed, int) else packed.tobytes()
-        self._spend(len(data))
-        if data and zstandard.frame_content_size(data) != size:
-            raise ArtifactError(f"tokenizer.json frame does not declare its size {size}")
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size) if data else b""
-        if len(raw) != size:
-            raise ArtifactError(f"tokenizer.json is {len(raw)} bytes once decompressed, expected {size}")
-        return raw.decode("utf-8"), self.optional_text(t.ChatTemplate())
 
-    def generation(self, g: Any) -> GenerationDefaults:
-        if g is None:
-            return GenerationDefaults()
-        scalars = {name: getattr(g, _camel(name))() for name in _GENERATION_SCALARS}
-        return GenerationDefaults(stop_token_ids=self.numbers(g.StopTokenIdsAsNumpy()), **scalars)
+# How to read each AttrKind's value (the inverse of _ATTR_WRITERS).
+_ATTR_READERS: dict[int, Callable[[Table], Any]] = {
+    AttrKind.AttrKind.Int: lambda a: a.scalar("i"),
+    AttrKind.AttrKind.Float: lambda a: a.scalar("f"),
+    AttrKind.AttrKind.Bool: lambda a: a.scalar("b"),
+    AttrKind.AttrKind.String: lambda a: _required(a, "s"),
+    AttrKind.AttrKind.Ints: lambda a: a.numbers("ints", "<i8"),
+    AttrKind.AttrKind.Floats: lambda a: a.numbers("floats", "<f8"),
+    AttrKind.AttrKind.Strings: lambda a: a.strings("strings"),
+}
 
-    def pass_record(self, p: Any) -> PassRecord:
-        return PassRecord(name=self.text(p.Name(), "pass name"), options=self.json(p.OptionsJson()),
-                          summary=self.optional_text(p.Summary()) or "")
 
-    def golden(self, g: Any) -> GoldenSet:
-        def case(c: Any) -> GoldenCase:
-            return GoldenCase(
-                prompt=self.optional_text(c.Prompt()) or "",
-                chat=c.Chat(),
-                prompt_ids=self.numbers(c.PromptIdsAsNumpy()),
-                expected_ids=self.numbers(c.ExpectedIdsAsNumpy()),
-                expected_top1_logits=self.numbers(c.ExpectedTop1LogitsAsNumpy()),
-            )
+def _decode_tokenizer(t: Table | None) -> tuple[str, str | None]:
+    if t is None:
+        return "", None
+    size, packed = t.scalar("json_size"), t.bytes("json_zstd")
+    if size > _MAX_TOKENIZER_BYTES:
+        raise ArtifactError(f"tokenizer.json size {size} is implausible")
+    if packed and zstandard.frame_content_size(packed) != size:
+        raise ArtifactError(f"tokenizer.json's zstd frame does not declare its size {size}")
+    raw = zstandard.ZstdDecompressor().decompress(packed) if packed else b""
+    if len(raw) != size:
+        raise ArtifactError(f"tokenizer.json is {len(raw)} bytes once decompressed, expected {size}")
+    return raw.decode("utf-8"), t.string("chat_template")
 
-        return GoldenSet(cases=self.each(g.CasesLength(), lambda i: case(g.Cases(i))), logit_atol=g.LogitAtol())
 
-    def key_value(self, kv: Any) -> tuple[str, str]:
-        return self.text(kv.Key(), "metadata key"), self.text(kv.Value(), "metadata value")
+def _decode_generation(g: Table | None) -> GenerationDefaults:
+    if g is None:
+        return GenerationDefaults()
+    scalars = {name: g.scalar(name) for name in _GENERATION_SCALARS}
+    return GenerationDefaults(stop_token_ids=g.numbers("stop_token_ids", "<i8"), **scalars)
 
-    def autotune(self, t: Any) -> tuple[str, list[AutotuneEntry]]:
-        def entry(e: Any) -> AutotuneEntry:
-            return AutotuneEntry(kernel=self.text(e.Kernel(), "autotune kernel"),
-                                 shape_key=self.text(e.ShapeKey(), "autotune shape key"),
-                                 config=self.json(e.ConfigJson()))
 
-        return self.text(t.GpuArch(), "autotune gpu_arch"), self.each(t.EntriesLength(), lambda i: entry(t.Entries(i)))
+def _decode_pass(p: Table) -> PassRecord:
+    return PassRecord(
+        name=_required(p, "name"), options=_decode_json(p, "options_json"), summary=p.string("summary") or ""
+    )
+
+
+def _decode_golden(g: Table) -> GoldenSet:
+    cases = [
+        GoldenCase(
+            prompt=c.string("prompt") or "",
+            chat=c.scalar("chat"),
+            prompt_ids=c.numbers("prompt_ids", "<i4"),
+            expected_ids=c.numbers("expected_ids", "<i4"),
+            expected_top1_logits=c.numbers("expected_top1_logits", "<f8"),
+        )
+        for c in g.tables("cases", FbGoldenCase)
+    ]
+    return GoldenSet(cases=cases, logit_atol=g.scalar("logit_atol"))
+
+
+def _decode_autotune(t: Table) -> tuple[str, list[AutotuneEntry]]:
+    entries = [
+        AutotuneEntry(
+            kernel=_required(e, "kernel"),
+            shape_key=_required(e, "shape_key"),
+            config=_decode_json(e, "config_json"),
+        )
+        for e in t.tables("entries", FbAutotuneEntry)
+    ]
+    return _required(t, "gpu_arch"), entries

@@ -95,8 +95,18 @@ class Header:
         """The current version's header for a FlatBuffer of ``fb_size`` bytes and a data segment."""
         fb_offset = align_up(HEADER_SIZE, FLATBUFFER_ALIGN)
         data_offset = align_up(fb_offset + fb_size, DATA_ALIGN)
-        return cls(FORMAT_MAJOR, FORMAT_MINOR, HEADER_SIZE, 0, fb_offset, fb_size, data_offset, data_size,
-                   fb_digest, padding_digest)
+        return cls(
+            FORMAT_MAJOR,
+            FORMAT_MINOR,
+            HEADER_SIZE,
+            0,
+            fb_offset,
+            fb_size,
+            data_offset,
+            data_size,
+            fb_digest,
+            padding_digest,
+        )
 
     @property
     def fb_end(self) -> int:
@@ -108,24 +118,36 @@ class Header:
 
     def pack(self) -> bytes:
         """The header's bytes, digest included (current version's header length only)."""
-        fields = _FIELDS.pack(MAGIC, self.major, self.minor, self.header_len, self.flags, self.fb_offset,
-                              self.fb_size, self.data_offset, self.data_size, self.fb_digest,
-                              self.padding_digest)
+        fields = _FIELDS.pack(
+            MAGIC,
+            self.major,
+            self.minor,
+            self.header_len,
+            self.flags,
+            self.fb_offset,
+            self.fb_size,
+            self.data_offset,
+            self.data_size,
+            self.fb_digest,
+            self.padding_digest,
+        )
         assert self.header_len == HEADER_SIZE, "pack() writes the current header version only"
         return fields + digest(fields)
 
     def prefix(self, fb: bytes) -> bytes:
         """Everything before the data segment: header, zero padding, FlatBuffer, zero padding."""
-        return b"".join((
-            self.pack(), bytes(self.fb_offset - self.header_len), fb, bytes(self.data_offset - self.fb_end)
-        ))
+        return b"".join(
+            (self.pack(), bytes(self.fb_offset - self.header_len), fb, bytes(self.data_offset - self.fb_end))
+        )
 
     def padding_regions(self, slots: list[TensorSlot]) -> list[tuple[int, int, str]]:
         """Every padding byte range ``(start, end, description)`` in file order, empty ones left out.
 
         ``slots`` must be sorted by offset and not overlap (``check_slots``)."""
-        regions = [(self.header_len, self.fb_offset, "between the header and the FlatBuffer"),
-                   (self.fb_end, self.data_offset, "between the FlatBuffer and the data segment")]
+        regions = [
+            (self.header_len, self.fb_offset, "between the header and the FlatBuffer"),
+            (self.fb_end, self.data_offset, "between the FlatBuffer and the data segment"),
+        ]
         end, after = self.data_offset, "at the start of the data segment"
         for slot in slots:
             regions.append((end, self.data_offset + slot.offset, after))
@@ -141,11 +163,15 @@ def parse_header(head: bytes, file_size: int) -> Header:
         raise ArtifactError("empty file (0 bytes); not an MGX artifact")
     if head[:4] != MAGIC:
         if file_size < len(MAGIC) and MAGIC.startswith(head):
-            raise ArtifactError(f"truncated: file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header")
+            raise ArtifactError(
+                f"truncated: file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header"
+            )
         hint = next((f" ({what})" for magic, what in _KNOWN_MAGICS.items() if head.startswith(magic)), "")
         raise ArtifactError(f"not an MGX artifact: starts with {head[:8]!r}{hint}, expected {MAGIC!r}")
     if file_size < 8:
-        raise ArtifactError(f"truncated: file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header")
+        raise ArtifactError(
+            f"truncated: file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header"
+        )
     major, minor = struct.unpack_from("<HH", head, 4)
     if major != FORMAT_MAJOR:
         raise ArtifactError(
@@ -153,12 +179,16 @@ def parse_header(head: bytes, file_size: int) -> Header:
             f"(up to {FORMAT_MAJOR}.{FORMAT_MINOR})"
         )
     if file_size < HEADER_SIZE:
-        raise ArtifactError(f"truncated: file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header")
+        raise ArtifactError(
+            f"truncated: file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header"
+        )
     _, _, _, header_len, *rest = _FIELDS.unpack_from(head)
     if not HEADER_SIZE <= header_len <= _MAX_HEADER_SIZE:
         raise ArtifactError(f"header is corrupt: header length {header_len} (format 1.0 has {HEADER_SIZE})")
     if header_len > file_size:
-        raise ArtifactError(f"truncated: file is {file_size} bytes, header says the header alone is {header_len}")
+        raise ArtifactError(
+            f"truncated: file is {file_size} bytes, header says the header alone is {header_len}"
+        )
     if digest(head[: header_len - DIGEST_SIZE]) != head[header_len - DIGEST_SIZE : header_len]:
         raise ArtifactError("header is corrupt: header digest mismatch")
     header = Header(major, minor, header_len, *rest)
@@ -169,22 +199,34 @@ def parse_header(head: bytes, file_size: int) -> Header:
 def _check_regions(h: Header, file_size: int) -> None:
     """The header's regions are in order and aligned, and the file is exactly as long as they say."""
     problems = [
-        (h.fb_offset < h.header_len, f"FlatBuffer offset {h.fb_offset} is inside the {h.header_len}-byte header"),
+        (
+            h.fb_offset < h.header_len,
+            f"FlatBuffer offset {h.fb_offset} is inside the {h.header_len}-byte header",
+        ),
         (h.fb_offset % 8 != 0, f"FlatBuffer offset {h.fb_offset} is not 8-aligned"),
         (h.fb_size < 8, f"FlatBuffer size {h.fb_size} is too small for a root offset and identifier"),
         (h.data_offset % DATA_ALIGN != 0, f"data segment offset {h.data_offset} is not {DATA_ALIGN}-aligned"),
         (h.data_size % DATA_ALIGN != 0, f"data segment size {h.data_size} is not a multiple of {DATA_ALIGN}"),
-        (h.data_offset < h.fb_end, f"data segment at {h.data_offset} overlaps the FlatBuffer ending at {h.fb_end}"),
+        (
+            h.data_offset < h.fb_end,
+            f"data segment at {h.data_offset} overlaps the FlatBuffer ending at {h.fb_end}",
+        ),
     ]
     for bad, message in problems:
         if bad:
             raise ArtifactError(f"header is inconsistent: {message}")
     if file_size < h.fb_end:
-        raise ArtifactError(f"truncated: file is {file_size} bytes, header says the FlatBuffer ends at {h.fb_end}")
+        raise ArtifactError(
+            f"truncated: file is {file_size} bytes, header says the FlatBuffer ends at {h.fb_end}"
+        )
     if file_size < h.file_size:
-        raise ArtifactError(f"truncated: file is {file_size} bytes, header says data segment ends at {h.file_size}")
+        raise ArtifactError(
+            f"truncated: file is {file_size} bytes, header says data segment ends at {h.file_size}"
+        )
     if file_size > h.file_size:
-        raise ArtifactError(f"file is {file_size} bytes but the header says it ends at {h.file_size} (trailing bytes)")
+        raise ArtifactError(
+            f"file is {file_size} bytes but the header says it ends at {h.file_size} (trailing bytes)"
+        )
 
 
 def check_slots(slots: list[TensorSlot], data_size: int) -> list[TensorSlot]:

@@ -70,6 +70,7 @@ __all__ = [
 PathLike = str | os.PathLike[str]
 _CHUNK = 64 << 20  # bytes written (and hashed) per step; also the progress granularity
 _HEAD_READ = 1 << 20  # enough for any header parse_header accepts
+_MAX_NDIM = 32  # numpy's limit on older versions
 
 
 @contextmanager
@@ -96,8 +97,8 @@ def write_artifact(
     """
     path = Path(path)
     with _about(path):
-        arrays = {name: _tensor_bytes(t, name) for name, t in contents.graph.tensors.items()}
-        slots, data_size = plan_slots((name, len(a)) for name, a in arrays.items())
+        tensors = contents.graph.tensors
+        slots, data_size = plan_slots((name, _checked_nbytes(t, name)) for name, t in tensors.items())
         tokenizer_zstd = compress_tokenizer(contents.tokenizer_json)
         # Checksums are fixed-size, so this FlatBuffer has the final size: it fixes the data offset.
         fb_size = len(encode_model(contents, slots, tokenizer_zstd))
@@ -106,7 +107,7 @@ def write_artifact(
         try:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
                 f.seek(layout.data_offset)
-                slots = _write_data(f, slots, arrays, data_size, progress)
+                slots = _write_data(f, slots, tensors, data_size, progress)
                 fb = encode_model(contents, slots, tokenizer_zstd)
                 if len(fb) != fb_size:  # pragma: no cover - would be a FlatBuffers builder change
                     raise ArtifactError(f"internal: FlatBuffer grew from {fb_size} to {len(fb)} bytes")
@@ -124,8 +125,8 @@ def write_artifact(
             raise
 
 
-def _tensor_bytes(t: ir.Tensor, key: str) -> memoryview:
-    """The tensor's bytes as a flat memoryview, after checking they match its declaration."""
+def _checked_nbytes(t: ir.Tensor, key: str) -> int:
+    """The tensor's byte length, after checking its data matches its declaration."""
     if t.name != key:
         raise ArtifactError(f"graph.tensors[{key!r}] is named {t.name!r}")
     if t.data is None:
@@ -135,13 +136,13 @@ def _tensor_bytes(t: ir.Tensor, key: str) -> memoryview:
         raise ArtifactError(
             f"tensor {t.name!r}: data is {t.data.dtype}{list(t.data.shape)}, declared {expected}{list(t.shape)}"
         )
-    return memoryview(np.ascontiguousarray(t.data).reshape(-1).view(np.uint8))
+    return t.nbytes
 
 
 def _write_data(
     f: BinaryIO,
     slots: list[TensorSlot],
-    arrays: dict[str, memoryview],
+    tensors: dict[str, ir.Tensor],
     data_size: int,
     progress: Callable[[int, int], None] | None,
 ) -> list[TensorSlot]:
@@ -152,7 +153,9 @@ def _write_data(
     hashed = []
     for slot in slots:
         f.write(bytes(slot.offset - pos))
-        data, h = arrays[slot.name], hashlib.blake2b(digest_size=DIGEST_SIZE)
+        # A non-contiguous array is copied here, one tensor at a time, never all at once.
+        data = memoryview(np.ascontiguousarray(tensors[slot.name].data).reshape(-1).view(np.uint8))
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
         for start in range(0, slot.length, _CHUNK):
             chunk = data[start : start + _CHUNK]
             h.update(chunk)
@@ -200,10 +203,7 @@ class LoadedArtifact:
         """Release the mapping; views still held elsewhere keep it mapped until they are gone."""
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:  # tensor views are exported from it: they keep it alive safely
-                pass
+            _close_quietly(mapping)
 
     def __enter__(self) -> LoadedArtifact:
         return self
@@ -250,6 +250,10 @@ def _open(path: Path) -> _Opened:
             )
         slots = check_slots(decoded.slots, header.data_size)
         for tensor, slot in zip(decoded.contents.graph.tensors.values(), decoded.slots, strict=True):
+            if len(tensor.shape) > _MAX_NDIM or min(tensor.shape, default=0) < 0:
+                raise ArtifactError(
+                    f"tensor {tensor.name!r}: shape {list(tensor.shape)} is not a valid shape"
+                )
             if slot.length != tensor.nbytes:
                 raise ArtifactError(
                     f"tensor {tensor.name!r}: length {slot.length} bytes disagrees with "
@@ -270,15 +274,38 @@ def load_artifact(path: PathLike) -> LoadedArtifact:
     start, path = time.perf_counter(), Path(path)
     with _about(path):
         opened = _open(path)
-    base = opened.header.data_offset
-    tensors = opened.decoded.contents.graph.tensors
-    for tensor, slot in zip(tensors.values(), opened.decoded.slots, strict=True):
-        count = slot.length // tensor.dtype.itemsize
-        view = np.frombuffer(opened.mapping, ir.numpy_dtype(tensor.dtype), count, base + slot.offset)
-        tensor.data = view.reshape(tensor.shape)
+        tensors = opened.decoded.contents.graph.tensors.values()
+        try:
+            for tensor, slot in zip(tensors, opened.decoded.slots, strict=True):
+                tensor.data = _view(opened, tensor, slot)
+        except BaseException:
+            _close_quietly(opened.mapping)
+            raise
     h = opened.header
     seconds = time.perf_counter() - start
-    return LoadedArtifact(opened.decoded.contents, path, h.file_size, (h.major, h.minor), seconds, opened.mapping)
+    return LoadedArtifact(
+        opened.decoded.contents, path, h.file_size, (h.major, h.minor), seconds, opened.mapping
+    )
+
+
+def _view(opened: _Opened, tensor: ir.Tensor, slot: TensorSlot) -> np.ndarray:
+    """A read-only, zero-copy view of the tensor's bytes in the mapping."""
+    count = slot.length // tensor.dtype.itemsize
+    flat = np.frombuffer(
+        opened.mapping, ir.numpy_dtype(tensor.dtype), count, opened.header.data_offset + slot.offset
+    )
+    try:
+        return flat.reshape(tensor.shape)
+    except ValueError as e:  # e.g. dims whose product overflows although one of them is 0
+        raise ArtifactError(f"tensor {tensor.name!r}: cannot map shape {list(tensor.shape)}: {e}") from None
+
+
+def _close_quietly(mapping: mmap.mmap) -> None:
+    """Close ``mapping`` unless views of it are still around (then they keep it alive, safely)."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,4 +399,3 @@ def describe_artifact(loaded: LoadedArtifact) -> dict[str, Any]:
         "metadata": dict(c.metadata),
         "load_seconds": loaded.load_seconds,
     }
-

@@ -155,7 +155,9 @@ class ReferenceBackend(Backend):
         return ref.embedding(tokens, self._weight(op, "weight"))
 
     def rms_norm(self, op: Op, x: np.ndarray) -> np.ndarray:
-        return ref.rms_norm(x, self._weight(op, "weight"), eps=float(op.attrs["eps"]), group=int(op.attrs["group"]))
+        return ref.rms_norm(
+            x, self._weight(op, "weight"), eps=float(op.attrs["eps"]), group=int(op.attrs["group"])
+        )
 
     def linear(self, op: Op, x: np.ndarray) -> np.ndarray:
         return ref.linear(x, self._weight(op, "weight"), self._weight(op, "bias"))
@@ -163,7 +165,9 @@ class ReferenceBackend(Backend):
     def split(self, op: Op, x: np.ndarray) -> list[np.ndarray]:
         return ref.split(x, [int(s) for s in op.attrs["sizes"]])
 
-    def rope(self, op: Op, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def rope(
+        self, op: Op, q: np.ndarray, k: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         a = op.attrs
         return ref.rope(
             q,

@@ -59,10 +59,11 @@ class StepBatch:
         np.cumsum(lengths, out=cu[1:])
         positions = [
             c.positions if c.positions is not None else np.arange(s, s + c.token_ids.size, dtype=np.int64)
-            for c, s in zip(chunks, start_positions)
+            for c, s in zip(chunks, start_positions, strict=True)
         ]
         rows = [
-            np.arange(cu[i], cu[i + 1]) if c.all_logits else cu[i + 1 : i + 2] - 1 for i, c in enumerate(chunks)
+            np.arange(cu[i], cu[i + 1]) if c.all_logits else cu[i + 1 : i + 2] - 1
+            for i, c in enumerate(chunks)
         ]
         n_rows = np.array([r.size for r in rows], dtype=np.int64)
         cu_rows = np.zeros(len(chunks) + 1, dtype=np.int64)

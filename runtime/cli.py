@@ -73,7 +73,9 @@ def main() -> None:
 @click.option("-t", "--temperature", type=click.FloatRange(min=0), help="0 = greedy; higher = more random.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus sampling mass.")
 @click.option("--top-k", type=click.IntRange(min=0), help="Sample among the K most likely tokens (0 = all).")
-@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), help="> 1 discourages repeats.")
+@click.option(
+    "--repetition-penalty", type=click.FloatRange(min=0, min_open=True), help="> 1 discourages repeats."
+)
 @click.option("--seed", type=int, help="Random seed: the same seed gives the same output.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
 @_user_errors
@@ -142,7 +144,9 @@ def check(model: str) -> None:
     for case in report.cases:
         label = f"case {case.index} {case.prompt[:40]!r}" if case.prompt else f"case {case.index}"
         if case.ok:
-            click.echo(f"{label}: ok ({case.tokens} tokens, max top-1 logit error {case.max_logit_error:.2e})")
+            click.echo(
+                f"{label}: ok ({case.tokens} tokens, max top-1 logit error {case.max_logit_error:.2e})"
+            )
         else:
             assert case.divergence is not None
             click.echo(f"{label}: MISMATCH at {case.divergence.describe()}")

@@ -75,44 +75,43 @@ class Engine:
 
     def __init__(
         self,
-        source: str | os.PathLike[str] | LoadedArtifact,
+        source: str | os.PathLike[str] | LoadedArtifact | ArtifactContents,
         *,
         verify: bool = False,
         backend: Backend | str = "reference",
     ) -> None:
-        """Map ``source`` (a path, or an artifact already loaded); ``verify`` checks every checksum first."""
+        """Map ``source`` (a path; or an artifact already loaded, or in-memory contents).
+
+        ``verify`` checks every checksum of a file first (it reads the whole file once).
+        """
+        self.load_seconds = 0.0  # time to map the artifact; 0 for contents built in this process
+        self._artifact: LoadedArtifact | None = None  # keeps the mapping alive while weights are in use
         if isinstance(source, (str, os.PathLike)):
             if not os.path.isfile(source):
                 raise EngineError(f"no such model file: {os.fspath(source)}")
             if verify:
                 verify_artifact(source)
             source = load_artifact(source)
-        self._setup(source.contents, backend)
-        self.load_seconds = float(source.load_seconds)
-        self._artifact = source  # keeps the mapping alive as long as the weights are in use
+        if isinstance(source, LoadedArtifact):
+            self._artifact, self.load_seconds = source, float(source.load_seconds)
+            source = source.contents
+        self.contents = source
+        self.graph = source.graph
+        arch = self.graph.arch
+        self.tokenizer = Tokenizer(
+            source.tokenizer_json,
+            source.chat_template,
+            bos_token_id=arch.bos_token_id,
+            eos_token_ids=arch.eos_token_ids,
+        )
+        self.defaults = source.generation
+        self.runner = ModelRunner(self.graph, backend)
+        self._seq_ids = itertools.count()
 
     @classmethod
     def from_contents(cls, contents: ArtifactContents, *, backend: Backend | str = "reference") -> Engine:
         """An engine over in-memory contents (tests, or an artifact built in this process)."""
-        engine = cls.__new__(cls)
-        engine._setup(contents, backend)
-        engine.load_seconds = 0.0
-        engine._artifact = None
-        return engine
-
-    def _setup(self, contents: ArtifactContents, backend: Backend | str) -> None:
-        self.contents = contents
-        self.graph = contents.graph
-        arch = self.graph.arch
-        self.tokenizer = Tokenizer(
-            contents.tokenizer_json,
-            contents.chat_template,
-            bos_token_id=arch.bos_token_id,
-            eos_token_ids=arch.eos_token_ids,
-        )
-        self.defaults = contents.generation
-        self.runner = ModelRunner(self.graph, backend)
-        self._seq_ids = itertools.count()
+        return cls(contents, backend=backend)
 
     @property
     def max_position(self) -> int:
@@ -132,7 +131,8 @@ class Engine:
     ) -> SamplingParams:
         """Request parameters: the given ones, the artifact's defaults for the rest."""
         d = self.defaults
-        stop = tuple(dict.fromkeys([*self.graph.arch.eos_token_ids, *d.stop_token_ids]))  # EOS, then extra ids
+        # The artifact's stop ids are extra ones: EOS always stops too.
+        stop = tuple(dict.fromkeys([*self.graph.arch.eos_token_ids, *d.stop_token_ids]))
         try:
             return SamplingParams(
                 max_tokens=d.max_new_tokens if max_tokens is None else max_tokens,
@@ -211,14 +211,18 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def _events(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TextDelta | GenerationResult]:
+    def _events(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> Iterator[TextDelta | GenerationResult]:
         sampler = Sampler(params)
         history = list(prompt_ids)  # prompt + output, for the repetition penalty
         timings = Timings(load_s=self.load_seconds, prompt_tokens=len(prompt_ids))
         detok = self.tokenizer.detokenizer(context=prompt_ids)
         pieces: list[str] = []
         finish: FinishReason = "length"
-        with closing(self._steps(prompt_ids, params.max_tokens, lambda x: sampler.sample(x, history), timings)) as steps:
+        with closing(
+            self._steps(prompt_ids, params.max_tokens, lambda x: sampler.sample(x, history), timings)
+        ) as steps:
             for token, _ in steps:
                 history.append(token)
                 if sampler.is_stop(token):

@@ -27,15 +27,19 @@ class Divergence:
     got_logit: float | None = None
 
     def describe(self) -> str:
-        """One line, e.g. ``token 7: expected 1234 ' cat' got 99 ' dog'``."""
+        """One line, e.g. ``position 7: expected token 1234 ' cat', got 99 ' dog'``."""
+        if self.kind == "prompt":
+            return (
+                f"prompt id {self.position}: recorded {self.expected_id} {self.expected_text!r}, the "
+                f"tokenizer gives {self.got_id} {self.got_text!r} (tokenizer or chat template drift)"
+            )
         if self.kind == "logit":
             return (
-                f"top-1 logit at token {self.position} (id {self.got_id} {self.got_text!r}): "
-                f"expected {self.expected_logit:.6g} got {self.got_logit:.6g}"
+                f"position {self.position}: top-1 logit of token {self.got_id} {self.got_text!r} "
+                f"expected {self.expected_logit:.6g}, got {self.got_logit:.6g}"
             )
-        what = "prompt id" if self.kind == "prompt" else "token"
         return (
-            f"{what} {self.position}: expected {self.expected_id} {self.expected_text!r} "
+            f"position {self.position}: expected token {self.expected_id} {self.expected_text!r}, "
             f"got {self.got_id} {self.got_text!r}"
         )
 
@@ -99,7 +103,7 @@ def _check_case(engine: Engine, index: int, case: Any, atol: float) -> CaseRepor
     got_ids, got_logits = engine.greedy_with_logits(prompt_ids, len(expected))
     want_logits = list(case.expected_top1_logits or [])  # a case may record ids only
     max_err = 0.0
-    for pos, (want, got) in enumerate(zip(expected, got_ids)):
+    for pos, (want, got) in enumerate(zip(expected, got_ids, strict=True)):
         if want != got:
             div = Divergence(pos, "token", want, got, _text(engine, want), _text(engine, got))
             return report(max_err, div)
@@ -115,7 +119,7 @@ def _check_case(engine: Engine, index: int, case: Any, atol: float) -> CaseRepor
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _at(ids: list[int], pos: int) -> int | None:

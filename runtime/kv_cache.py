@@ -74,7 +74,9 @@ class ContiguousKVCache(KVCache):
         n = k.shape[0]
         if buf is None:
             cap = max(self._initial, n)
-            buf = layers[layer] = _LayerKV(np.empty((cap, width), np.float32), np.empty((cap, width), np.float32))
+            buf = layers[layer] = _LayerKV(
+                np.empty((cap, width), np.float32), np.empty((cap, width), np.float32)
+            )
         # A contiguous cache can only extend a sequence at its end.
         if n and (positions[0] != buf.n or positions[-1] != buf.n + n - 1):
             raise KVCacheError(

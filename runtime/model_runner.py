@@ -49,9 +49,9 @@ class ModelRunner:
         batch = StepBatch.pack(chunks, [self.kv.length(c.seq_id) for c in chunks])
         self._check_positions(batch)
         values = {self.graph.inputs[0]: batch.token_ids}
-        for op, dead in zip(self.graph.ops, self._dead_after):
+        for op, dead in zip(self.graph.ops, self._dead_after, strict=True):
             outs = self.backend.run_op(op, [values[name] for name in op.inputs], batch, self.kv)
-            values.update(zip(op.outputs, outs))
+            values.update(zip(op.outputs, outs, strict=True))
             for name in dead:
                 del values[name]
         logits = values[self.graph.outputs[0]]  # [R, V]
@@ -95,4 +95,3 @@ def _last_uses(graph: Graph) -> list[list[str]]:
         if name not in keep:
             dead[i].append(name)
     return dead
-

@@ -49,7 +49,9 @@ class Tokenizer:
         (as ``transformers``' ``apply_chat_template(tokenize=True)`` does).
         """
         if chat:
-            return self.encode(self.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False)
+            return self.encode(
+                self.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False
+            )
         return self.encode(prompt)
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
@@ -123,8 +125,12 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson

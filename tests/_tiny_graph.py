@@ -55,123 +55,175 @@ def _store(name: str, values: np.ndarray, dtype: ir.DType) -> tuple[ir.Tensor, n
         data = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
     else:
         raise ValueError(dtype)
-    exact = (data.astype(np.uint32) << 16).view(np.float32) if dtype is ir.DType.BF16 else data.astype(np.float32)
+    exact = (
+        (data.astype(np.uint32) << 16).view(np.float32) if dtype is ir.DType.BF16 else data.astype(np.float32)
+    )
     return ir.Tensor(name, dtype, values.shape, data), exact
 
 
-def build_tiny_graph(cfg: TinyConfig | None = None, **overrides: Any) -> tuple[ir.Graph, dict[str, np.ndarray]]:
+def build_tiny_graph(
+    cfg: TinyConfig | None = None, **overrides: Any
+) -> tuple[ir.Graph, dict[str, np.ndarray]]:
     """A verified random graph and its float32 weights by HF name (unfused)."""
     cfg = cfg or TinyConfig()
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    rng = np.random.default_rng(cfg.seed)
-    h, d, hq, hk, f = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    rot = cfg.rotary_dim or d
-    tensors: dict[str, ir.Tensor] = {}
-    ref: dict[str, np.ndarray] = {}
+    return _Builder(cfg).build()
 
-    def mat(*shape: int, std: float = 0.15) -> np.ndarray:
-        return rng.normal(0.0, std, shape).astype(np.float32)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.normal(size=n)).astype(np.float32)
+class _Builder:
+    """Emits ops and random weights layer by layer, in the order the compiler's lowering does."""
 
-    def put(name: str, values: np.ndarray, dtype: ir.DType | None = None) -> str:
-        tensors[name], ref[name] = _store(name, values, dtype or cfg.dtype)
+    def __init__(self, cfg: TinyConfig) -> None:
+        self.cfg = cfg
+        self.rng = np.random.default_rng(cfg.seed)
+        self.ops: list[ir.Op] = []
+        self.tensors: dict[str, ir.Tensor] = {}
+        self.ref: dict[str, np.ndarray] = {}  # HF name -> float32 values as stored (after rounding)
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def mat(self, *shape: int, std: float = 0.15) -> np.ndarray:
+        return self.rng.normal(0.0, std, shape).astype(np.float32)
+
+    def norm(self, n: int) -> np.ndarray:
+        return (1.0 + 0.1 * self.rng.normal(size=n)).astype(np.float32)
+
+    def put(self, name: str, values: np.ndarray, dtype: ir.DType | None = None) -> str:
+        """Store a tensor in the graph; returns its name."""
+        self.tensors[name], self.ref[name] = _store(name, values, dtype or self.cfg.dtype)
         return name
 
-    def put_ref(name: str, values: np.ndarray) -> np.ndarray:
-        """A weight that is only stored fused: record its rounded float32 values under its HF name."""
-        ref[name] = _store(name, values, cfg.dtype)[1]
+    def put_ref(self, name: str, values: np.ndarray) -> np.ndarray:
+        """A weight stored only fused: record its rounded float32 values under its HF name."""
+        self.ref[name] = _store(name, values, self.cfg.dtype)[1]
         return values
 
-    put("embed_tokens.weight", mat(cfg.vocab_size, h, std=1.0))
-    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot)
-    put("rope.inv_freq", inv_freq, ir.DType.F32)
-    ops: list[ir.Op] = [ir.Op("embedding", ["tokens"], ["h0"], {"weight": "embed_tokens.weight"}, source="embed_tokens")]
-    x = "h0"
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}"
+    # -- ops ---------------------------------------------------------------------------------------
 
-        def op(kind: str, inputs: list[str], outputs: list[str], weights=None, attrs=None, src: str = "") -> None:
-            ops.append(ir.Op(kind, inputs, outputs, dict(weights or {}), dict(attrs or {}), f"{p}.{src}"))
+    def op(
+        self, kind: str, inputs: list[str], outputs: list[str], source: str, weights=None, attrs=None
+    ) -> str:
+        self.ops.append(ir.Op(kind, inputs, outputs, dict(weights or {}), dict(attrs or {}), source))
+        return outputs[0]
 
-        def linear(name: str, inp: str, out: str, n_in: int, n_out: int, bias: bool = False) -> None:
-            weights = {"weight": put(f"{p}.{name}.weight", mat(n_out, n_in))}
-            if bias:
-                weights["bias"] = put(f"{p}.{name}.bias", mat(n_out, std=0.1))
-            op("linear", [inp], [out], weights, {"in_features": n_in, "out_features": n_out}, name)
+    def linear(self, name: str, x: str, n_in: int, n_out: int, *, bias: bool = False) -> str:
+        weights = {"weight": self.put(f"{name}.weight", self.mat(n_out, n_in))}
+        if bias:
+            weights["bias"] = self.put(f"{name}.bias", self.mat(n_out, std=0.1))
+        return self.op("linear", [x], [name], name, weights, {"in_features": n_in, "out_features": n_out})
 
-        op("rms_norm", [x], [f"{p}.ln1"], {"weight": put(f"{p}.input_layernorm.weight", norm(h))},
-           {"eps": cfg.rms_norm_eps, "group": h}, "input_layernorm")
-        sizes = (hq * d, hk * d, hk * d)
+    def fused_linear(self, name: str, parts: dict[str, int], x: str, n_in: int, *, bias: bool = False) -> str:
+        """One projection for several HF ones (``parts``: HF module name -> width), stacked in order."""
+        w = [self.put_ref(f"{p}.weight", self.mat(n, n_in)) for p, n in parts.items()]
+        weights = {"weight": self.put(f"{name}.weight", np.concatenate(w))}
+        if bias:
+            b = [self.put_ref(f"{p}.bias", self.mat(n, std=0.1)) for p, n in parts.items()]
+            weights["bias"] = self.put(f"{name}.bias", np.concatenate(b))
+        attrs = {"in_features": n_in, "out_features": sum(parts.values())}
+        return self.op("linear", [x], [name], name, weights, attrs)
+
+    def rms_norm(self, name: str, x: str, group: int, out: str) -> str:
+        weights = {"weight": self.put(f"{name}.weight", self.norm(group))}
+        return self.op("rms_norm", [x], [out], name, weights, {"eps": self.cfg.rms_norm_eps, "group": group})
+
+    def attention(self, p: str, layer: int, x: str) -> str:
+        cfg = self.cfg
+        h, d, hq, hk = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        bias = cfg.attention_bias
         if cfg.fused:
-            names = ("q_proj", "k_proj", "v_proj")
-            w = np.concatenate([put_ref(f"{p}.self_attn.{n}.weight", mat(s, h)) for n, s in zip(names, sizes)])
-            weights = {"weight": put(f"{p}.self_attn.qkv_proj.weight", w)}
-            if cfg.attention_bias:
-                b = np.concatenate([put_ref(f"{p}.self_attn.{n}.bias", mat(s, std=0.1)) for n, s in zip(names, sizes)])
-                weights["bias"] = put(f"{p}.self_attn.qkv_proj.bias", b)
-            op("linear", [f"{p}.ln1"], [f"{p}.qkv"], weights, {"in_features": h, "out_features": sum(sizes)},
-               "self_attn.qkv_proj")
-            op("split", [f"{p}.qkv"], [f"{p}.q", f"{p}.k", f"{p}.v"], attrs={"sizes": list(sizes)}, src="self_attn")
+            parts = {f"{p}.q_proj": hq * d, f"{p}.k_proj": hk * d, f"{p}.v_proj": hk * d}
+            qkv = self.fused_linear(f"{p}.qkv_proj", parts, x, h, bias=bias)
+            sizes = list(parts.values())
+            self.op("split", [qkv], [f"{p}.q", f"{p}.k", f"{p}.v"], p, attrs={"sizes": sizes})
+            q, k, v = f"{p}.q", f"{p}.k", f"{p}.v"
         else:
-            for n, s in zip("qkv", sizes):
-                linear(f"self_attn.{n}_proj", f"{p}.ln1", f"{p}.{n}", h, s, cfg.attention_bias)
-        q, k = f"{p}.q", f"{p}.k"
+            q = self.linear(f"{p}.q_proj", x, h, hq * d, bias=bias)
+            k = self.linear(f"{p}.k_proj", x, h, hk * d, bias=bias)
+            v = self.linear(f"{p}.v_proj", x, h, hk * d, bias=bias)
         if cfg.qk_norm:
-            for n in ("q", "k"):
-                op("rms_norm", [f"{p}.{n}"], [f"{p}.{n}n"], {"weight": put(f"{p}.self_attn.{n}_norm.weight", norm(d))},
-                   {"eps": cfg.rms_norm_eps, "group": d}, f"self_attn.{n}_norm")
-            q, k = f"{p}.qn", f"{p}.kn"
-        op("rope", [q, k], [f"{p}.qr", f"{p}.kr"], {"inv_freq": "rope.inv_freq"},
-           {"head_dim": d, "rotary_dim": rot, "num_heads": hq, "num_kv_heads": hk,
-            "attention_scaling": cfg.attention_scaling}, "self_attn.rotary")
-        op("attention", [f"{p}.qr", f"{p}.kr", f"{p}.v"], [f"{p}.attn"], attrs={
-            "layer": i, "num_heads": hq, "num_kv_heads": hk, "head_dim": d, "scale": d**-0.5,
-            "sliding_window": cfg.sliding_window}, src="self_attn")
-        linear("self_attn.o_proj", f"{p}.attn", f"{p}.o", hq * d, h)
-        op("add", [x, f"{p}.o"], [f"{p}.h1"], src="residual")
-        op("rms_norm", [f"{p}.h1"], [f"{p}.ln2"], {"weight": put(f"{p}.post_attention_layernorm.weight", norm(h))},
-           {"eps": cfg.rms_norm_eps, "group": h}, "post_attention_layernorm")
-        if cfg.fused:
-            w = np.concatenate([put_ref(f"{p}.mlp.{n}.weight", mat(f, h)) for n in ("gate_proj", "up_proj")])
-            op("linear", [f"{p}.ln2"], [f"{p}.gu"], {"weight": put(f"{p}.mlp.gate_up_proj.weight", w)},
-               {"in_features": h, "out_features": 2 * f}, "mlp.gate_up_proj")
-            op("silu_mul", [f"{p}.gu"], [f"{p}.act"], src="mlp")
+            q = self.rms_norm(f"{p}.q_norm", q, d, f"{p}.qn")
+            k = self.rms_norm(f"{p}.k_norm", k, d, f"{p}.kn")
+        rope_attrs = {
+            "head_dim": d,
+            "rotary_dim": cfg.rotary_dim or d,
+            "num_heads": hq,
+            "num_kv_heads": hk,
+            "attention_scaling": cfg.attention_scaling,
+        }
+        self.op(
+            "rope", [q, k], [f"{p}.qr", f"{p}.kr"], f"{p}.rotary", {"inv_freq": "rope.inv_freq"}, rope_attrs
+        )
+        attn_attrs = {
+            "layer": layer,
+            "num_heads": hq,
+            "num_kv_heads": hk,
+            "head_dim": d,
+            "scale": d**-0.5,
+            "sliding_window": cfg.sliding_window,
+        }
+        a = self.op("attention", [f"{p}.qr", f"{p}.kr", v], [f"{p}.attn"], p, attrs=attn_attrs)
+        return self.linear(f"{p}.o_proj", a, hq * d, h)
+
+    def mlp(self, p: str, x: str) -> str:
+        h, f = self.cfg.hidden_size, self.cfg.intermediate_size
+        if self.cfg.fused:
+            gu = self.fused_linear(f"{p}.gate_up_proj", {f"{p}.gate_proj": f, f"{p}.up_proj": f}, x, h)
+            act = self.op("silu_mul", [gu], [f"{p}.act"], p)
         else:
-            linear("mlp.gate_proj", f"{p}.ln2", f"{p}.gate", h, f)
-            linear("mlp.up_proj", f"{p}.ln2", f"{p}.up", h, f)
-            op("silu_mul", [f"{p}.gate", f"{p}.up"], [f"{p}.act"], src="mlp")
-        linear("mlp.down_proj", f"{p}.act", f"{p}.mlp", f, h)
-        op("add", [f"{p}.h1", f"{p}.mlp"], [f"{p}.out"], src="residual")
-        x = f"{p}.out"
-    ops.append(ir.Op("rms_norm", [x], ["final"], {"weight": put("norm.weight", norm(h))},
-                     {"eps": cfg.rms_norm_eps, "group": h}, "norm"))
-    head = "embed_tokens.weight" if cfg.tie_word_embeddings else put("lm_head.weight", mat(cfg.vocab_size, h))
-    ref["lm_head.weight"] = ref[head]
-    ops.append(ir.Op("lm_head", ["final"], ["logits"], {"weight": head},
-                     {"in_features": h, "out_features": cfg.vocab_size}, "lm_head"))
-    arch = ir.ArchConfig(
-        model_type="llama",
-        vocab_size=cfg.vocab_size,
-        hidden_size=h,
-        num_layers=cfg.num_layers,
-        num_heads=hq,
-        num_kv_heads=hk,
-        head_dim=d,
-        intermediate_size=f,
-        max_position=cfg.max_position,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_ids=list(cfg.eos_token_ids),
-    )
-    states = [ir.StateSpec(i, "kv", hk, d) for i in range(cfg.num_layers)]
-    graph = ir.Graph(arch, ops, tensors, states)
-    ir.verify(graph)
-    return graph, ref
+            gate, up = self.linear(f"{p}.gate_proj", x, h, f), self.linear(f"{p}.up_proj", x, h, f)
+            act = self.op("silu_mul", [gate, up], [f"{p}.act"], p)
+        return self.linear(f"{p}.down_proj", act, f, h)
+
+    # -- the model ---------------------------------------------------------------------------------
+
+    def build(self) -> tuple[ir.Graph, dict[str, np.ndarray]]:
+        cfg = self.cfg
+        h, v = cfg.hidden_size, cfg.vocab_size
+        rot = cfg.rotary_dim or cfg.head_dim
+        self.put("embed_tokens.weight", self.mat(v, h, std=1.0))
+        self.put(
+            "rope.inv_freq",
+            1.0 / cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot),
+            ir.DType.F32,
+        )
+        x = self.op("embedding", ["tokens"], ["h0"], "embed_tokens", {"weight": "embed_tokens.weight"})
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}"
+            attn = self.attention(
+                f"{p}.self_attn", i, self.rms_norm(f"{p}.input_layernorm", x, h, f"{p}.ln1")
+            )
+            x = self.op("add", [x, attn], [f"{p}.h1"], p)
+            mlp = self.mlp(f"{p}.mlp", self.rms_norm(f"{p}.post_attention_layernorm", x, h, f"{p}.ln2"))
+            x = self.op("add", [x, mlp], [f"{p}.out"], p)
+        x = self.rms_norm("norm", x, h, "final")
+        head = (
+            "embed_tokens.weight" if cfg.tie_word_embeddings else self.put("lm_head.weight", self.mat(v, h))
+        )
+        self.ref["lm_head.weight"] = self.ref[head]
+        self.op(
+            "lm_head", [x], ["logits"], "lm_head", {"weight": head}, {"in_features": h, "out_features": v}
+        )
+        arch = ir.ArchConfig(
+            model_type="llama",
+            vocab_size=v,
+            hidden_size=h,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            max_position=cfg.max_position,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            bos_token_id=cfg.bos_token_id,
+            eos_token_ids=list(cfg.eos_token_ids),
+        )
+        states = [ir.StateSpec(i, "kv", cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
+        graph = ir.Graph(arch, self.ops, self.tensors, states)
+        ir.verify(graph)
+        return graph, self.ref
 
 
 # -- tokenizers and artifact contents for engine tests ------------------------------------------------
@@ -232,7 +284,9 @@ def tiny_contents(chat_template: str | None = CHAT_TEMPLATE, **graph_overrides: 
     return ArtifactContents(
         graph=graph,
         tokenizer_json=byte_level_bpe_json(graph.arch.vocab_size),
-        fingerprint=Fingerprint("test", "test", graph.tensors["embed_tokens.weight"].dtype.value, "none", "cpu"),
+        fingerprint=Fingerprint(
+            "test", "test", graph.tensors["embed_tokens.weight"].dtype.value, "none", "cpu"
+        ),
         chat_template=chat_template,
         generation=GenerationDefaults(max_new_tokens=16),
     )

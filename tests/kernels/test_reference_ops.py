@@ -35,7 +35,9 @@ def test_embedding_rejects_out_of_vocab() -> None:
         ref.embedding(np.array([1, 13]), np.zeros((13, 4), np.float32))
 
 
-@pytest.mark.parametrize(("tokens", "width", "group", "weighted"), [(1, 9, 9, True), (5, 24, 8, True), (3, 12, 4, False)])
+@pytest.mark.parametrize(
+    ("tokens", "width", "group", "weighted"), [(1, 9, 9, True), (5, 24, 8, True), (3, 12, 4, False)]
+)
 def test_rms_norm(tokens: int, width: int, group: int, weighted: bool) -> None:
     rng = np.random.default_rng(1)
     x, w = rand(rng, tokens, width, scale=3.0), rand(rng, group)
@@ -55,7 +57,7 @@ def test_linear(tokens: int, bias: bool) -> None:
 def test_split() -> None:
     x = rand(np.random.default_rng(3), 4, 10)
     parts = ref.split(x, [6, 2, 2])
-    for got, want in zip(parts, torch.split(t(x), [6, 2, 2], dim=1)):
+    for got, want in zip(parts, torch.split(t(x), [6, 2, 2], dim=1), strict=True):
         close(np.ascontiguousarray(got), want)
 
 
@@ -119,7 +121,9 @@ def test_attention(hq: int, hk: int, d: int, cached: int, new: int, window: int)
     q, k, v = rand(rng, new, hq * d), rand(rng, s, hk * d), rand(rng, s, hk * d)
     pos = np.arange(cached, s)
     scale = 1.0 / np.sqrt(d)
-    got = ref.attention(q, k, v, pos, num_heads=hq, num_kv_heads=hk, head_dim=d, scale=scale, sliding_window=window)
+    got = ref.attention(
+        q, k, v, pos, num_heads=hq, num_kv_heads=hk, head_dim=d, scale=scale, sliding_window=window
+    )
     close(got, torch_attention(t(q), t(k), t(v), torch.tensor(pos), hq, hk, d, scale, window))
 
 

@@ -41,6 +41,7 @@ EVERY_ATTR = {
     "a_float": 0.1,
     "a_string": "héllo",
     "a_bool": True,
+    "a_false": False,  # the default value: absent from the buffer, must still come back as a bool
     "ints": [1, -2, 3],
     "floats": [0.5, -1e-30, 3.25],
     "strings": ["q", "k", "v"],
@@ -75,17 +76,32 @@ def make_contents(seed: int = 0) -> ArtifactContents:
     tensors["w.i8"].scheme, tensors["w.i8"].layout = "int8_rowwise", "tiled_16x32"
     tensors["w.i8"].scheme_params = {"group_size": 128, "symmetric": True, "scale_dtype": "f16", "cols": 1000}
     arch = ir.ArchConfig(
-        model_type="llama", vocab_size=7, hidden_size=5, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-        intermediate_size=16, max_position=2048, rms_norm_eps=1e-6, rope_theta=500000.0,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_ids=[2, 3], pad_token_id=-1,
+        model_type="llama",
+        vocab_size=7,
+        hidden_size=5,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        max_position=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=[2, 3],
+        pad_token_id=-1,
         extra={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "sliding_window": None},
-    )  # fmt: skip
+    )
     ops = [
         ir.Op("embedding", ["tokens"], ["h0"], {"weight": "w.f32"}, {}, "model.embed_tokens"),
         ir.Op("rms_norm", ["h0"], ["h1"], {"weight": "w.bf16"}, {"eps": 1e-6, "group": 5}, "model.norm"),
         ir.Op("linear", ["h1"], ["logits"], {"weight": "w.i8", "scales": "w.f16"}, dict(EVERY_ATTR), ""),
     ]
-    states = [ir.StateSpec(0, "kv", num_kv_heads=1, head_dim=4), ir.StateSpec(1, "recurrent", shape=(2, 4, 4))]
+    states = [
+        ir.StateSpec(0, "kv", num_kv_heads=1, head_dim=4),
+        ir.StateSpec(1, "recurrent", shape=(2, 4, 4)),
+    ]
     golden = GoldenSet(
         cases=[
             GoldenCase("Hello", False, [1, 5, 6], [4, 4, 2], [12.5, 11.25, -3.0]),
@@ -98,8 +114,13 @@ def make_contents(seed: int = 0) -> ArtifactContents:
         tokenizer_json='{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "é": 1}}}' * 20,
         fingerprint=Fingerprint("sha256:abc", "sha256:def", "bf16", "int8", "cpu"),
         chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
-        generation=GenerationDefaults(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=64, stop_token_ids=[9]),
-        passes=[PassRecord("fuse_qkv", {"enabled": True}, "fused 2 triples"), PassRecord("fold_norm", {}, "")],
+        generation=GenerationDefaults(
+            temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=64, stop_token_ids=[9]
+        ),
+        passes=[
+            PassRecord("fuse_qkv", {"enabled": True}, "fused 2 triples"),
+            PassRecord("fold_norm", {}, ""),
+        ],
         golden=golden,
         metadata={"license": "apache-2.0", "source": "hf://tiny"},
         autotune={"sm_90": [AutotuneEntry("matmul_w8", "M=1,N=5,K=5", {"BLOCK_M": 16, "num_warps": 4})]},
@@ -112,13 +133,18 @@ def assert_same_contents(a: ArtifactContents, b: ArtifactContents) -> None:
         if f.name != "graph":
             assert getattr(a, f.name) == getattr(b, f.name), f.name
     ga, gb = a.graph, b.graph
-    assert (ga.arch, ga.ops, ga.states, ga.inputs, ga.outputs) == (gb.arch, gb.ops, gb.states, gb.inputs, gb.outputs)
+    assert (ga.arch, ga.ops, ga.states, ga.inputs, ga.outputs) == (
+        gb.arch,
+        gb.ops,
+        gb.states,
+        gb.inputs,
+        gb.outputs,
+    )
     assert list(ga.tensors) == list(gb.tensors)
     for ta, tb in zip(ga.tensors.values(), gb.tensors.values(), strict=True):
-        assert (ta.name, ta.dtype, ta.shape, ta.scheme, ta.scheme_params, ta.layout) == (
-            tb.name, tb.dtype, tb.shape, tb.scheme, tb.scheme_params, tb.layout
-        )  # fmt: skip
-        assert ta.data.dtype == tb.data.dtype and ta.data.shape == tb.data.shape
+        for name in ("name", "dtype", "shape", "scheme", "scheme_params", "layout"):
+            assert getattr(ta, name) == getattr(tb, name), f"{ta.name}.{name}"
+        assert ta.data.dtype == tb.data.dtype and ta.data.shape == tb.data.shape, ta.name
         assert ta.data.tobytes() == tb.data.tobytes(), ta.name
 
 
@@ -172,6 +198,11 @@ def _with_tensor_slot(src: Path, dst: Path, name: str, **changes: int) -> Path:
 def test_round_trip_keeps_everything(artifact: Path) -> None:
     with load_artifact(artifact) as loaded:
         assert_same_contents(loaded.contents, make_contents())
+        attrs = loaded.contents.graph.ops[2].attrs
+        assert {name: type(value) for name, value in attrs.items()} == {
+            k: type(v) for k, v in EVERY_ATTR.items()
+        }
+        assert loaded.contents.golden.cases[0].chat is False
         assert loaded.format_version == (FORMAT_MAJOR, FORMAT_MINOR)
         assert loaded.file_size == artifact.stat().st_size
         assert loaded.path == artifact
@@ -180,7 +211,12 @@ def test_round_trip_keeps_everything(artifact: Path) -> None:
 def test_round_trip_of_optional_fields_left_empty(tmp_path: Path) -> None:
     contents = make_contents()
     contents.chat_template, contents.golden, contents.tokenizer_json = None, None, ""
-    contents.generation, contents.passes, contents.metadata, contents.autotune = GenerationDefaults(), [], {}, {}
+    contents.generation, contents.passes, contents.metadata, contents.autotune = (
+        GenerationDefaults(),
+        [],
+        {},
+        {},
+    )
     write_artifact(tmp_path / "m.mgx", contents)
     with load_artifact(tmp_path / "m.mgx") as loaded:
         assert_same_contents(loaded.contents, contents)
@@ -194,6 +230,15 @@ def test_schema_defaults_match_dataclass_defaults() -> None:
     defaults = GenerationDefaults()
     for name in _fbcodec._GENERATION_SCALARS:
         assert getattr(empty, _fbcodec._camel(name))() == getattr(defaults, name), name
+
+
+def test_non_contiguous_data_is_written_in_c_order(tmp_path: Path) -> None:
+    contents = make_contents()
+    t = contents.graph.tensors["w.f16"]
+    t.data = np.asfortranarray(t.data)
+    write_artifact(tmp_path / "m.mgx", contents)
+    with load_artifact(tmp_path / "m.mgx") as loaded:
+        assert np.array_equal(loaded.contents.graph.tensors["w.f16"].data, t.data)
 
 
 def test_tensors_are_zero_copy_aligned_views_of_the_mapping(artifact: Path) -> None:
@@ -281,10 +326,9 @@ def test_longer_header_of_a_newer_minor_version_is_readable(
     header_len = _layout.HEADER_SIZE + 32  # 32 bytes of fields this reader does not know
     data_offset = _layout.align_up(header_len + len(fb), ALIGN)
     padding = data_offset - header_len - len(fb) + h.data_size - sum(s.length for s in decoded.slots)
-    fields = struct.pack(
-        "<4sHHIIQQQQ16s16s", b"MGX1", FORMAT_MAJOR, 9, header_len, 0, header_len, len(fb), data_offset,
-        h.data_size, _layout.digest(fb), _layout.zeros_digest(padding),
-    ) + b"\x07" * 32  # fmt: skip
+    known = (b"MGX1", FORMAT_MAJOR, 9, header_len, 0, header_len, len(fb), data_offset, h.data_size)
+    fields = struct.pack("<4sHHIIQQQQ16s16s", *known, _layout.digest(fb), _layout.zeros_digest(padding))
+    fields += b"\x07" * 32
     prefix = fields + _layout.digest(fields) + fb
     path = tmp_path / "future.mgx"
     path.write_bytes(prefix + bytes(data_offset - len(prefix)) + raw[h.data_offset :])
@@ -303,8 +347,14 @@ def test_longer_header_of_a_newer_minor_version_is_readable(
     ("mutate", "message"),
     [
         (lambda c: setattr(c.graph.tensors["w.f32"], "data", None), "tensor 'w.f32' has no data"),
-        (lambda c: setattr(c.graph.tensors["w.f32"], "data", np.zeros((5, 7), np.float64)), "'w.f32': data is float64"),
-        (lambda c: setattr(c.graph.tensors["w.f32"], "data", np.zeros((7, 5), np.float32)), "declared float32\\[5, 7\\]"),
+        (
+            lambda c: setattr(c.graph.tensors["w.f32"], "data", np.zeros((5, 7), np.float64)),
+            "'w.f32': data is float64",
+        ),
+        (
+            lambda c: setattr(c.graph.tensors["w.f32"], "data", np.zeros((7, 5), np.float32)),
+            "declared float32\\[5, 7\\]",
+        ),
         (lambda c: c.graph.ops[2].attrs.update(bad={"a": 1}), "op 2 .*attribute 'bad': cannot store dict"),
         (lambda c: c.graph.ops[2].attrs.update(bad=[True, False]), "attribute 'bad': cannot store list"),
         (lambda c: c.graph.ops[2].attrs.update(bad=1 << 64), "attribute 'bad': .* does not fit in 64 bits"),
@@ -355,8 +405,13 @@ def test_missing_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("where", ["header", "magic", "flatbuffer", "data", "last byte"])
 def test_truncated_file(artifact: Path, tmp_path: Path, where: str) -> None:
     h = _header(artifact)
-    cut = {"magic": 2, "header": 50, "flatbuffer": h.fb_offset + h.fb_size // 2, "data": h.data_offset + 100,
-           "last byte": h.file_size - 1}[where]  # fmt: skip
+    cut = {
+        "magic": 2,
+        "header": 50,
+        "flatbuffer": h.fb_offset + h.fb_size // 2,
+        "data": h.data_offset + 100,
+        "last byte": h.file_size - 1,
+    }[where]
     path = tmp_path / "cut.mgx"
     path.write_bytes(artifact.read_bytes()[:cut])
     with pytest.raises(ArtifactError, match=f"cut.mgx: truncated: file is {cut} bytes"):
@@ -380,7 +435,11 @@ def test_trailing_bytes(artifact: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("start", "hint"),
-    [(b"GGUF\x03\x00\x00\x00", "GGUF file"), (b"PK\x03\x04\x14\x00", "zip archive"), (b"\x28\xb5\x2f\xfd", "zstd")],
+    [
+        (b"GGUF\x03\x00\x00\x00", "GGUF file"),
+        (b"PK\x03\x04\x14\x00", "zip archive"),
+        (b"\x28\xb5\x2f\xfd", "zstd"),
+    ],
 )
 def test_wrong_magic(tmp_path: Path, start: bytes, hint: str) -> None:
     path = tmp_path / "other.bin"
@@ -414,7 +473,9 @@ def test_tensor_offset_misaligned(artifact: Path, tmp_path: Path) -> None:
 
 def test_tensor_length_disagrees_with_dtype_and_shape(artifact: Path, tmp_path: Path) -> None:
     path = _with_tensor_slot(artifact, tmp_path / "bad.mgx", "w.f32", length=100)
-    with pytest.raises(ArtifactError, match=r"tensor 'w.f32': length 100 bytes disagrees with f32\[5, 7\] = 140"):
+    with pytest.raises(
+        ArtifactError, match=r"tensor 'w.f32': length 100 bytes disagrees with f32\[5, 7\] = 140"
+    ):
         load_artifact(path)
 
 
@@ -426,7 +487,11 @@ def test_overlapping_tensors(artifact: Path, tmp_path: Path) -> None:
 
 def test_flipped_byte_in_a_tensor_is_caught_by_verify(artifact: Path, tmp_path: Path) -> None:
     h = _header(artifact)
-    slot = next(s for s in _fbcodec.decode_model(artifact.read_bytes()[h.fb_offset : h.fb_end]).slots if s.name == "w.u8")
+    slot = next(
+        s
+        for s in _fbcodec.decode_model(artifact.read_bytes()[h.fb_offset : h.fb_end]).slots
+        if s.name == "w.u8"
+    )
     path = _with_byte_flipped(artifact, tmp_path / "bad.mgx", h.data_offset + slot.offset + 4000)
     load_artifact(path).close()  # loading does not read tensor bytes
     with pytest.raises(ArtifactError, match="bad.mgx: tensor 'w.u8' checksum mismatch"):
@@ -436,8 +501,11 @@ def test_flipped_byte_in_a_tensor_is_caught_by_verify(artifact: Path, tmp_path: 
 @pytest.mark.parametrize("region", ["after the FlatBuffer", "between tensors", "at the end"])
 def test_flipped_byte_in_padding_is_caught_by_verify(artifact: Path, tmp_path: Path, region: str) -> None:
     h = _header(artifact)
-    position = {"after the FlatBuffer": h.fb_end + 3, "between tensors": h.data_offset + 2 * ALIGN - 1,
-                "at the end": h.file_size - 1}[region]  # fmt: skip
+    position = {
+        "after the FlatBuffer": h.fb_end + 3,
+        "between tensors": h.data_offset + 2 * ALIGN - 1,
+        "at the end": h.file_size - 1,
+    }[region]
     path = _with_byte_flipped(artifact, tmp_path / "bad.mgx", position)
     with pytest.raises(ArtifactError, match=r"bad.mgx: padding .* is not zero"):
         verify_artifact(path)
@@ -473,7 +541,9 @@ def test_garbage_flatbuffer_with_valid_digests(artifact: Path, tmp_path: Path) -
     """Past the digests, the decoder still turns any failure into one ArtifactError."""
     rng = random.Random(0)
     for size in (8, 64, 5000):
-        path = _with_new_flatbuffer(artifact, tmp_path / "bad.mgx", lambda fb, n=size: b"\x04\0\0\0MGXF" + rng.randbytes(n))
+        path = _with_new_flatbuffer(
+            artifact, tmp_path / "bad.mgx", lambda fb, n=size: b"\x04\0\0\0MGXF" + rng.randbytes(n)
+        )
         with pytest.raises(ArtifactError, match="bad.mgx: corrupt FlatBuffer"):
             load_artifact(path)
 
@@ -483,6 +553,7 @@ def test_mutated_flatbuffers_with_valid_digests_never_escape(artifact: Path, tmp
     rng = random.Random(1)
     failures = 0
     for _ in range(150):
+
         def mutate(fb: bytes) -> bytes:
             raw = bytearray(fb)
             for _ in range(rng.randint(1, 3)):
@@ -534,7 +605,9 @@ def test_load_does_not_touch_weight_bytes(tmp_path: Path) -> None:
             name = f"layers.{layer}.w{i}"
             contents.graph.tensors[name] = ir.Tensor(name, ir.DType.BF16, shape, pattern)
             attrs = {"in_features": shape[1], "out_features": shape[0], "layer": layer}
-            contents.graph.ops.append(ir.Op("linear", ["x"], [f"y{layer}.{i}"], {"weight": name}, attrs, name))
+            contents.graph.ops.append(
+                ir.Op("linear", ["x"], [f"y{layer}.{i}"], {"weight": name}, attrs, name)
+            )
     path = tmp_path / "big.mgx"
     write_artifact(path, contents)
     assert len(contents.graph.tensors) > 300 and path.stat().st_size > 50e6

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -13,8 +10,7 @@ from mgx.runtime import Engine, GenerationResult, TextDelta, check_golden
 from mgx.runtime.batch import SeqChunk
 from mgx.runtime.errors import ChatTemplateError, PromptError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helper
-from _tiny_graph import tiny_contents  # noqa: E402
+from _tiny_graph import tiny_contents
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +82,9 @@ def test_defaults_come_from_the_artifact() -> None:
 
 def test_chat_prompts_go_through_the_template(engine: Engine) -> None:
     chat = engine.generate("hi", max_tokens=1, chat=True)
-    assert chat.prompt_tokens == len(engine.tokenizer.encode("<s><|user|>hi</s><|assistant|>", add_special_tokens=False))
+    assert chat.prompt_tokens == len(
+        engine.tokenizer.encode("<s><|user|>hi</s><|assistant|>", add_special_tokens=False)
+    )
     no_template = Engine.from_contents(tiny_contents(chat_template=None))
     with pytest.raises(ChatTemplateError, match="no chat template"):
         no_template.generate("hi", chat=True)

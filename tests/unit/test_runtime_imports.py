@@ -48,4 +48,6 @@ def test_sources_import_only_allowed_packages(package: str) -> None:
             for name in names:
                 top = name.split(".")[0]
                 assert top in stdlib or top in ALLOWED, f"{path.relative_to(ROOT)} imports {name}"
-                assert not name.startswith(("mgx.compiler", "mgx.passes")), f"{path.relative_to(ROOT)} imports {name}"
+                assert not name.startswith(("mgx.compiler", "mgx.passes")), (
+                    f"{path.relative_to(ROOT)} imports {name}"
+                )

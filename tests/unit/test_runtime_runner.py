@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -14,12 +11,16 @@ from mgx.runtime.errors import UnsupportedModelError
 from mgx.runtime.kv_cache import ContiguousKVCache, KVCacheError
 from mgx.runtime.model_runner import ModelRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helper
-from _tiny_graph import TinyConfig, build_tiny_graph  # noqa: E402
+from _tiny_graph import TinyConfig, build_tiny_graph
 
 VARIANTS = {
     "plain": {},
-    "fused-qknorm-bias-partial-rope": {"fused": True, "qk_norm": True, "attention_bias": True, "rotary_dim": 4},
+    "fused-qknorm-bias-partial-rope": {
+        "fused": True,
+        "qk_norm": True,
+        "attention_bias": True,
+        "rotary_dim": 4,
+    },
     "window-tied-bf16": {"sliding_window": 4, "tie_word_embeddings": True, "dtype": ir.DType.BF16},
     "mqa-f16-scaled": {"num_kv_heads": 1, "dtype": ir.DType.F16, "attention_scaling": 1.2},
 }
@@ -101,7 +102,9 @@ def torch_llama(cfg: TinyConfig, w: dict[str, np.ndarray], ids: np.ndarray):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
         x = x + proj(a.transpose(0, 1).reshape(s, hq * d), f"{p}.self_attn.o_proj")
         h = norm(x, W[f"{p}.post_attention_layernorm.weight"])
-        x = x + proj(F.silu(proj(h, f"{p}.mlp.gate_proj")) * proj(h, f"{p}.mlp.up_proj"), f"{p}.mlp.down_proj")
+        x = x + proj(
+            F.silu(proj(h, f"{p}.mlp.gate_proj")) * proj(h, f"{p}.mlp.up_proj"), f"{p}.mlp.down_proj"
+        )
     return proj(norm(x, W["norm.weight"]), "lm_head").numpy()
 
 

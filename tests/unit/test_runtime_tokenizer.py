@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from mgx.runtime.errors import ChatTemplateError
 from mgx.runtime.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared helper
-from _tiny_graph import CHAT_TEMPLATE, byte_level_bpe_json, word_level_json  # noqa: E402
+from _tiny_graph import CHAT_TEMPLATE, byte_level_bpe_json, word_level_json
 
 TEXTS = ["héllo wörld, ça va?", "日本語のテキスト 🙂 emoji 🚀!", "the cat sat", "🙂🙂 a", "x"]
 
@@ -69,7 +65,9 @@ def test_chat_template_renders_a_user_turn(bpe: Tokenizer) -> None:
     text = bpe.render_chat([{"role": "user", "content": "hi"}])
     assert text == "<s><|user|>hi</s><|assistant|>"
     ids = bpe.encode_prompt("hi", chat=True)
-    assert ids == bpe.encode(text, add_special_tokens=False) and ids.count(0) == 1  # one BOS, from the template
+    assert (
+        ids == bpe.encode(text, add_special_tokens=False) and ids.count(0) == 1
+    )  # one BOS, from the template
 
 
 def test_chat_template_errors_are_clear() -> None:

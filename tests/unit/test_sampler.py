@@ -56,7 +56,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 
 
 def test_top_k_then_top_p() -> None:
-    probs = probabilities(LOGITS.astype(np.float64), top_k=3, top_p=0.5)  # top-3 renormalised: 0.47, 0.35, ...
+    probs = probabilities(
+        LOGITS.astype(np.float64), top_k=3, top_p=0.5
+    )  # top-3 renormalised: 0.47, 0.35, ...
     np.testing.assert_allclose(probs, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], atol=1e-6)
 
 
@@ -75,7 +77,14 @@ def test_stop_tokens() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"max_tokens": 0}, {"repetition_penalty": 0}],
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"max_tokens": 0},
+        {"repetition_penalty": 0},
+    ],
 )
 def test_invalid_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -44,7 +44,10 @@ def test_good_spec_parses(tmp_path: Path) -> None:
     ("text", "needle"),
     [
         ("name: x\nsource: {hf_dir: hf}\nsurprise: 1\n", "unknown key 'surprise'"),
-        ("name: x\nsource: {hf_dir: hf}\ndtype: int3\n", "dtype: 'int3' is not allowed; allowed: fp32, bf16, fp16"),
+        (
+            "name: x\nsource: {hf_dir: hf}\ndtype: int3\n",
+            "dtype: 'int3' is not allowed; allowed: fp32, bf16, fp16",
+        ),
         ("name: x\nsource: {hf_dir: hf}\ntarget: tpu\n", "target: 'tpu' is not allowed"),
         ("name: x\nsource: {hf_dir: hf, gguf: a.gguf}\n", "source: give exactly one of"),
         ("name: x\nsource: {onnx: m.onnx}\n", "unknown key source.'onnx'"),
@@ -52,9 +55,18 @@ def test_good_spec_parses(tmp_path: Path) -> None:
         ("name: x\nsource: {gguf: missing.gguf}\n", "source.gguf: no such file"),
         ("name: x\nsource: {gguf_package: {package: no_such_pkg_mgx}}\n", "is not installed"),
         ("name: x\nsource: {hf_dir: hf}\ngeneration: {top_p: 2}\n", "generation.top_p: must be in (0, 1]"),
-        ("name: x\nsource: {hf_dir: hf}\ngeneration: {temprature: 1}\n", "unknown key generation.'temprature'"),
-        ("name: x\nsource: {hf_dir: hf}\ngeneration: {max_new_tokens: many}\n", "generation.max_new_tokens: expected an integer"),
-        ("name: x\nsource: {hf_dir: hf}\ngolden: {prompts: [{text: hi, chat: maybe}]}\n", "golden.prompts[0].chat"),
+        (
+            "name: x\nsource: {hf_dir: hf}\ngeneration: {temprature: 1}\n",
+            "unknown key generation.'temprature'",
+        ),
+        (
+            "name: x\nsource: {hf_dir: hf}\ngeneration: {max_new_tokens: many}\n",
+            "generation.max_new_tokens: expected an integer",
+        ),
+        (
+            "name: x\nsource: {hf_dir: hf}\ngolden: {prompts: [{text: hi, chat: maybe}]}\n",
+            "golden.prompts[0].chat",
+        ),
         ("name: x\nsource: {hf_dir: hf}\npasses: [[1, 2]]\n", "passes[0]"),
         ("source: {hf_dir: hf}\n", "missing required key 'name'"),
         ("name: x\nsource: [\n", "malformed YAML at line"),

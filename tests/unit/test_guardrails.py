@@ -1,0 +1,30 @@
+"""ruff and the import-linter contracts (the runtime never imports the compiler side) run with the tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(found).exists():
+        pytest.skip(f"{name} is not installed (pip install -e '.[dev]')")
+    return found
+
+
+def test_import_contracts_hold() -> None:
+    res = subprocess.run([_tool("lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "broken" not in res.stdout.lower() or " 0 broken" in res.stdout
+
+
+def test_ruff_is_clean() -> None:
+    res = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:]
