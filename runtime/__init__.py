@@ -1,8 +1,14 @@
 """The MGX runtime: load a compiled artifact (.mgx) and generate text from it.
 
-    from mgx.runtime import Engine
+    from mgx.runtime import LLM, Engine, SamplingParams
     engine = Engine("model.mgx")
     print(engine.generate("Once upon a time", max_tokens=32).text)
+
+    with LLM("model.mgx") as llm:  # many prompts batched together; thread-safe
+        for r in llm.generate(["Hello", "Once upon a time"], SamplingParams(max_tokens=16, temperature=0)):
+            print(r.text)
+
+``AsyncEngine.generate`` streams ``RequestOutput``s to asyncio code.
 
 Importing this package is cheap: the engine and its dependencies load on first use.
 """
@@ -13,30 +19,47 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine, GenerationResult, TextDelta, Timings
+    from .async_engine import LLM, AsyncEngine
+    from .config import EngineConfig
+    from .engine import Engine, GenerationResult, RequestOutput, TextDelta, Timings
     from .errors import ChatTemplateError, EngineError, PromptError, UnsupportedModelError
     from .golden import GoldenReport, check_golden
-    from .sampler import SamplingParams
+    from .metrics import EngineMetrics, RequestMetrics
+    from .sampler import SamplingParams, TokenLogprobs
 
 __all__ = [
+    "AsyncEngine",
     "ChatTemplateError",
     "Engine",
+    "EngineConfig",
     "EngineError",
+    "EngineMetrics",
     "GenerationResult",
     "GoldenReport",
+    "LLM",
     "PromptError",
+    "RequestMetrics",
+    "RequestOutput",
     "SamplingParams",
     "TextDelta",
     "Timings",
+    "TokenLogprobs",
     "UnsupportedModelError",
     "check_golden",
 ]
 
 _HOMES = {
+    "AsyncEngine": "async_engine",
+    "LLM": "async_engine",
+    "EngineConfig": "config",
     "Engine": "engine",
-    "GenerationResult": "engine",
-    "TextDelta": "engine",
-    "Timings": "engine",
+    "GenerationResult": "request",
+    "RequestOutput": "request",
+    "TextDelta": "request",
+    "Timings": "request",
+    "EngineMetrics": "metrics",
+    "RequestMetrics": "metrics",
+    "TokenLogprobs": "sampler",
     "ChatTemplateError": "errors",
     "EngineError": "errors",
     "PromptError": "errors",

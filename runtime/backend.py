@@ -13,19 +13,21 @@ weight it has used; f32 weights are used in place, without copying).
 from __future__ import annotations
 
 import importlib
+import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import numpy as np
 
 from mgx.formats.ir import Graph, Op, Tensor
+from mgx.formats.layouts import LAYOUTS
 from mgx.kernels import reference as ref
 
 from .batch import StepBatch
 from .errors import UnsupportedModelError
-from .kv_cache import ContiguousKVCache, KVCache
+from .kv_cache import KVCache, PagedKVCache, kv_bytes_per_block, state_bytes_per_slot
 
-__all__ = ["Array", "Backend", "ReferenceBackend", "BACKENDS", "create_backend"]
+__all__ = ["Array", "Backend", "ReferenceBackend", "BACKENDS", "create_backend", "host_memory_available"]
 
 # An activation value [T, F] as the backend holds it: numpy float32 for the reference backend,
 # a device tensor for GPU backends. The runner never looks inside.
@@ -44,12 +46,27 @@ class Backend(ABC):
         {"embedding", "rms_norm", "linear", "split", "rope", "attention", "silu_mul", "add", "lm_head"}
     )
 
+    # Bytes per element of cached K/V and recurrent state (the reference backend keeps float32).
+    kv_itemsize: ClassVar[int] = 4
+
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
 
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes over all attention layers, in this backend's cache dtype."""
+        return kv_bytes_per_block(self.graph.states, block_size, self.kv_itemsize)
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes one sequence's recurrent state takes over all recurrent layers."""
+        return state_bytes_per_slot(self.graph.states, self.kv_itemsize)
+
+    def memory_available(self) -> int:
+        """Bytes this backend could still give the KV cache (host RAM here; device memory on a GPU)."""
+        return host_memory_available()
+
     @abstractmethod
-    def new_kv_cache(self) -> KVCache:
-        """A KV cache for this graph's attention layers, in this backend's memory."""
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
+        """The paged K/V (and recurrent state) memory of this graph, in this backend's memory."""
 
     def run_op(self, op: Op, args: list[Array], batch: StepBatch, kv: KVCache) -> list[Array]:
         """Run ``op`` on its input values; returns its output values in order."""
@@ -96,7 +113,11 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, op: Op, q: Array, k: Array, v: Array, batch: StepBatch, kv: KVCache) -> Array:
-        """Append k, v [T, Hk*D] to each sequence's cache, attend q [T, Hq*D] over it -> [T, Hq*D]."""
+        """Write k, v [T, Hk*D] to their slots, attend q [T, Hq*D] over each sequence's cache -> [T, Hq*D].
+
+        Block tables, context lengths and slots come from ``batch.paged`` (the contract is documented
+        on ``PagedStep``); the layer's caches are ``kv.k[layer]`` and ``kv.v[layer]``.
+        """
 
     @abstractmethod
     def silu_mul(self, op: Op, gate: Array, up: Array | None) -> Array:
@@ -112,7 +133,7 @@ class Backend(ABC):
 
 
 class ReferenceBackend(Backend):
-    """The numpy oracle: float32 compute on the host, one sequence at a time in attention."""
+    """The numpy oracle: float32 compute on the host, paged attention one sequence at a time."""
 
     name = "reference"
 
@@ -124,17 +145,19 @@ class ReferenceBackend(Backend):
                 if role not in _AUX_ROLES:
                     self._check_weight(op, graph.tensors[tname])
 
-    def new_kv_cache(self) -> KVCache:
-        return ContiguousKVCache(self.graph.states)
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
+        return PagedKVCache(self.graph.states, num_blocks, block_size, num_state_slots, np.float32)
 
     # -- weights ------------------------------------------------------------------------------
 
     def _check_weight(self, op: Op, t: Tensor) -> None:
-        if t.scheme not in ref.SCHEMES or t.layout != "row_major":
+        # Any registered layout that holds the scheme is read by unpacking it to row-major first.
+        layout = LAYOUTS.get(t.layout)
+        if t.scheme not in ref.SCHEMES or layout is None or t.scheme not in layout.schemes:
             raise UnsupportedModelError(
                 f"{op.kind} from {op.source or '?'}: weight {t.name} uses scheme {t.scheme!r}, layout "
                 f"{t.layout!r}; the reference backend knows schemes {', '.join(sorted(ref.SCHEMES))} "
-                "with layout 'row_major'"
+                f"in layouts {', '.join(sorted(LAYOUTS))} (each for the schemes it holds)"
             )
 
     def _weight(self, op: Op, role: str) -> np.ndarray | None:
@@ -184,23 +207,24 @@ class ReferenceBackend(Backend):
     ) -> np.ndarray:
         a = op.attrs
         layer = int(a["layer"])
-        out = np.empty_like(q, dtype=np.float32)  # [T, Hq*D]
-        for i, seq_id in enumerate(batch.seq_ids):
-            rows = batch.rows(i)
-            kv.append(seq_id, layer, k[rows], v[rows], batch.positions[rows])
-            keys, values = kv.read(seq_id, layer)  # [S, Hk*D] each
-            out[rows] = ref.attention(
-                q[rows],
-                keys,
-                values,
-                batch.positions[rows],
-                num_heads=int(a["num_heads"]),
-                num_kv_heads=int(a["num_kv_heads"]),
-                head_dim=int(a["head_dim"]),
-                scale=float(a["scale"]),
-                sliding_window=int(a["sliding_window"]),
-            )
-        return out
+        paged = batch.paged
+        assert paged is not None, "the runner attaches the paged view before running ops"
+        return ref.paged_attention(
+            q,
+            k,
+            v,
+            kv.k[layer],
+            kv.v[layer],
+            batch.positions,
+            paged.block_tables,
+            paged.context_lens,
+            paged.query_start_loc,
+            num_heads=int(a["num_heads"]),
+            num_kv_heads=int(a["num_kv_heads"]),
+            head_dim=int(a["head_dim"]),
+            scale=float(a["scale"]),
+            sliding_window=int(a["sliding_window"]),
+        )
 
     def silu_mul(self, op: Op, gate: np.ndarray, up: np.ndarray | None) -> np.ndarray:
         return ref.silu_mul(gate, up)
@@ -210,6 +234,18 @@ class ReferenceBackend(Backend):
 
     def lm_head(self, op: Op, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return ref.linear(x[rows], self._weight(op, "weight"), self._weight(op, "bias"))
+
+
+def host_memory_available() -> int:
+    """Bytes of host RAM available now (MemAvailable on Linux; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # Backend name -> "module:Class", imported on first use.

@@ -1,7 +1,8 @@
 """What one model step runs on: several sequences' new tokens, packed one after another.
 
-Plain data, no policy: the engine (later the scheduler) decides which sequences and how many
-tokens each; the runner and backends read row ranges from here.
+Plain data, no policy: the scheduler decides which sequences and how many tokens each; the runner
+packs them into a ``StepBatch`` and attaches a ``PagedStep`` (where each sequence's K/V lives), and
+every backend reads the same arrays from there.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SeqChunk", "StepBatch"]
+__all__ = ["PagedStep", "SeqChunk", "StepBatch"]
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class SeqChunk:
     token_ids: np.ndarray  # [n] int64, the new tokens (a whole prompt for prefill, 1 for decode)
     positions: np.ndarray | None = None  # [n] int64; None: continue after the cached tokens
     all_logits: bool = False  # return logits for every new token, not only the last
+    sample: bool = True  # False: no logits at all (a prefill chunk that does not end the prompt)
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
@@ -45,6 +47,7 @@ class StepBatch:
     cu_seqlens: np.ndarray  # [B+1] int64 row offsets (cumulative lengths, as in varlen attention)
     sample_rows: np.ndarray  # [R] int64 rows lm_head runs on, grouped by sequence
     cu_sample_rows: np.ndarray  # [B+1] int64 offsets into sample_rows per sequence
+    paged: PagedStep | None = None  # where the K/V of each sequence lives; set by the runner
 
     @classmethod
     def pack(cls, chunks: Sequence[SeqChunk], start_positions: Sequence[int]) -> StepBatch:
@@ -62,7 +65,7 @@ class StepBatch:
             for c, s in zip(chunks, start_positions, strict=True)
         ]
         rows = [
-            np.arange(cu[i], cu[i + 1]) if c.all_logits else cu[i + 1 : i + 2] - 1
+            np.arange(cu[i], cu[i + 1]) if c.all_logits else (cu[i + 1 : i + 2] - 1 if c.sample else cu[:0])
             for i, c in enumerate(chunks)
         ]
         n_rows = np.array([r.size for r in rows], dtype=np.int64)
@@ -88,3 +91,56 @@ class StepBatch:
     def sampled(self, i: int) -> slice:
         """Sequence ``i``'s rows in the lm_head output."""
         return slice(int(self.cu_sample_rows[i]), int(self.cu_sample_rows[i + 1]))
+
+
+@dataclass(slots=True)
+class PagedStep:
+    """The paged-attention contract of one step: what every attention kernel reads.
+
+    K and V of an attention layer are ``[num_blocks, block_size, num_kv_heads, head_dim]`` arrays
+    (see ``kv_cache.py``). The token at position ``p`` of sequence ``i`` lives in block
+    ``block_tables[i, p // block_size]``, row ``p % block_size``. The attention op first writes this
+    step's k/v rows to their slots, then lets each query at position ``p`` see the keys at positions
+    ``j <= p`` (and ``j > p - sliding_window`` when the window is > 0), with query head ``h`` reading
+    kv head ``h // (Hq / Hk)``.
+    """
+
+    block_size: int  # tokens per block
+    block_tables: np.ndarray  # [B, max_blocks] int32 block ids; -1 past a sequence's last block
+    context_lens: np.ndarray  # [B] int32 tokens cached for each sequence once this step's are written
+    query_start_loc: np.ndarray  # [B+1] int32: sequence i's rows (q, k, v, positions) are [qsl[i], qsl[i+1])
+    slot_mapping: np.ndarray  # [T] int64 flat slot of each new token: block * block_size + p % block_size
+    state_slots: np.ndarray  # [B] int32 recurrent-state slot of each sequence; -1 when it has none
+
+    @classmethod
+    def build(
+        cls,
+        batch: StepBatch,
+        tables: Sequence[Sequence[int]],
+        block_size: int,
+        state_slots: Sequence[int | None] | None = None,
+    ) -> PagedStep:
+        """The paged view of ``batch`` given each sequence's block table (block ids in position order)."""
+        b = len(tables)
+        width = max((len(t) for t in tables), default=0)
+        block_tables = np.full((b, max(width, 1)), -1, dtype=np.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = table
+        lengths = np.diff(batch.cu_seqlens)
+        context_lens = np.array(
+            [int(batch.positions[batch.rows(i)][-1]) + 1 for i in range(b)], dtype=np.int32
+        )
+        seq_of_row = np.repeat(np.arange(b), lengths)
+        pos = batch.positions
+        slot_mapping = (
+            block_tables[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        )
+        slots = [-1 if s is None else s for s in (state_slots or [None] * b)]
+        return cls(
+            block_size=block_size,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_start_loc=batch.cu_seqlens.astype(np.int32),
+            slot_mapping=slot_mapping,
+            state_slots=np.array(slots, dtype=np.int32),
+        )

@@ -44,6 +44,22 @@ def _user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+_KV_MEMORY_HELP = (
+    "KV cache budget: bytes (512MiB, 2GB) or a fraction of available memory (0.3, 30%). "
+    "Default: 25% of available memory, capped at what the running sequences could use."
+)
+
+
+def _engine_config(kv_memory: str | None, **kw: Any) -> Any:
+    from .config import EngineConfig
+    from .errors import EngineError
+
+    try:
+        return EngineConfig(kv_memory=kv_memory, **kw)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+
+
 def _model_path(path: str) -> str:
     if not os.path.exists(path):
         _fail(f"no such model file: {path}")
@@ -61,6 +77,7 @@ def main() -> None:
       mgx-run generate model.mgx --prompt "Once upon a time"
       mgx-run generate model.mgx --prompt "What is 2+2?" --chat --temperature 0
       mgx-run check model.mgx          # verify the file and replay its golden outputs
+      mgx-run bench model.mgx --num-prompts 64 --prompt-len 16-128 --output-len 32 --shared-prefix 0.5
 
     Unset sampling options use the defaults recorded in the artifact.
     """
@@ -78,6 +95,8 @@ def main() -> None:
 )
 @click.option("--seed", type=int, help="Random seed: the same seed gives the same output.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
+@click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
+@click.option("--kv-memory", help=_KV_MEMORY_HELP)
 @_user_errors
 def generate(
     model: str,
@@ -89,11 +108,13 @@ def generate(
     repetition_penalty: float | None,
     seed: int | None,
     chat: bool,
+    stop: tuple[str, ...],
+    kv_memory: str | None,
 ) -> None:
     """Generate text from MODEL.mgx, streaming it to stdout; timings go to stderr."""
     from .engine import Engine, GenerationResult
 
-    engine = Engine(_model_path(model))
+    engine = Engine(_model_path(model), config=_engine_config(kv_memory))
     events = engine.generate(
         prompt,
         max_tokens=max_tokens,
@@ -104,7 +125,9 @@ def generate(
         seed=seed,
         chat=chat,
         stream=True,
+        stop=stop,
     )
+    click.echo(engine.cache_plan.describe(), err=True)
     result = None
     for event in events:
         if isinstance(event, GenerationResult):
@@ -154,3 +177,109 @@ def check(model: str) -> None:
         failed = sum(not c.ok for c in report.cases)
         _fail(f"{failed} of {len(report.cases)} golden cases differ (logit atol {report.logit_atol:g})")
     click.echo(f"all {len(report.cases)} golden cases match")
+
+
+@main.command()
+@click.argument("model", metavar="MODEL.mgx")
+@click.option(
+    "--num-prompts", type=click.IntRange(min=1), default=32, show_default=True, help="Requests to send."
+)
+@click.option(
+    "--prompt-len", default="32", show_default=True, help="Prompt tokens: N or a uniform range LOW-HIGH."
+)
+@click.option("--output-len", default="16", show_default=True, help="Generated tokens: N or LOW-HIGH.")
+@click.option(
+    "--shared-prefix",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="Share of each prompt that is a prefix common to all prompts (exercises the prefix cache).",
+)
+@click.option(
+    "--request-rate",
+    default="inf",
+    show_default=True,
+    help="Requests per second (Poisson arrivals); inf: all at once.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the random prompts and arrivals."
+)
+@click.option("--kv-memory", help=_KV_MEMORY_HELP)
+@click.option(
+    "--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block."
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Most sequences per step.",
+)
+@click.option(
+    "--max-tokens-per-step",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Token budget of a step.",
+)
+@click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    help="Also write the report as JSON here ('-': stdout only).",
+)
+@_user_errors
+def bench(
+    model: str,
+    num_prompts: int,
+    prompt_len: str,
+    output_len: str,
+    shared_prefix: float,
+    request_rate: str,
+    seed: int,
+    kv_memory: str | None,
+    block_size: int,
+    max_num_seqs: int,
+    max_tokens_per_step: int,
+    no_prefix_cache: bool,
+    json_path: str | None,
+) -> None:
+    """Run an offline workload of random prompts on MODEL.mgx; print throughput, latency and cache figures."""
+    import json
+
+    from .bench import Workload, format_report, parse_range, run_bench
+    from .engine import Engine
+    from .errors import EngineError
+
+    try:
+        workload = Workload(
+            num_prompts=num_prompts,
+            prompt_len=parse_range(prompt_len),
+            output_len=parse_range(output_len),
+            shared_prefix=shared_prefix,
+            request_rate=float(request_rate),
+            seed=seed,
+        )
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    config = _engine_config(
+        kv_memory,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_tokens_per_step=max_tokens_per_step,
+        prefix_caching=not no_prefix_cache,
+    )
+    engine = Engine(_model_path(model), config=config)
+    click.echo(engine.cache_plan.describe(), err=True)
+    report = run_bench(engine, workload)
+    text = json.dumps(report, indent=2)
+    if json_path == "-":
+        click.echo(text)
+        return
+    click.echo(format_report(report))
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+    else:
+        click.echo(text)

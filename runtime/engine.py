@@ -1,77 +1,46 @@
-"""The engine: one request at a time, prefill in one step then one token per step.
+"""The engine: continuous batching over a paged KV cache.
 
-``Engine.generate`` is the whole user-facing loop; the model runner does the tensor work and the
-sampler picks tokens. A batched engine (scheduler + block manager) will drive the same runner with
-several sequences per step.
+One step (``Engine.step``) is: schedule (which sequences, how many tokens each, which blocks) ->
+run the model on that packed batch -> sample, append, stream, free. Requests join with
+``add_request`` at any step and leave when they stop or are aborted. ``generate`` is the
+one-request convenience; ``AsyncEngine`` and ``LLM`` (``async_engine.py``) drive an engine from a
+background thread for many concurrent callers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from mgx.formats.artifact import ArtifactContents, LoadedArtifact, load_artifact, verify_artifact
 
-from .backend import Backend
+from .backend import Backend, create_backend
 from .batch import SeqChunk
+from .block_manager import BlockManager
+from .config import CachePlan, EngineConfig, plan_cache
 from .errors import EngineError, PromptError
+from .metrics import EngineMetrics, Gauges, RequestMetrics
 from .model_runner import ModelRunner
-from .sampler import Sampler, SamplingParams
+from .request import FinishReason, GenerationResult, Request, RequestOutput, TextDelta, Timings
+from .sampler import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .scheduler import Sequence as Seq
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "GenerationResult", "TextDelta", "Timings"]
-
-FinishReason = Literal["stop", "length"]
-
-
-@dataclass(slots=True)
-class Timings:
-    """Where a request's time went, in seconds (engine time only: a slow stream reader is not counted)."""
-
-    load_s: float = 0.0  # mapping the artifact (once per engine)
-    prefill_s: float = 0.0  # the prompt step and the first token's sampling
-    decode_s: float = 0.0  # every later step
-    prompt_tokens: int = 0
-    decode_steps: int = 0  # steps after prefill (one per generated token after the first)
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decode speed: generated tokens per second after the first one."""
-        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    """A finished request."""
-
-    text: str  # the generated text (stop token excluded)
-    token_ids: list[int]  # generated ids, the stop token included when there was one
-    finish_reason: FinishReason  # "stop": a stop token came; "length": max_tokens reached
-    prompt_tokens: int
-    timings: Timings = field(default_factory=Timings)
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """A streamed piece of text; one per generated token ("" while a character is incomplete)."""
-
-    text: str
-    token_id: int | None  # the token that completed it; None for the final flush
+__all__ = ["Engine", "FinishReason", "GenerationResult", "RequestOutput", "TextDelta", "Timings"]
 
 
 class Engine:
-    """Loads an artifact and generates text from it."""
+    """Loads an artifact and serves generation requests from it, many at a time.
+
+    Not thread-safe: one thread drives it (``AsyncEngine``/``LLM`` do that for concurrent callers).
+    """
 
     def __init__(
         self,
@@ -79,6 +48,7 @@ class Engine:
         *,
         verify: bool = False,
         backend: Backend | str = "reference",
+        config: EngineConfig | None = None,
     ) -> None:
         """Map ``source`` (a path; or an artifact already loaded, or in-memory contents).
 
@@ -105,13 +75,45 @@ class Engine:
             eos_token_ids=arch.eos_token_ids,
         )
         self.defaults = source.generation
-        self.runner = ModelRunner(self.graph, backend)
+        self.config = config = config or EngineConfig()
+        backend = create_backend(backend, self.graph) if isinstance(backend, str) else backend
+        try:
+            self.cache_plan: CachePlan = plan_cache(
+                config,
+                bytes_per_block=backend.kv_bytes_per_block(config.block_size),
+                bytes_per_state_slot=backend.state_bytes_per_slot(),
+                memory_available=backend.memory_available(),
+                max_position=arch.max_position,
+            )
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self.blocks = BlockManager(
+            self.cache_plan.num_blocks,
+            config.block_size,
+            num_state_slots=self.cache_plan.num_state_slots,
+            prefix_caching=config.prefix_caching,
+            cache_salt=source.fingerprint.digest().encode(),
+        )
+        self.runner = ModelRunner(self.graph, backend, blocks=self.blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step), self.blocks
+        )
+        self.metrics = EngineMetrics(
+            max_num_seqs=config.max_num_seqs,
+            max_tokens_per_step=config.max_tokens_per_step,
+            gauges=self._gauges,
+            window=config.metrics_window,
+        )
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._by_seq: dict[int, Request] = {}
         self._seq_ids = itertools.count()
 
     @classmethod
-    def from_contents(cls, contents: ArtifactContents, *, backend: Backend | str = "reference") -> Engine:
+    def from_contents(
+        cls, contents: ArtifactContents, *, backend: Backend | str = "reference", **kw: Any
+    ) -> Engine:
         """An engine over in-memory contents (tests, or an artifact built in this process)."""
-        return cls(contents, backend=backend)
+        return cls(contents, backend=backend, **kw)
 
     @property
     def max_position(self) -> int:
@@ -128,22 +130,28 @@ class Engine:
         top_k: int | None = None,
         repetition_penalty: float | None = None,
         seed: int | None = None,
+        **options: Any,
     ) -> SamplingParams:
-        """Request parameters: the given ones, the artifact's defaults for the rest."""
+        """Request parameters: the given ones, the artifact's defaults for the rest.
+
+        ``options`` are any other ``SamplingParams`` fields (``stop``, ``min_p``, ``logprobs``, ...).
+        """
         d = self.defaults
-        # The artifact's stop ids are extra ones: EOS always stops too.
-        stop = tuple(dict.fromkeys([*self.graph.arch.eos_token_ids, *d.stop_token_ids]))
         try:
-            return SamplingParams(
-                max_tokens=d.max_new_tokens if max_tokens is None else max_tokens,
-                temperature=d.temperature if temperature is None else temperature,
-                top_p=d.top_p if top_p is None else top_p,
-                top_k=d.top_k if top_k is None else top_k,
-                repetition_penalty=d.repetition_penalty if repetition_penalty is None else repetition_penalty,
-                seed=seed,
-                stop_token_ids=stop,
+            return self._with_stop_ids(
+                SamplingParams(
+                    max_tokens=d.max_new_tokens if max_tokens is None else max_tokens,
+                    temperature=d.temperature if temperature is None else temperature,
+                    top_p=d.top_p if top_p is None else top_p,
+                    top_k=d.top_k if top_k is None else top_k,
+                    repetition_penalty=d.repetition_penalty
+                    if repetition_penalty is None
+                    else repetition_penalty,
+                    seed=seed,
+                    **options,
+                )
             )
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from None
 
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
@@ -162,6 +170,126 @@ class Engine:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
+    def prepare(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, chat: bool = False
+    ) -> tuple[list[int], SamplingParams]:
+        """Validate a request without touching engine state: its prompt ids and final parameters."""
+        params = self.sampling_params() if params is None else self._with_stop_ids(params)
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        return prompt_ids, params
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        chat: bool = False,
+    ) -> str:
+        """Queue a request (it joins the batch at the next step); returns its id.
+
+        ``params`` None takes the artifact's defaults; the model's EOS ids are added to the stop ids
+        unless ``params.ignore_eos``.
+        """
+        prompt_ids, params = self.prepare(prompt, params, chat=chat)
+        seq = Seq(next(self._seq_ids), list(prompt_ids), len(prompt_ids))
+        request_id = f"req-{seq.seq_id}" if request_id is None else request_id
+        if request_id in self._requests:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        metrics = RequestMetrics(arrival_time=time.perf_counter(), prompt_tokens=len(prompt_ids))
+        detok = self.tokenizer.detokenizer(context=prompt_ids)
+        req = self._requests[request_id] = Request(request_id, seq, params, detok, metrics)
+        self._by_seq[seq.seq_id] = req
+        self.scheduler.add(seq)
+        self.metrics.on_added()
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if it is not running)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.abort(req.seq)
+        self._forget(req)
+        self.metrics.on_finished(req.metrics, aborted=True)
+        return req.abort()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request uses; returns how many."""
+        return self.blocks.reset_prefix_cache()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run the model -> sample and postprocess; returns what requests gained."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            if self.scheduler.has_unfinished():
+                raise EngineError("the scheduler found nothing to run although requests are waiting")
+            return []
+        start, kv_used = time.perf_counter(), self.blocks.num_used_blocks
+        reqs = [self._by_seq[c.seq.seq_id] for c in plan.chunks]
+        chunks = [SeqChunk(c.seq.seq_id, c.token_ids, sample=c.samples) for c in plan.chunks]
+        logits = self.runner.step(chunks)  # per chunk [1, V] (or [0, V] for a chunk that does not sample)
+        outputs = [self._sample(r, rows[-1]) for c, r, rows in zip(plan.chunks, reqs, logits) if c.samples]
+        self._account(plan, reqs, start, time.perf_counter(), len(outputs), kv_used)
+        return outputs
+
+    def _sample(self, req: Request, logits: np.ndarray) -> RequestOutput:
+        token = req.sampler.sample(logits, req.seq.token_ids, req.output_ids)
+        logprobs = req.sampler.logprobs(logits, token) if req.params.logprobs is not None else None
+        out = req.accept(token, logprobs, time.perf_counter())
+        if out.finished:
+            self.scheduler.finish(req.seq)
+            self._forget(req)
+            req.metrics.finished_time = req.metrics.last_token_time
+            self.metrics.on_finished(req.metrics)
+        return out
+
+    def _account(
+        self, plan: StepPlan, reqs: list[Request], start: float, end: float, generated: int, kv_used: int
+    ) -> None:
+        for req in reqs:
+            m, seq = req.metrics, req.seq
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = start
+                m.cached_tokens = seq.num_cached_tokens
+                self.metrics.on_admitted(seq.num_prompt_tokens, seq.num_cached_tokens)
+            m.preemptions = seq.num_preemptions
+            if m.first_token_time is None or m.first_token_time >= start:
+                m.prefill_seconds += end - start
+            else:
+                m.decode_seconds += end - start
+        self.metrics.on_step(
+            end,
+            plan.num_tokens,
+            len(plan.chunks),
+            generated,
+            len(plan.preempted),
+            kv_used,
+        )
+
+    def _forget(self, req: Request) -> None:
+        del self._requests[req.request_id]
+        del self._by_seq[req.seq.seq_id]
+
+    def _gauges(self) -> Gauges:
+        b = self.blocks
+        return Gauges(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=b.num_blocks,
+            kv_blocks_used=b.num_used_blocks,
+            kv_blocks_free=b.num_free_blocks,
+            kv_blocks_cached=b.num_cached_blocks,
+        )
+
+    # -- one request at a time --------------------------------------------------------------------
+
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -174,10 +302,13 @@ class Engine:
         seed: int | None = None,
         chat: bool = False,
         stream: bool = False,
+        **options: Any,
     ) -> GenerationResult | Iterator[TextDelta | GenerationResult]:
         """Generate a continuation of ``prompt`` (text or token ids); unset options use the artifact's defaults.
 
-        With ``stream`` it returns an iterator of ``TextDelta``s that ends with the ``GenerationResult``.
+        ``options`` are other ``SamplingParams`` fields (``stop``, ``min_p``, ``logprobs``, ...). With
+        ``stream`` it returns an iterator of ``TextDelta``s that ends with the ``GenerationResult``.
+        This drives the engine itself: do not mix it with ``step`` calls from elsewhere.
         """
         params = self.sampling_params(
             max_tokens=max_tokens,
@@ -186,10 +317,9 @@ class Engine:
             top_k=top_k,
             repetition_penalty=repetition_penalty,
             seed=seed,
+            **options,
         )
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
-        self._check_fits(len(prompt_ids), params.max_tokens)
-        events = self._events(prompt_ids, params)
+        events = self._events(self.add_request(prompt, params, chat=chat))
         if stream:
             return events
         for event in events:
@@ -197,78 +327,67 @@ class Engine:
                 return event
         raise AssertionError("the event stream ended without a result")  # pragma: no cover
 
+    def _events(self, request_id: str) -> Iterator[TextDelta | GenerationResult]:
+        req = self._requests[request_id]
+        try:
+            while not req.finished:
+                for out in self.step():
+                    if out.request_id != request_id:
+                        continue
+                    for token in out.token_ids:
+                        if out.finish_reason == "stop" and out.stop_reason == token:  # a stop token
+                            if out.text:
+                                yield TextDelta(out.text, None)
+                        else:
+                            yield TextDelta(out.text, token)
+            yield req.result(self.load_seconds)
+        finally:
+            if not req.finished:
+                self.abort(request_id)
+
     def greedy_with_logits(self, prompt_ids: Sequence[int], n: int) -> tuple[list[int], list[float]]:
-        """Exactly ``n`` greedy tokens (stop tokens do not stop it) and the top-1 logit at each step."""
+        """Exactly ``n`` greedy tokens (stop tokens do not stop it) and the top-1 logit at each step.
+
+        Runs the one sequence on its own, outside the scheduler (the reference for golden checks).
+        """
         prompt_ids = self.encode_prompt(prompt_ids)
         self._check_fits(len(prompt_ids), n)
+        seq_id = next(self._seq_ids)
         ids: list[int] = []
         top1: list[float] = []
-        with closing(self._steps(prompt_ids, n, lambda logits: int(np.argmax(logits)), Timings())) as steps:
-            for token, logits in steps:
-                ids.append(token)
-                top1.append(float(logits[token]))
-        return ids, top1
-
-    # -- the loop -------------------------------------------------------------------------------
-
-    def _events(
-        self, prompt_ids: list[int], params: SamplingParams
-    ) -> Iterator[TextDelta | GenerationResult]:
-        sampler = Sampler(params)
-        history = list(prompt_ids)  # prompt + output, for the repetition penalty
-        timings = Timings(load_s=self.load_seconds, prompt_tokens=len(prompt_ids))
-        detok = self.tokenizer.detokenizer(context=prompt_ids)
-        pieces: list[str] = []
-        finish: FinishReason = "length"
-        with closing(
-            self._steps(prompt_ids, params.max_tokens, lambda x: sampler.sample(x, history), timings)
-        ) as steps:
-            for token, _ in steps:
-                history.append(token)
-                if sampler.is_stop(token):
-                    finish = "stop"
-                    break
-                text = detok.push(token)
-                pieces.append(text)
-                yield TextDelta(text, token)
-        rest = detok.flush()
-        if rest:
-            pieces.append(rest)
-            yield TextDelta(rest, None)
-        yield GenerationResult(
-            text="".join(pieces),
-            token_ids=history[len(prompt_ids) :],
-            finish_reason=finish,
-            prompt_tokens=len(prompt_ids),
-            timings=timings,
-        )
-
-    def _steps(
-        self, prompt_ids: list[int], n: int, choose: Callable[[np.ndarray], int], timings: Timings
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        """Up to ``n`` (token, logits [V]) pairs of one sequence; its state is freed when this closes."""
-        seq_id = next(self._seq_ids)
         try:
             chunk = prompt_ids
-            for i in range(n):
-                start = time.perf_counter()
+            for _ in range(n):
                 (logits,) = self.runner.step([SeqChunk(seq_id, chunk)])
-                token = choose(logits[-1])
-                spent = time.perf_counter() - start
-                if i == 0:
-                    timings.prefill_s += spent
-                else:
-                    timings.decode_s += spent
-                    timings.decode_steps += 1
-                yield token, logits[-1]
+                token = int(np.argmax(logits[-1]))
+                ids.append(token)
+                top1.append(float(logits[-1][token]))
                 chunk = [token]
         finally:
             self.runner.free(seq_id)
+        return ids, top1
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _with_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        if params.ignore_eos:
+            return params
+        # The artifact's stop ids are extra ones: EOS always stops too.
+        extra = [*self.graph.arch.eos_token_ids, *self.defaults.stop_token_ids]
+        stop = tuple(dict.fromkeys([*params.stop_token_ids, *extra]))
+        return params if stop == params.stop_token_ids else dataclasses.replace(params, stop_token_ids=stop)
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens + max_tokens > self.max_position:
+        total = prompt_tokens + max_tokens
+        if total > self.max_position:
             raise PromptError(
                 f"the prompt has {prompt_tokens} tokens; with max_tokens {max_tokens} that is "
-                f"{prompt_tokens + max_tokens} > the model's context of {self.max_position} tokens; "
+                f"{total} > the model's context of {self.max_position} tokens; "
                 "shorten the prompt or lower max_tokens"
+            )
+        if not self.blocks.fits(total):
+            raise PromptError(
+                f"the prompt has {prompt_tokens} tokens; with max_tokens {max_tokens} that is {total} tokens, "
+                f"more than the KV cache holds ({self.cache_plan.num_tokens} tokens); "
+                "raise --kv-memory or lower max_tokens"
             )

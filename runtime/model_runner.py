@@ -1,4 +1,4 @@
-"""Runs the graph for one step over a batch of sequences packed along tokens."""
+"""Runs the graph for one step over a batch of sequences packed along tokens, K/V in paged blocks."""
 
 from __future__ import annotations
 
@@ -8,21 +8,31 @@ import numpy as np
 
 from mgx.formats.ir import Graph, IRError, verify
 
-from .backend import Backend, create_backend
-from .batch import SeqChunk, StepBatch
+from .backend import Array, Backend, create_backend
+from .batch import PagedStep, SeqChunk, StepBatch
+from .block_manager import BlockManager
 from .errors import UnsupportedModelError
+from .kv_cache import KVCacheError
 
 __all__ = ["ModelRunner"]
 
+# Room a runner made without a block manager gets: this many full-context sequences.
+_STANDALONE_SEQUENCES = 4
+
 
 class ModelRunner:
-    """Executes ``graph`` op by op on a backend and keeps the sequences' K/V between steps.
+    """Executes ``graph`` op by op on a backend, over K/V blocks that ``blocks`` hands out.
 
     The runner knows no policy: callers say which sequences run and with which tokens
-    (``SeqChunk``); it returns each sequence's logits and never samples.
+    (``SeqChunk``); it returns each sequence's logits and never samples. ``step`` makes sure each
+    sequence has blocks for its new tokens (a no-op when the scheduler already allocated them) and,
+    once the step ran, commits the tokens to the block manager (which caches full blocks).
     """
 
-    def __init__(self, graph: Graph, backend: Backend | str = "reference") -> None:
+    def __init__(
+        self, graph: Graph, backend: Backend | str = "reference", *, blocks: BlockManager | None = None
+    ) -> None:
+        """Without ``blocks`` the runner makes its own manager, with room for a few full-context sequences."""
         try:
             verify(graph)
         except IRError as e:
@@ -41,39 +51,63 @@ class ModelRunner:
                 raise UnsupportedModelError(
                     f"backend {self.backend.name!r} cannot run op {op.kind!r} (from {op.source or '?'})"
                 )
-        self.kv = self.backend.new_kv_cache()
+        if blocks is None:
+            block_size = 16
+            blocks = BlockManager(
+                _STANDALONE_SEQUENCES * -(-graph.arch.max_position // block_size), block_size
+            )
+        self.blocks = blocks
+        self.kv = self.backend.new_kv_cache(blocks.num_blocks, blocks.block_size, blocks.num_state_slots)
         self._dead_after = _last_uses(graph)
 
     def step(self, chunks: Sequence[SeqChunk]) -> list[np.ndarray]:
-        """Run one step; returns, per chunk, its logits [R_i, V] (R_i = 1 unless ``all_logits``)."""
-        batch = StepBatch.pack(chunks, [self.kv.length(c.seq_id) for c in chunks])
-        self._check_positions(batch)
+        """Run one step; returns, per chunk, its logits [R_i, V] (R_i = 1, all rows, or 0 if not sampled)."""
+        starts = [self.blocks.num_computed(c.seq_id) for c in chunks]
+        batch = StepBatch.pack(chunks, starts)
+        self._check_positions(batch, starts)
+        for c, start in zip(chunks, starts, strict=True):
+            if not self.blocks.allocate(c.seq_id, start + c.token_ids.size):
+                raise KVCacheError(
+                    f"sequence {c.seq_id}: no free KV block for {c.token_ids.size} more tokens "
+                    f"({self.blocks.num_free_blocks} of {self.blocks.num_blocks} blocks free)"
+                )
+        batch.paged = PagedStep.build(
+            batch,
+            [self.blocks.table(s) for s in batch.seq_ids],
+            self.blocks.block_size,
+            [self.blocks.state_slot(s) for s in batch.seq_ids],
+        )
+        logits = self.execute(batch)
+        for c in chunks:
+            self.blocks.commit(c.seq_id, c.token_ids.tolist())
+        return [logits[batch.sampled(i)] for i in range(len(chunks))]
+
+    def execute(self, batch: StepBatch) -> Array:
+        """Run the graph's ops on a packed batch whose paged view is set -> logits [R, V]."""
         values = {self.graph.inputs[0]: batch.token_ids}
         for op, dead in zip(self.graph.ops, self._dead_after, strict=True):
             outs = self.backend.run_op(op, [values[name] for name in op.inputs], batch, self.kv)
             values.update(zip(op.outputs, outs, strict=True))
             for name in dead:
                 del values[name]
-        logits = values[self.graph.outputs[0]]  # [R, V]
-        return [logits[batch.sampled(i)] for i in range(len(chunks))]
+        return values[self.graph.outputs[0]]  # [R, V]
 
     def length(self, seq_id: int) -> int:
         """Tokens cached for ``seq_id``."""
-        return self.kv.length(seq_id)
+        return self.blocks.num_computed(seq_id)
 
     def free(self, seq_id: int) -> None:
-        """Drop a finished sequence's state."""
-        self.kv.free(seq_id)
+        """Drop a finished sequence's blocks (full ones stay in the prefix cache until evicted)."""
+        self.blocks.free(seq_id)
 
-    def _check_positions(self, batch: StepBatch) -> None:
-        # Checked before any op runs, so a bad step leaves every cache as it was.
+    def _check_positions(self, batch: StepBatch, starts: list[int]) -> None:
+        # Checked before any op runs or block is taken, so a bad step leaves every cache as it was.
         vocab = self.graph.arch.vocab_size
         ids = batch.token_ids
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise ValueError(f"token ids must be in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
-        for i, seq_id in enumerate(batch.seq_ids):
+        for i, (seq_id, start) in enumerate(zip(batch.seq_ids, starts, strict=True)):
             pos = batch.positions[batch.rows(i)]
-            start = self.kv.length(seq_id)
             if pos[0] != start or np.any(np.diff(pos) != 1):
                 raise ValueError(
                     f"sequence {seq_id}: new tokens must take positions {start}, {start + 1}, ...; "

@@ -132,4 +132,4 @@ def test_streamed_text_is_the_decoded_output(artifact: Path) -> None:
         *deltas, result = engine.generate("日本", max_tokens=12, temperature=1.0, seed=seed, stream=True)
         ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
         assert "".join(d.text for d in deltas) == result.text == engine.tokenizer.decode(ids)
-    assert engine.runner.kv.nbytes() == 0
+    assert engine.blocks.num_used_blocks == 0

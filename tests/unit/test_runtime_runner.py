@@ -7,8 +7,9 @@ import pytest
 
 from mgx.formats import ir
 from mgx.runtime.batch import SeqChunk
+from mgx.runtime.block_manager import BlockManager
 from mgx.runtime.errors import UnsupportedModelError
-from mgx.runtime.kv_cache import ContiguousKVCache, KVCacheError
+from mgx.runtime.kv_cache import KVCacheError, PagedKVCache
 from mgx.runtime.model_runner import ModelRunner
 
 from _tiny_graph import TinyConfig, build_tiny_graph
@@ -154,16 +155,32 @@ def test_unsupported_graphs_are_refused_at_load() -> None:
         ModelRunner(build_tiny_graph()[0], backend="tpu")
 
 
-def test_contiguous_kv_cache_grows_and_frees() -> None:
-    cache = ContiguousKVCache([ir.StateSpec(0, "kv", 2, 3)], initial_capacity=2)
-    rows = np.arange(30, dtype=np.float32).reshape(5, 6)
-    cache.append(7, 0, rows[:1], -rows[:1], np.array([0]))
-    cache.append(7, 0, rows[1:], -rows[1:], np.arange(1, 5))
-    k, v = cache.read(7, 0)
-    np.testing.assert_array_equal(k, rows)
-    np.testing.assert_array_equal(v, -rows)
-    assert cache.length(7) == 5 and cache.nbytes() > 0
-    with pytest.raises(KVCacheError, match="do not continue"):
-        cache.append(7, 0, rows[:1], rows[:1], np.array([9]))
-    cache.free(7)
-    assert cache.length(7) == 0 and cache.nbytes() == 0
+def test_paged_kv_cache_layout_and_budget() -> None:
+    states = [ir.StateSpec(0, "kv", 2, 3), ir.StateSpec(1, "kv", 2, 3), ir.StateSpec(2, "recurrent", shape=(4, 5))]
+    cache = PagedKVCache(states, num_blocks=7, block_size=4, num_state_slots=2)
+    assert cache.k[0].shape == cache.v[1].shape == (7, 4, 2, 3) and cache.state[2].shape == (2, 4, 5)
+    assert cache.k[0].dtype == np.float32
+    assert cache.nbytes() == 4 * (2 * 2 * 7 * 4 * 2 * 3 + 2 * 4 * 5)
+
+
+def test_runner_writes_kv_into_its_blocks_and_frees_them() -> None:
+    graph, _ = build_tiny_graph()
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    runner = ModelRunner(graph, blocks=blocks)
+    want = full_logits(graph, PROMPT)
+    (got,) = runner.step([SeqChunk(3, PROMPT, all_logits=True)])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    table = blocks.table(3)
+    assert len(table) == 3 and runner.length(3) == PROMPT.size  # 11 tokens in blocks of 4
+    assert np.any(runner.kv.k[0][table[2], 2] != 0) and not np.any(runner.kv.k[0][table[2], 3])
+    with pytest.raises(KVCacheError, match="no free KV block"):
+        runner.step([SeqChunk(4, np.arange(13))])
+    runner.free(3)
+    runner.free(4)
+    assert blocks.num_free_blocks == 6 and runner.length(3) == 0
+
+
+def test_intermediate_prefill_chunks_skip_the_lm_head() -> None:
+    runner = ModelRunner(build_tiny_graph()[0])
+    a, b = runner.step([SeqChunk(0, PROMPT[:5], sample=False), SeqChunk(1, PROMPT[:2])])
+    assert a.shape == (0, 61) and b.shape == (1, 61)

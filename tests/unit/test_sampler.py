@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mgx.runtime.sampler import Sampler, SamplingParams, apply_repetition_penalty, probabilities
+from mgx.runtime.sampler import (
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    apply_repetition_penalty,
+    probabilities,
+)
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float32))
 
@@ -70,6 +76,32 @@ def test_repetition_penalty_hf_rule() -> None:
     assert greedy.sample(LOGITS, previous=[1]) == 3
 
 
+def test_min_p_drops_tokens_far_below_the_best() -> None:
+    # probs 0.05, 0.4, 0.1, 0.3, 0.15; min_p 0.3 keeps p >= 0.12: tokens 1, 3, 4.
+    assert set(draws(SamplingParams(min_p=0.3, seed=0)).tolist()) == {1, 3, 4}
+    np.testing.assert_allclose(
+        probabilities(LOGITS.astype(np.float64), min_p=0.5), [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], atol=1e-6
+    )
+
+
+def test_presence_and_frequency_penalties_openai_rule() -> None:
+    x = np.zeros(4)
+    apply_penalties(x, [2, 2, 2, 0], presence=0.5, frequency=0.25)
+    np.testing.assert_allclose(x, [-0.75, 0, -1.25, 0])
+    greedy = Sampler(SamplingParams(temperature=0, presence_penalty=2.0))
+    assert greedy.sample(LOGITS, output=[1]) == 3  # token 1 was generated: penalised below token 3
+    assert greedy.sample(LOGITS, previous=[1]) == 1  # the prompt does not count
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
+    sampler = Sampler(SamplingParams(temperature=2.0, top_k=1, logprobs=2))
+    lp = sampler.logprobs(LOGITS, 4)
+    assert lp.token_id == 4 and lp.logprob == pytest.approx(np.log(0.15))
+    assert [t for t, _ in lp.top] == [1, 3]
+    assert [v for _, v in lp.top] == pytest.approx([np.log(0.4), np.log(0.3)])
+    assert Sampler(SamplingParams(logprobs=0)).logprobs(LOGITS, 1).top == ()
+
+
 def test_stop_tokens() -> None:
     sampler = Sampler(SamplingParams(stop_token_ids=(2, 9)))
     assert sampler.is_stop(9) and not sampler.is_stop(3)
@@ -84,8 +116,17 @@ def test_stop_tokens() -> None:
         {"top_k": -1},
         {"max_tokens": 0},
         {"repetition_penalty": 0},
+        {"min_p": 1.5},
+        {"presence_penalty": 3},
+        {"frequency_penalty": -3},
+        {"logprobs": -1},
+        {"stop": ("",)},
     ],
 )
 def test_invalid_params_are_refused(bad: dict) -> None:
-    with pytest.raises(ValueError, match=next(iter(bad))):
+    with pytest.raises(ValueError, match=next(iter(bad)).replace("stop", "stop strings")):
         SamplingParams(**bad)
+
+
+def test_a_single_stop_string_is_a_tuple_of_one() -> None:
+    assert SamplingParams(stop="###").stop == ("###",)
