@@ -1,0 +1,125 @@
+"""A minimal binding of the CUDA driver API through ctypes: load a cubin, look up kernels, launch them.
+
+It needs libcuda (the driver, present wherever a GPU is) and nothing else: no CUDA toolkit, no
+cuda-python. Modules load into the primary context of the device, the one PyTorch uses, so
+launches on PyTorch's streams (and inside its CUDA graph captures) work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Sequence
+
+__all__ = ["CudaDriverError", "CudaModule", "cubin_sm", "device_sm"]
+
+CUDA_SUCCESS = 0
+_ATTR_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+_ATTR_CC_MINOR = 76
+
+
+class CudaDriverError(RuntimeError):
+    """A driver call failed; ``code`` is the CUresult."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.code = code
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def _driver() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        lib.cuInit.argtypes = [u]
+        lib.cuGetErrorName.argtypes = [i, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(i), i]
+        lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(i), i, i]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), i]
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+        lib.cuModuleUnload.argtypes = [vp]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+        lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
+        _check(lib, "cuInit", lib.cuInit(0))
+        _lib = lib
+    return _lib
+
+
+def _check(lib: ctypes.CDLL, call: str, code: int) -> None:
+    if code != CUDA_SUCCESS:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(code, ctypes.byref(name))
+        raise CudaDriverError(call, code, (name.value or b"?").decode())
+
+
+def device_sm(device: int) -> int:
+    """Compute capability of ``device`` as one number (9.0 -> 90)."""
+    lib = _driver()
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    _check(lib, "cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device))
+    _check(lib, "cuDeviceGetAttribute", lib.cuDeviceGetAttribute(ctypes.byref(major), _ATTR_CC_MAJOR, dev))
+    _check(lib, "cuDeviceGetAttribute", lib.cuDeviceGetAttribute(ctypes.byref(minor), _ATTR_CC_MINOR, dev))
+    return major.value * 10 + minor.value
+
+
+def cubin_sm(image: bytes) -> int | None:
+    """The SM number a cubin's machine code is for (90 for sm_90 and sm_90a), or None if not a cubin.
+
+    CUDA ELF files carry it in e_flags: bits 8-15 from ELF ABI version 8 on (nvcc 13), bits 0-7
+    before. The driver's own check at load time stays the final word.
+    """
+    if len(image) < 0x34 or image[:4] != b"\x7fELF" or image[4] != 2 or image[7] != 0x41:
+        return None
+    e_flags = struct.unpack_from("<I", image, 0x30)[0]
+    return (e_flags >> 8) & 0xFF if image[8] >= 8 else e_flags & 0xFF
+
+
+class CudaModule:
+    """A cubin loaded into ``device``'s primary context."""
+
+    def __init__(self, image: bytes, device: int = 0) -> None:
+        lib = _driver()
+        ctx = ctypes.c_void_p()
+        _check(lib, "cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+        if not ctx.value:
+            dev = ctypes.c_int()
+            _check(lib, "cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device))
+            _check(lib, "cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+            _check(lib, "cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+        self._lib = lib
+        self._module = ctypes.c_void_p()
+        _check(lib, "cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(self._module), image))
+        self._functions: dict[str, ctypes.c_void_p] = {}
+
+    def function(self, name: str) -> ctypes.c_void_p:
+        """The kernel ``name`` (an ``extern "C"`` symbol of the module)."""
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = ctypes.c_void_p()
+            rc = self._lib.cuModuleGetFunction(ctypes.byref(fn), self._module, name.encode())
+            _check(self._lib, f"cuModuleGetFunction({name})", rc)
+            self._functions[name] = fn
+        return fn
+
+    def launch(
+        self,
+        name: str,
+        grid: Sequence[int],
+        block: Sequence[int],
+        args: Sequence[ctypes._SimpleCData],
+        stream: int = 0,
+        shared_bytes: int = 0,
+    ) -> None:
+        """Launch kernel ``name`` on ``stream`` (a CUstream handle, e.g. torch's ``cuda_stream``)."""
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        rc = self._lib.cuLaunchKernel(
+            self.function(name), gx, gy, gz, bx, by, bz, shared_bytes, ctypes.c_void_p(stream), params, None
+        )
+        _check(self._lib, f"cuLaunchKernel({name})", rc)

@@ -1,0 +1,90 @@
+"""Helpers shared by the launch wrappers: argument checks and launch-size heuristics."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# torch dtype -> the triton dtype kernels cast to when they store
+TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter() -> None:
+    """Two fixes to Triton's CPU interpreter (3.6), so CI runs the kernels as the GPU does.
+
+    - Scalars are 1-element arrays converted with ``int(array)``, which numpy >= 2.4 refuses;
+      ``range(lo, hi)`` over loaded bounds then fails. Take the element instead.
+    - ``tl.dot`` on bf16 multiplies the uint16 bit patterns the interpreter stores bf16 in; widen
+      bf16 operands to fp32 first (exact), which is what the tensor cores compute with.
+
+    Only the interpreter is touched; compiled kernels never see this.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_mgx_fixed", False):
+        return
+    original_patch = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):  # noqa: ANN001
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def widen(h):  # noqa: ANN001, ANN202
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    builder.create_dot = create_dot
+    interpreter._mgx_fixed = True
+
+
+if interpreting():
+    _fix_interpreter()
+
+
+def next_pow2(n: int) -> int:
+    return int(triton.next_power_of_2(max(1, int(n))))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small stand-in on the CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def rows_of(name: str, t: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """``t`` as a [rows, width] tensor whose last dimension is contiguous (copied only if needed)."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [tokens, features], got shape {tuple(t.shape)}")
+    if width is not None and t.shape[1] != width:
+        raise ValueError(f"{name} has {t.shape[1]} features, expected {width}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands multiply exactly ("ieee"), not in tf32, so fp32 models match the CPU reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"

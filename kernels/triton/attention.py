@@ -1,0 +1,368 @@
+"""Paged attention: decode (split over the context, flash-decoding style) and prefill (flash, causal).
+
+Both read K and V from the paged cache through the engine's block tables (the contract is in
+``rope.py``'s docstring): key position j of sequence i is at slot
+``block_table[i, j // block_size] * block_size + j % block_size``. A query at position p sees keys
+j <= p, and with a sliding window w > 0 only those with j > p - w. Query head h reads kv head
+h // (Hq / Hk). ``context_lens[i]`` counts the tokens cached after this step's were written, so the
+cache write (``write_kv`` or ``rope_and_write_kv``) runs first.
+
+Decode runs one program per (sequence, kv head, split): the G = Hq/Hk query heads that share a kv
+head are the rows of one tile, so each K/V byte is read once for all of them; long contexts are
+split so that the grid fills the GPU, and a second kernel merges the splits' partial softmaxes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_float, dot_precision, next_pow2, num_sms, rows_of
+from .rope import check_cache, write_kv_launch
+
+__all__ = [
+    "write_kv",
+    "paged_attention",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "paged_attention_ref",
+    "decode_splits",
+]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
+    """Element offsets [BLOCK_N, BLOCK_D] of kv head h for key positions pos, through the block table."""
+    page = tl.load(bt_ptr + seq_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    slot = page * PAGE + pos % PAGE
+    return slot[:, None] * (HK * D) + h * D + d[None, :]
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+    stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
+    HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + s)
+    lo = ctx * 0
+    if window > 0:
+        lo = tl.maximum(ctx - window, 0)  # the query sits at ctx - 1
+    chunk = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + p * chunk
+    end = tl.minimum(start + chunk, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    hq = h * G + g
+    gd_mask = (g < G)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + s.to(tl.int64) * stride_q + hq[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    seq_row = s.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        off = _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE, HK, D)
+        kv_mask = valid[:, None] & (d < D)[None, :]
+        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp2(m - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+        denom = denom * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PREC)
+        m = m_new
+
+    if SPLIT:
+        row = (s * (HK * G) + hq).to(tl.int64) * num_splits + p  # [BLOCK_G] into [S, Hq, splits]
+        tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=gd_mask)
+        tl.store(part_m_ptr + row, m, mask=g < G)
+        tl.store(part_l_ptr + row, denom, mask=g < G)
+    else:
+        out = acc / denom[:, None]
+        dst = out_ptr + s.to(tl.int64) * stride_o + hq[:, None] * D + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o, num_splits,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    hq = tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    pmask = p < num_splits
+    row = (s * HQ + hq).to(tl.int64) * num_splits + p
+    m = tl.load(part_m_ptr + row, mask=pmask, other=float("-inf"))
+    denom = tl.load(part_l_ptr + row, mask=pmask, other=0.0)
+    o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=pmask[:, None] & (d < D)[None, :], other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # empty splits have m = -inf and weigh nothing
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * denom, axis=0)
+    tl.store(out_ptr + s.to(tl.int64) * stride_o + hq * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, pos_ptr, out_ptr,
+    stride_q, stride_o, stride_bt, scale_log2, window,
+    HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    mb = tl.program_id(0)
+    s = tl.program_id(1)
+    hq = tl.program_id(2)
+    h = hq // G
+    q0 = tl.load(qsl_ptr + s)
+    qlen = tl.load(qsl_ptr + s + 1) - q0
+    if mb * BLOCK_M >= qlen:
+        return
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    imask = i < qlen
+    rows = (q0 + i).to(tl.int64)
+    qpos = tl.load(pos_ptr + rows, mask=imask, other=-1)  # padding rows see no key
+    ctx = tl.load(ctx_ptr + s)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + rows[:, None] * stride_q + hq * D + d[None, :], mask=imask[:, None] & dmask[None, :], other=0.0)
+
+    hi = tl.minimum(ctx, tl.max(qpos, axis=0) + 1)
+    lo = ctx * 0
+    if window > 0:
+        first = tl.min(tl.where(imask, qpos, 2147483647), axis=0)
+        lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    # A finite floor keeps exp2(m - m_new) defined for rows that have seen no key yet.
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    seq_row = s.to(tl.int64) * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kvalid = kpos < hi
+        off = _kv_offsets(bt_ptr, seq_row, kpos, kvalid, h, d, PAGE, HK, D)
+        kv_mask = kvalid[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_M, BLOCK_N]
+        vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        vis = vis & ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
+        sc = tl.where(vis, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp2(m - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+        denom = denom * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PREC)
+        m = m_new
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    dst = out_ptr + rows[:, None] * stride_o + hq * D + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=imask[:, None] & dmask[None, :])
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    """Store k, v [T, Hk*D] (token t at ``positions[t]`` of its sequence) into the paged caches."""
+    write_kv_launch(k, v, positions, k_cache, v_cache, block_table, query_start_loc)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sms: int, block_n: int = 64) -> int:
+    """How many pieces to cut each context into so that about two waves of programs fill the GPU."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = math.ceil(2 * sms / programs)
+    most = max(1, math.ceil(max_context_len / (2 * block_n)))  # each piece keeps at least 2 tiles
+    return max(1, min(want, most, 256))
+
+
+def _check(q, k_cache, v_cache, block_table, context_lens, out):
+    check_float("q", q)
+    page, hk, d = check_cache(k_cache, v_cache)
+    q = rows_of("q", q)
+    hq = q.shape[1] // d
+    if q.shape[1] != hq * d or hq % hk:
+        raise ValueError(f"q width {q.shape[1]} is not a multiple of {hk} kv heads of {d}")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be a [num_seqs, max_blocks] tensor with contiguous rows")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    return q, page, hk, d, hq, out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """One query row per sequence, q [S, Hq*D] at position context_lens[i] - 1 -> [S, Hq*D].
+
+    ``num_splits`` fixes the split of the context (a CUDA graph needs it fixed); by default it is
+    chosen from ``max_context_len`` (read from ``context_lens`` when not given, which synchronizes).
+    """
+    q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
+    n = q.shape[0]
+    if n == 0:
+        return out
+    if num_splits is None:
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        num_splits = decode_splits(n, hk, max_context_len, num_sms(q.device), block_n)
+    g = hq // hk
+    split = num_splits > 1
+    f32 = torch.float32
+    part_o = torch.empty((n, hq, num_splits, d), dtype=f32, device=q.device) if split else out
+    part_m = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
+    part_l = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
+    _decode_kernel[(n, hk, num_splits)](
+        q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l,
+        q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
+        HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_N=block_n, SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        _decode_merge_kernel[(n, hq)](
+            part_o, part_m, part_l, out, out.stride(0), num_splits,
+            HQ=hq, D=d, BLOCK_P=next_pow2(num_splits), BLOCK_D=next_pow2(d), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of the packed query rows q [T, Hq*D] (at ``positions`` [T]) over the paged cache."""
+    q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
+    t = q.shape[0]
+    num_seqs = query_start_loc.shape[0] - 1
+    if t == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = min(block_m, max(16, next_pow2(max_query_len)))
+    if sliding_window > 0 and block_m == 32:
+        # On an H200 with Triton 3.6, 32-row tiles with a sliding window returned zeros (fp32 and bf16,
+        # 1 or 2 stages; 16- and 64-row tiles were right): the window's first-row reduction is the
+        # suspect. tests/gpu/test_gpu_kernels.py::test_prefill_window_tile_sizes guards this.
+        block_m = 64
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_table, context_lens, query_start_loc, positions, out,
+        q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window),
+        HK=hk, G=hq // hk, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(d)), BLOCK_N=block_n,
+        DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The IR's ``attention`` op: store this step's k, v in the cache, then attend (decode or prefill)."""
+    write_kv(k, v, positions, k_cache, v_cache, block_table, query_start_loc)
+    num_seqs = query_start_loc.shape[0] - 1
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    if max_query_len == 1 and q.shape[0] == num_seqs:
+        # Decode: the query is the last cached token, so positions[i] == context_lens[i] - 1.
+        return paged_attention_decode(q, k_cache, v_cache, block_table, context_lens, scale=scale,
+                                      sliding_window=sliding_window, out=out)  # fmt: skip
+    return paged_attention_prefill(q, k_cache, v_cache, block_table, context_lens, query_start_loc, positions,
+                                   scale=scale, sliding_window=sliding_window, max_query_len=max_query_len,
+                                   out=out)  # fmt: skip
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The torch reference: gathers each sequence's K/V from the cache and attends in fp32."""
+    page, hk, d = check_cache(k_cache, v_cache)
+    hq = q.shape[1] // d
+    g = hq // hk
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for i in range(len(qsl) - 1):
+        a, b = qsl[i], qsl[i + 1]
+        if a == b:
+            continue
+        n = int(context_lens[i])
+        j = torch.arange(n, device=q.device)
+        slots = block_table[i, j // page].long() * page + j % page
+        kk = k_cache.reshape(-1, hk, d)[slots].float()  # [S, Hk, D]
+        vv = v_cache.reshape(-1, hk, d)[slots].float()
+        qq = q[a:b].float().reshape(b - a, hk, g, d)  # [T, Hk, G, D]
+        sc = torch.einsum("tkgd,skd->kgts", qq, kk) * scale  # [Hk, G, T, S]
+        p = positions[a:b].long()[:, None]
+        vis = j[None, :] <= p
+        if sliding_window > 0:
+            vis &= j[None, :] > p - sliding_window
+        sc = sc.masked_fill(~vis, float("-inf")).softmax(-1)
+        o = torch.einsum("kgts,skd->tkgd", sc, vv)
+        out[a:b] = o.reshape(b - a, hq * d)
+    return out.to(q.dtype)

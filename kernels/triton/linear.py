@@ -1,0 +1,508 @@
+"""Weight-only quantized and 2:4-sparse linear layers: y = x @ W^T with W dequantized in registers.
+
+Schemes (``formats/README.md``, "Weight schemes and layouts"), W [N, K]:
+
+- ``none``: dense W in the activation dtype.
+- ``w8a16``: int8 q [N, K], fp32 scales [N]: W = q * s; the scale is applied once per output.
+- ``int4``: bytes [N, K/2], column 2b + j in nibble j (low first); fp32 scales [N, K/g] and u8 zeros
+  [N, K/g] (or z = 8 when symmetric): W = (q - z) * s.
+- ``sparse24``: kept values [N, K/2] and meta [N, K/4] u8 (bits 0-1 and 2-3 the in-group indices of
+  the two kept columns of each group of 4), or with the ``sparse24_nibble_meta`` layout meta
+  [N, K/8], two groups a byte (``layouts.py``).
+- ``sparse24_int4``: the K/2 kept values as int4 (bytes [N, K/4], groups along the kept values),
+  placed by meta as in ``sparse24``.
+
+Two code paths: for one row (batch-1 decode) a GEMV on the CUDA cores that streams W once with
+fp32 products; for more rows a tensor-core GEMM (``tl.dot``) on tiles dequantized to the activation
+dtype (16-row tiles cover small decode batches). Accumulation is fp32 in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_float, dot_precision, next_pow2, rows_of
+
+__all__ = [
+    "GpuWeight",
+    "LinearConfig",
+    "linear",
+    "linear_silu_mul",
+    "silu_mul",
+    "dequantize_ref",
+    "linear_ref",
+    "linear_silu_mul_ref",
+    "silu_mul_ref",
+    "default_config",
+    "GEMV_CONFIGS",
+    "GEMM_CONFIGS",
+]
+
+SCHEME_IDS = {"none": 0, "w8a16": 1, "int4": 2, "sparse24": 3, "sparse24_int4": 4}
+LAYOUTS = {"row_major", "sparse24_nibble_meta"}
+# Only a single row takes the CUDA-core GEMV path: with 2..8 rows the GEMV re-read the weights per
+# row (an LM head at R=8 ran at 30% of bandwidth, at R=32 through tl.dot at 98%).
+GEMV_MAX_M = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GpuWeight:
+    """A linear op's weight on the device, with its scheme's companion tensors (see module docstring)."""
+
+    scheme: str  # "none", "w8a16", "int4", "sparse24" or "sparse24_int4"
+    n: int  # out_features
+    k: int  # in_features
+    weight: torch.Tensor  # the stored weight (see module docstring for its shape per scheme)
+    scales: torch.Tensor | None = None  # w8a16 [N] f32; int4 [N, ceil(K/g)] f32 (sparse24_int4: ceil(K/2/g))
+    zeros: torch.Tensor | None = None  # int4 asymmetric, shaped like scales, u8
+    meta: torch.Tensor | None = None  # sparse24 [N, K/4] u8 (row_major) or [N, K/8] (nibble layout)
+    group_size: int = 0  # int4 group along K (along the kept values for sparse24_int4)
+    symmetric: bool = True  # int4: z = 8 when True
+    layout: str = "row_major"  # "row_major" or "sparse24_nibble_meta"
+
+    def __post_init__(self) -> None:
+        s, n, k = self.scheme, self.n, self.k
+        if s not in SCHEME_IDS:
+            raise ValueError(f"no GPU linear kernel for scheme {s!r}; known: {', '.join(SCHEME_IDS)}")
+        if self.layout not in LAYOUTS or (self.layout == "sparse24_nibble_meta" and not s.startswith("sparse24")):
+            raise ValueError(f"no GPU linear kernel for scheme {s!r} in layout {self.layout!r}")
+        want = {"none": (n, k), "w8a16": (n, k), "int4": (n, k // 2), "sparse24": (n, k // 2),
+                "sparse24_int4": (n, k // 4)}[s]  # fmt: skip
+        _expect(self.weight, "weight", want)
+        if self.weight.stride(1) != 1:
+            raise ValueError("weight rows must be contiguous")
+        if s == "w8a16":
+            _expect(self.weight, "weight", want, torch.int8)
+            _expect(self.scales, "scales", (n,), torch.float32)
+        if s in ("int4", "sparse24_int4"):
+            g, cols = self.group_size, (k if s == "int4" else k // 2)  # int4 groups run along the stored values
+            if g < 2 or g & (g - 1) or cols % 2:
+                raise ValueError(f"int4 group_size {g} must be a power of two >= 2, over an even count ({cols})")
+            _expect(self.weight, "weight", want, torch.uint8)
+            _expect(self.scales, "scales", (n, -(-cols // g)), torch.float32)
+            if not self.symmetric:
+                _expect(self.zeros, "zeros", (n, -(-cols // g)), torch.uint8)
+        if s.startswith("sparse24"):
+            packed = self.layout == "sparse24_nibble_meta"
+            if k % (8 if packed else 4):
+                raise ValueError(f"{s} needs K={k} divisible by {8 if packed else 4}")
+            _expect(self.meta, "meta", (n, k // 8 if packed else k // 4), torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full pass over the weight reads (weight and companions)."""
+        ts = (self.weight, self.scales, self.zeros, self.meta)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _expect(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+    if t is None:
+        raise ValueError(f"missing {name}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} shape {tuple(t.shape)} != {shape}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} dtype {t.dtype} != {dtype}")
+
+
+@triton.jit
+def _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, c0, C, stride_w, stride_s,
+               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_N, BLOCK_C]: int4 codes of columns c0.. of C, dequantized per group of GROUP columns."""
+    kb = c0 // 2 + tl.arange(0, BLOCK_C // 2)
+    p = tl.load(w_ptr + row * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < C // 2)[None, :], other=0)
+    p = p.to(tl.int32)
+    # OR-ing a nibble into the mantissa of 2^23 and subtracting 2^23 converts it exactly, without I2F.
+    lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_C // GROUP, GROUP))  # column 2b + j = nibble j of byte b
+    g = c0 // GROUP + tl.arange(0, BLOCK_C // GROUP)
+    gmask = n_mask[:, None] & (g < tl.cdiv(C, GROUP))[None, :]  # the last group may be shorter
+    s = tl.load(s_ptr + row * stride_s + g[None, :], mask=gmask, other=0.0)  # [BLOCK_N, BLOCK_C/GROUP]
+    if SYMMETRIC:
+        zb = tl.full(s.shape, 8.0 + 8388608.0, tl.float32)
+    else:
+        zb = tl.load(z_ptr + row * stride_s + g[None, :], mask=gmask, other=0).to(tl.float32) + 8388608.0
+    return tl.reshape((q - zb[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_C))
+
+
+@triton.jit
+def _expand_24(vals, meta_ptr, row, n_mask, k0, K, stride_m,
+               META_PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Dense [BLOCK_N, BLOCK_K] from the kept values [BLOCK_N, BLOCK_K/2] of columns k0.. and their meta."""
+    if META_PACKED:
+        kmb = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mb = tl.load(meta_ptr + row * stride_m + kmb[None, :], mask=n_mask[:, None] & (kmb < K // 8)[None, :], other=0)
+        mb = mb.to(tl.int32)
+        meta = tl.reshape(tl.join(mb & 0xF, mb >> 4), (BLOCK_N, BLOCK_K // 4))
+    else:
+        km = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        meta = tl.load(meta_ptr + row * stride_m + km[None, :], mask=n_mask[:, None] & (km < K // 4)[None, :], other=0)
+        meta = meta.to(tl.int32)
+    v0, v1 = tl.split(tl.reshape(vals, (BLOCK_N, BLOCK_K // 4, 2)))  # [BLOCK_N, BLOCK_K/4] each
+    j = tl.arange(0, 4)[None, None, :]
+    w = tl.where((meta & 3)[:, :, None] == j, v0[:, :, None], 0.0)
+    w = tl.where(((meta >> 2) & 3)[:, :, None] == j, v1[:, :, None], w)
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _w_tile(
+    w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr,
+):  # fmt: skip
+    """Rows rn [BLOCK_N], columns k0.. of W as a [BLOCK_N, BLOCK_K] tile of OUT (w8a16 still unscaled)."""
+    row = rn.to(tl.int64)[:, None]
+    if SCHEME == 0 or SCHEME == 1:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + row * stride_w + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0)
+        if SCHEME == 1:
+            w = w.to(tl.float32)  # int8 -> fp32 is exact; straight to bf16 is wrong in the interpreter
+        w = w.to(OUT)
+    elif SCHEME == 2:
+        w = _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, k0, K, stride_w, stride_s, GROUP, SYMMETRIC,
+                       BLOCK_N, BLOCK_K).to(OUT)  # fmt: skip
+    elif SCHEME == 3:
+        kv = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        v = tl.load(w_ptr + row * stride_w + kv[None, :], mask=n_mask[:, None] & (kv < K // 2)[None, :], other=0)
+        w = _expand_24(v.to(OUT), meta_ptr, row, n_mask, k0, K, stride_m, META_PACKED, BLOCK_N, BLOCK_K).to(OUT)
+    else:
+        # sparse24_int4: int4 codes of the K/2 kept values, grouped along them, then placed by meta.
+        v = _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, k0 // 2, K // 2, stride_w, stride_s, GROUP, SYMMETRIC,
+                       BLOCK_N, BLOCK_K // 2)  # fmt: skip
+        w = _expand_24(v.to(OUT), meta_ptr, row, n_mask, k0, K, stride_m, META_PACKED, BLOCK_N, BLOCK_K).to(OUT)
+    return w
+
+
+@triton.jit
+def _x_pairs(xrow, c0, K, HALF: tl.constexpr, EVEN: tl.constexpr):
+    """x at columns c0 + 2j and c0 + 2j + 1 (j < HALF), as two fp32 [HALF] vectors."""
+    j = tl.arange(0, HALF)
+    col = c0 + 2 * j
+    if xrow.dtype.element_ty == tl.bfloat16:
+        # One 32-bit load holds both bf16 values; each becomes fp32 by a shift or a mask.
+        if EVEN:
+            u = tl.load(xrow.to(tl.pointer_type(tl.int32)) + c0 // 2 + j)
+        else:
+            u = tl.load(xrow.to(tl.pointer_type(tl.int32)) + c0 // 2 + j, mask=col < K, other=0)
+        xe = (u << 16).to(tl.float32, bitcast=True)
+        xo = (u & -65536).to(tl.float32, bitcast=True)
+    else:
+        xe = tl.load(xrow + col, mask=col < K, other=0.0).to(tl.float32)
+        xo = tl.load(xrow + col + 1, mask=col + 1 < K, other=0.0).to(tl.float32)
+    return xe, xo
+
+
+@triton.jit
+def _gemv_row(
+    xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """fp32 [1, BLOCK_N]: one activation row (xrow) times W[rn]^T, on the CUDA cores.
+
+    EVEN (N and K are multiples of the tile) drops the bounds checks, which cost as many integer
+    instructions as the dequantization itself.
+
+    Products accumulate elementwise in a [BLOCK_N, columns] tile that is reduced once, after the
+    K loop. x is loaded as a vector so that it broadcasts over the rows in registers.
+    """
+    row = rn.to(tl.int64)[:, None]
+    nm = n_mask[:, None]
+    if SCHEME == 2:
+        # int4: one group of GROUP columns at a time (its scale and zero are per row), the low and
+        # high nibbles against the even and odd columns of x, so the codes are never reshaped.
+        acc2 = tl.zeros([BLOCK_N, GROUP // 2], tl.float32)
+        ngroups = tl.cdiv(K, GROUP)
+        for k0 in range(0, K, BLOCK_K):
+            for gi in tl.static_range(BLOCK_K // GROUP):
+                c0 = k0 + gi * GROUP
+                b = c0 // 2 + tl.arange(0, GROUP // 2)
+                g = c0 // GROUP
+                if EVEN:
+                    p = tl.load(w_ptr + row * stride_w + b[None, :])
+                    s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g)
+                else:
+                    p = tl.load(w_ptr + row * stride_w + b[None, :], mask=nm & (b < K // 2)[None, :], other=0)
+                    s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0.0)
+                p = p.to(tl.int32)
+                if SYMMETRIC:
+                    zb = tl.full([BLOCK_N], 8.0 + 8388608.0, tl.float32)
+                elif EVEN:
+                    zb = tl.load(z_ptr + rn.to(tl.int64) * stride_s + g).to(tl.float32) + 8388608.0
+                else:
+                    zb = tl.load(z_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0)
+                    zb = zb.to(tl.float32) + 8388608.0
+                xe, xo = _x_pairs(xrow, c0, K, GROUP // 2, EVEN)
+                # OR-ing a nibble into the mantissa of 2^23 converts it exactly, without I2F.
+                lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
+                hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
+                acc2 += (lo * xe[None, :] + hi * xo[None, :]) * s[:, None]
+        acc = tl.sum(acc2, axis=1)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            # x is loaded in the weight tile's shape (row stride 0, so L1 serves the repeats): it then
+            # shares the tile's register layout, and needs no shuffle through shared memory.
+            if EVEN:
+                xk = tl.load(xrow + (k[None, :] + 0 * rn[:, None])).to(tl.float32)
+            else:
+                xk = tl.load(xrow + (k[None, :] + 0 * rn[:, None]), mask=(k < K)[None, :], other=0.0).to(tl.float32)
+            if SCHEME == 1:
+                if EVEN:
+                    q = tl.load(w_ptr + row * stride_w + k[None, :])
+                else:
+                    q = tl.load(w_ptr + row * stride_w + k[None, :], mask=nm & (k < K)[None, :], other=0)
+                # int8 q + 128 in the mantissa of 2^23: an exact conversion without I2F.
+                w = (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+            elif SCHEME == 0 and EVEN:
+                w = tl.load(w_ptr + row * stride_w + k[None, :]).to(tl.float32)
+            else:
+                w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
+                            SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
+            acc2 += w * xk
+        acc = tl.sum(acc2, axis=1)
+        if SCHEME == 1:
+            acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)
+    return tl.reshape(acc, (1, BLOCK_N))
+
+
+@triton.jit
+def _mm_tile(
+    x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N] tile of x[rm] @ W[rn]^T, w8a16 scales applied.
+
+    Without USE_DOT, BLOCK_M is 1 (one activation row per program: the GEMV).
+    """
+    if not USE_DOT:
+        xrow = x_ptr + tl.max(rm, axis=0).to(tl.int64) * stride_xm
+        return _gemv_row(xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K,
+                         SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(xrow + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
+                    SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # fmt: skip
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
+    if SCHEME == 1:
+        acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr,
+    M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
+    # m varies fastest across programs, so the programs that share a weight tile run together.
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                   rn, n_mask, K, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                      rn + N, n_mask, K, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = acc * tl.sigmoid(acc) * up
+    dst = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < F
+    g = tl.load(x_ptr + t * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * stride_x + F + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + c, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """Launch configuration of the linear kernels (what the autotune pass stores per shape)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 2
+
+
+# Candidates for the autotune pass and the benchmark. The GEMV takes one activation row per program.
+GEMV_CONFIGS = [
+    LinearConfig(1, bn, bk, w, s)
+    for bn, bk, w, s in [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (16, 256, 4, 1), (16, 512, 8, 1),
+                         (32, 128, 4, 1), (32, 256, 8, 1), (32, 512, 4, 1), (64, 128, 8, 1), (64, 256, 8, 1),
+                         (16, 1024, 8, 1), (128, 128, 8, 1)]
+]  # fmt: skip
+GEMM_CONFIGS = [
+    LinearConfig(bm, bn, bk, w, s)
+    for bm, bn, bk, w, s in [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+                             (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)]
+]  # fmt: skip
+
+
+def default_config(m: int, n: int, k: int, scheme: str = "none") -> LinearConfig:
+    """A good guess without tuning (the autotune pass stores better ones per shape)."""
+    if m <= GEMV_MAX_M:
+        return LinearConfig(1, 8, 512, 4, 1)
+    if m <= 32:
+        return LinearConfig(max(16, next_pow2(m)), 64, 128, 4, 4)  # small decode batches: W read once
+    if m <= 64:
+        return LinearConfig(64, 64, 64, 4, 4)
+    return LinearConfig(128, 128, 64, 8, 3)
+
+
+def min_block_k(w: GpuWeight) -> int:
+    """The narrowest K tile the scheme allows: whole int4 groups, whole bytes of packed meta."""
+    return {"int4": w.group_size, "sparse24_int4": max(16, 2 * w.group_size)}.get(w.scheme, 16)
+
+
+def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool):
+    check_float("x", x)
+    x = rows_of("x", x, w.k)
+    m = x.shape[0]
+    n = w.n // 2 if silu_mul else w.n
+    if silu_mul and w.n % 2:
+        raise ValueError(f"gate/up weight has an odd number of rows ({w.n})")
+    if w.scheme == "none" and w.weight.dtype != x.dtype:
+        raise TypeError(f"dense weight is {w.weight.dtype}, activations are {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (w.n,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({w.n},)")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return out
+    cfg = config or default_config(m, n, w.k, w.scheme)
+    use_dot = m > GEMV_MAX_M if config is None else cfg.block_m >= 16
+    block_m = cfg.block_m if use_dot else 1  # the GEMV takes one row per program
+    block_k = max(min(cfg.block_k, next_pow2(w.k)), min_block_k(w))
+    num_stages = cfg.num_stages
+    if use_dot:
+        # A K tile widened for whole int4 groups must still fit shared memory at this depth.
+        tile_bytes = (block_m + cfg.block_n) * block_k * x.element_size()
+        num_stages = max(1, min(num_stages, (160 * 1024) // tile_bytes))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))
+    s, z, meta = w.scales, w.zeros, w.meta
+    _linear_kernel[grid](
+        x, w.weight, s if s is not None else x, z if z is not None else x, meta if meta is not None else x,
+        bias if bias is not None else x, out,
+        m, n, w.k, x.stride(0), w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
+        meta.stride(0) if meta is not None else 0, out.stride(0),
+        SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
+        META_PACKED=w.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and w.k % block_k == 0,
+        num_warps=cfg.num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    weight: GpuWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for any scheme ``GpuWeight`` holds."""
+    return _launch(x, weight, bias, out, config, silu_mul=False)
+
+
+def linear_silu_mul(
+    x: torch.Tensor,
+    weight: GpuWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """The fused gate/up projection and SiLU-mul: W [2F, K] is gate rows then up rows -> [M, F]."""
+    return _launch(x, weight, bias, out, config, silu_mul=True)
+
+
+def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for x [T, 2F] holding gate then up -> [T, F]."""
+    check_float("x", x)
+    x = rows_of("x", x)
+    t, f2 = x.shape
+    if f2 % 2:
+        raise ValueError(f"fused width {f2} is odd")
+    f = f2 // 2
+    out = torch.empty((t, f), dtype=x.dtype, device=x.device) if out is None else out
+    if t:
+        block = min(1024, next_pow2(f))
+        _silu_mul_kernel[(t, triton.cdiv(f, block))](x, out, f, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+def dequantize_ref(w: GpuWeight) -> torch.Tensor:
+    """The fp32 W [N, K] that ``w`` stands for (torch; the oracle for these kernels)."""
+    n, k = w.n, w.k
+    if w.scheme == "none":
+        return w.weight.float()
+    if w.scheme == "w8a16":
+        return w.weight.float() * w.scales[:, None]
+    if w.scheme == "int4":
+        return _int4_ref(w.weight, w.scales, w.zeros, w.group_size, w.symmetric, k)
+    vals = w.weight.float() if w.scheme == "sparse24" else _int4_ref(w.weight, w.scales, w.zeros, w.group_size,
+                                                                     w.symmetric, k // 2)  # fmt: skip
+    meta = w.meta.to(torch.int32)
+    if w.layout == "sparse24_nibble_meta":
+        meta = torch.stack([meta & 0xF, meta >> 4], dim=-1).reshape(n, k // 4)
+    pairs = vals.reshape(n, k // 4, 2)
+    dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=w.weight.device)
+    dense.scatter_(2, (meta & 3).long()[..., None], pairs[..., :1])
+    dense.scatter_(2, ((meta >> 2) & 3).long()[..., None], pairs[..., 1:])
+    return dense.reshape(n, k)
+
+
+def _int4_ref(packed, scales, zeros, group: int, symmetric: bool, cols: int) -> torch.Tensor:
+    p = packed.to(torch.int32)
+    q = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], cols).float()
+    s = scales.repeat_interleave(group, dim=1)[:, :cols]
+    z = 8.0 if symmetric else zeros.float().repeat_interleave(group, dim=1)[:, :cols]
+    return (q - z) * s
+
+
+def linear_ref(x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 x @ dequantize(W)^T (+ bias), cast to x's dtype."""
+    y = x.float() @ dequantize_ref(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    g, u = x.float().chunk(2, dim=1)
+    return (torch.nn.functional.silu(g) * u).to(x.dtype)
+
+
+def linear_silu_mul_ref(x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ dequantize_ref(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return silu_mul_ref(y).to(x.dtype)

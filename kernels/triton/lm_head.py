@@ -1,0 +1,125 @@
+"""The LM head fused with argmax, for greedy decoding.
+
+Each program computes the logits of one vocabulary tile for a block of rows, keeps only each row's
+largest logit and its index, and writes those [R, V / BLOCK_N] pairs; a second small kernel reduces
+them per row. The [R, V] logits never reach device memory, which at batch 1 leaves the weight read
+as the only real traffic. Ties go to the smallest token id, like numpy's and torch's argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_float, dot_precision, next_pow2, rows_of
+from .linear import (
+    GEMV_MAX_M,
+    SCHEME_IDS,
+    GpuWeight,
+    LinearConfig,
+    _mm_tile,
+    default_config,
+    dequantize_ref,
+    min_block_k,
+)
+
+__all__ = ["lm_head_argmax", "lm_head_argmax_ref"]
+
+
+@triton.jit
+def _lm_head_tile_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, part_v_ptr, part_i_ptr,
+    M, N, K, stride_xm, stride_w, stride_s, stride_m, num_tiles,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                   rn, n_mask, K, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # The logits are rounded to the activation dtype first, as an unfused lm_head would store them.
+    acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    acc = tl.where(n_mask[None, :], acc, float("-inf"))
+    best = tl.max(acc, axis=1)  # [BLOCK_M]
+    idx = tl.argmax(acc, axis=1, tie_break_left=True) + pid_n * BLOCK_N
+    dst = rm.to(tl.int64) * num_tiles + pid_n
+    tl.store(part_v_ptr + dst, best, mask=m_mask)
+    tl.store(part_i_ptr + dst, idx, mask=m_mask)
+
+
+@triton.jit
+def _argmax_merge_kernel(part_v_ptr, part_i_ptr, ids_ptr, vals_ptr, num_tiles, BLOCK_T: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    best = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_T], 2147483647, tl.int32)
+    for t0 in range(0, num_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        v = tl.load(part_v_ptr + r * num_tiles + t, mask=t < num_tiles, other=float("-inf"))
+        i = tl.load(part_i_ptr + r * num_tiles + t, mask=t < num_tiles, other=2147483647)
+        # Lanes keep their best; earlier tiles hold smaller ids, so only a strictly larger value wins.
+        better = v > best
+        best = tl.where(better, v, best)
+        best_i = tl.where(better, i, best_i)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
+    tl.store(ids_ptr + r, token)
+    tl.store(vals_ptr + r, top)
+
+
+def lm_head_argmax(
+    x: torch.Tensor,
+    weight: GpuWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens for x [R, H] and W [V, H]: (ids [R] int32, their logits [R] fp32)."""
+    check_float("x", x)
+    x = rows_of("x", x, weight.k)
+    m, n = x.shape[0], weight.n
+    cfg = config or default_config(m, n, weight.k, weight.scheme)
+    use_dot = m > GEMV_MAX_M if config is None else cfg.block_m >= 16
+    block_m = cfg.block_m if use_dot else 1  # the GEMV takes one row per program
+    block_k = max(min(cfg.block_k, next_pow2(weight.k)), min_block_k(weight))
+    num_tiles = triton.cdiv(n, cfg.block_n)
+    ids = torch.empty(m, dtype=torch.int32, device=x.device)
+    vals = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return ids, vals
+    part_v = torch.empty((m, num_tiles), dtype=torch.float32, device=x.device)
+    part_i = torch.empty((m, num_tiles), dtype=torch.int32, device=x.device)
+    s, z, meta = weight.scales, weight.zeros, weight.meta
+    _lm_head_tile_kernel[(triton.cdiv(m, block_m), num_tiles)](
+        x, weight.weight, s if s is not None else x, z if z is not None else x, meta if meta is not None else x,
+        bias if bias is not None else x, part_v, part_i,
+        m, n, weight.k, x.stride(0), weight.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
+        meta.stride(0) if meta is not None else 0, num_tiles,
+        SCHEME=SCHEME_IDS[weight.scheme], GROUP=weight.group_size or 1, SYMMETRIC=weight.symmetric,
+        META_PACKED=weight.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None,
+        USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and weight.k % block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    block_t = min(1024, next_pow2(num_tiles))
+    _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4)
+    return ids, vals
+
+
+def lm_head_argmax_ref(
+    x: torch.Tensor, weight: GpuWeight, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits in fp32, rounded to x's dtype, then torch.argmax (first index on ties)."""
+    logits = x.float() @ dequantize_ref(weight).T
+    if bias is not None:
+        logits = logits + bias.float()
+    logits = logits.to(x.dtype).float()
+    ids = logits.argmax(dim=1)
+    return ids.to(torch.int32), logits.gather(1, ids[:, None])[:, 0]

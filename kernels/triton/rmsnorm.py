@@ -1,0 +1,144 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every transformer block.
+
+``rms_norm(x, w, eps)`` is the IR's ``rms_norm`` op; with ``residual`` it computes
+``s = x + residual`` (rounded to the IO dtype, as the unfused add would), returns ``norm(s) * w``
+and ``s``, reading each input once and writing each output once. Sums of squares are fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_float, next_pow2, rows_of
+
+__all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS"]
+
+MAX_COLS = 65536  # one program holds a whole row in registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    rows, cols, stride_x, stride_r, stride_o, stride_ro, eps,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    r64 = r.to(tl.int64)[:, None]
+    cmask = c < cols
+    mask = (r < rows)[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + r64 * stride_x + c[None, :], mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
+    if HAS_RES:
+        res = tl.load(res_ptr + r64 * stride_r + c[None, :], mask=mask, other=0.0)
+        # Round the sum to the IO dtype first: the next layer reads that rounded residual.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + r64 * stride_ro + c[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / cols + eps)  # [BLOCK_M]
+    y = xf * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + r64 * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class RMSNormConfig:
+    """Launch configuration (what the autotune pass stores per shape)."""
+
+    block_m: int  # rows per program
+    num_warps: int
+
+
+# Candidates the autotune pass and the benchmark sweep.
+CONFIGS = [RMSNormConfig(m, w) for m in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)]
+
+
+def default_config(rows: int, cols: int) -> RMSNormConfig:
+    """A good guess without tuning: about 2-4K elements per program, 16 elements per thread."""
+    block_n = next_pow2(cols)
+    block_m = max(1, min(16, 2048 // block_n, next_pow2(rows)))
+    num_warps = max(1, min(16, block_m * block_n // 512))
+    return RMSNormConfig(block_m, num_warps)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    group: int | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: RMSNormConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [T, F] over each contiguous group of ``group`` features (default F), times weight [group].
+
+    With ``residual`` [T, F], normalizes ``x + residual`` and returns ``(out, x + residual)``.
+    """
+    check_float("x", x)
+    x = rows_of("x", x)
+    t, f = x.shape
+    group = f if group is None else int(group)
+    if f % group:
+        raise ValueError(f"width {f} is not a multiple of group {group}")
+    if group > MAX_COLS:
+        raise ValueError(f"group {group} is wider than {MAX_COLS}, the widest row one program holds")
+    if weight is not None and tuple(weight.shape) != (group,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({group},)")
+    res_out = None
+    if residual is not None:
+        residual = rows_of("residual", residual, f)
+        if residual.shape[0] != t:
+            raise ValueError(f"residual has {residual.shape[0]} rows, x has {t}")
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    if t == 0:
+        return out if residual is None else (out, res_out)
+    # Groups narrower than the row are rows of their own: [T, F] -> [T*F/group, group].
+    xs = _as_groups(x, group)
+    rs = _as_groups(residual, group) if residual is not None else xs
+    os_ = _as_groups(out, group)
+    ros = _as_groups(res_out, group) if res_out is not None else os_
+    rows = xs.shape[0]
+    cfg = config or default_config(rows, group)
+    grid = (triton.cdiv(rows, cfg.block_m),)
+    _rms_norm_kernel[grid](
+        xs, rs, weight if weight is not None else xs, os_, ros,
+        rows, group, xs.stride(0), rs.stride(0), os_.stride(0), ros.stride(0), float(eps),
+        HAS_RES=residual is not None, HAS_W=weight is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=next_pow2(group), num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+def _as_groups(t: torch.Tensor, group: int) -> torch.Tensor:
+    if t.shape[1] == group:
+        return t
+    if t.stride(0) != t.shape[1]:
+        raise ValueError("grouped RMSNorm needs contiguous rows")
+    return t.view(-1, group)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    group: int | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference: fp32 math, the sum rounded to the IO dtype like the unfused add."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    t, f = x.shape
+    group = f if group is None else group
+    g = x.float().reshape(t, f // group, group)
+    y = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    y = y.reshape(t, f).to(x.dtype)
+    return y if residual is None else (y, x)

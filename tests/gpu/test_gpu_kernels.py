@@ -1,0 +1,206 @@
+"""The GPU kernels compiled for a real GPU, on model-sized shapes: the native CUDA RMSNorm built with
+nvcc and loaded through the driver API (and its fallback), CUDA graph capture, and the Triton
+kernels at Llama-3.1-8B shapes against torch references. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+
+from mgx.kernels.cuda import build, driver  # noqa: E402
+from mgx.kernels.cuda import rmsnorm as crms  # noqa: E402
+from mgx.kernels.triton import attention as att  # noqa: E402
+from mgx.kernels.triton import linear as lin  # noqa: E402
+from mgx.kernels.triton import lm_head, rope  # noqa: E402
+from mgx.kernels.triton import rmsnorm as trms  # noqa: E402
+from mgx.kernels.triton.testing import make_weight, paged_batch  # noqa: E402
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    assert not torch.isnan(got).any(), "NaN in output"
+    return float((got - want).norm() / want.norm())
+
+
+def device_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+@pytest.fixture(scope="module")
+def native():
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    arch = device_arch()
+    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch), arch)
+    assert kernels is not None
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("rows", "cols", "group"), [(1, 4096, None), (37, 4096, None), (8, 8192, None), (300, 1024, None), (5, 4096, 128)]
+)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_rmsnorm(native, dtype, rows, cols, group, with_residual) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", generator=g).to(dtype) * 2
+    r = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
+    w = torch.randn(group or cols, device="cuda", generator=g).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    res = r if with_residual else None
+    got = crms.rms_norm(x, w, 1e-6, kernels=native, group=group, residual=res, out=out)
+    want = trms.rms_norm_ref(x, w, 1e-6, group=group, residual=res)
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the same rounding of the same sum
+        got, want = got[0], want[0]
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 5e-3}[dtype]
+    assert rel_err(got, want) < tol
+    # Same inputs through Triton: both round fp32 results to nearest, so they agree closely.
+    tri = trms.rms_norm(x, w, 1e-6, group=group, residual=res)
+    tri = tri[0] if with_residual else tri
+    assert rel_err(got, tri) < tol
+
+
+def test_native_rmsnorm_falls_back_on_odd_shapes(native) -> None:
+    x = torch.randn(3, 100, device="cuda", dtype=torch.bfloat16)  # 100 * 2 bytes is no multiple of 16
+    w = torch.randn(100, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(crms.rms_norm(x, w, 1e-6, kernels=native), trms.rms_norm(x, w, 1e-6))
+
+
+def test_code_for_another_gpu_falls_back_and_warns_once() -> None:
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    other = "sm_80" if torch.cuda.get_device_capability()[0] != 8 else "sm_90a"
+    image = build.build_cuda_kernels(other)
+    crms.reset_fallback_warning()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert crms.load_cuda_kernels(image, other) is None  # the recorded arch says no
+        assert crms.load_cuda_kernels(image, None) is None  # the cubin's own header says no
+    messages = [str(w.message) for w in seen if "Triton RMSNorm" in str(w.message)]
+    assert len(messages) == 1 and other in messages[0]
+
+
+def test_driver_reads_the_cubin_arch() -> None:
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    major, minor = torch.cuda.get_device_capability()
+    image = build.build_cuda_kernels(device_arch())
+    assert driver.cubin_sm(image) == 10 * major + minor
+    assert driver.device_sm(torch.cuda.current_device()) == 10 * major + minor
+
+
+def test_decode_step_replays_in_a_cuda_graph(native) -> None:
+    """Native RMSNorm, RoPE + cache write and split decode attention captured once, replayed on new data."""
+    hq, hk, d, page = 32, 8, 128, 16
+    b = paged_batch([3000, 70, 1, 513], [1, 1, 1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
+                    dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    hidden = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    q, k, v = b.q.clone(), b.k.clone(), b.v.clone()
+
+    def step():
+        normed = crms.rms_norm(hidden, w, 1e-5, kernels=native)
+        rope.rope_and_write_kv(q, k, v, b.positions, inv, b.k_cache, b.v_cache, b.block_table, b.query_start_loc,
+                               head_dim=d)  # fmt: skip
+        return normed, att.paged_attention_decode(q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
+                                                  scale=d**-0.5, num_splits=8)  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, out = step()
+    for _ in range(2):
+        hidden.copy_(torch.randn_like(hidden))
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        q0, k0 = q.clone(), k.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(normed, trms.rms_norm_ref(hidden, w, 1e-5)) < 5e-3
+        want_q, _ = rope.rope_ref(q0, k0, b.positions, inv, head_dim=d)
+        want = att.paged_attention_ref(want_q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
+                                       b.query_start_loc, b.positions, scale=d**-0.5)  # fmt: skip
+        assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("scheme", ["none", "w8a16", "int4", "int4-sym", "sparse24", "sparse24-nibble", "sparse24_int4"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (1, 4096, 14336), (4, 1024, 4096), (64, 2048, 4096), (300, 1024, 2048)])
+def test_linear_llama_shapes(scheme: str, m: int, n: int, k: int) -> None:
+    kw = {"int4": {"group_size": 128}, "int4-sym": {"group_size": 128, "symmetric": True},
+          "sparse24-nibble": {"layout": "sparse24_nibble_meta"}, "sparse24_int4": {"group_size": 128}}.get(scheme, {})  # fmt: skip
+    w = make_weight(scheme.split("-")[0], n, k, device="cuda", **kw)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    assert rel_err(lin.linear(x, w), lin.linear_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 48])
+def test_gate_up_silu_llama(m: int) -> None:
+    w = make_weight("int4", 2 * 14336, 4096, device="cuda", group_size=128)
+    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    assert rel_err(lin.linear_silu_mul(x, w), lin.linear_silu_mul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize(("contexts", "queries", "window"), [([2048], [2048], 0), ([700, 1500, 33], [700, 10, 33], 0),
+                                                            ([4000, 300], [64, 300], 256)])  # fmt: skip
+def test_prefill_long(contexts, queries, window) -> None:
+    b = paged_batch(contexts, queries, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                    dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    out = att.paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc,
+                              b.positions, scale=128**-0.5, sliding_window=window)  # fmt: skip
+    want = att.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc,
+                                   b.positions, scale=128**-0.5, sliding_window=window)  # fmt: skip
+    assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_window_tile_sizes(block_m: int, dtype: torch.dtype) -> None:
+    """32-row tiles with a sliding window returned zeros on an H200 (Triton 3.6); the wrapper avoids them."""
+    g = torch.Generator().manual_seed(14)
+    b = paged_batch([12, 20], [5, 20], num_heads=4, num_kv_heads=1, head_dim=16, block_size=8, dtype=dtype,
+                    device="cuda", generator=g)  # fmt: skip
+    att.write_kv(b.k, b.v, b.positions, b.k_cache, b.v_cache, b.block_table, b.query_start_loc)
+    out = att.paged_attention_prefill(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc,
+                                      b.positions, scale=0.25, sliding_window=6, block_m=block_m)  # fmt: skip
+    want = att.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc,
+                                   b.positions, scale=0.25, sliding_window=6)  # fmt: skip
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 64])
+def test_decode_long_context(splits) -> None:
+    b = paged_batch([32768, 5, 9000], [1, 1, 1], num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                    dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    out = att.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.09,
+                                     num_splits=splits)  # fmt: skip
+    want = att.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc,
+                                   b.positions, scale=0.09)  # fmt: skip
+    assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_lm_head_argmax_llama_vocab(rows: int) -> None:
+    w = make_weight("none", 128256, 4096, device="cuda")
+    x = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
+    ids, vals = lm_head.lm_head_argmax(x, w)
+    logits = torch.nn.functional.linear(x, w.weight).float()
+    want = logits.argmax(-1)
+    # cuBLAS sums in another order, so near-ties may round apart: the chosen logit must be a top one.
+    top = logits.max(-1).values
+    chosen = logits.gather(1, ids.long()[:, None])[:, 0]
+    assert bool(((ids.long() == want) | (chosen >= top - 1e-2 * top.abs())).all())
+    torch.testing.assert_close(vals, top, atol=2e-2, rtol=1e-2)

@@ -1,0 +1,156 @@
+"""Weight-only quantized and 2:4-sparse linear kernels (GEMV and GEMM paths), the fused gate/up
+SiLU-mul, and the GPU weight layout; weights are checked against formats/README's definitions."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mgx.formats.ir import DType, Tensor  # noqa: E402
+from mgx.kernels import reference as ref  # noqa: E402
+from mgx.kernels.triton import layouts  # noqa: E402
+from mgx.kernels.triton import linear as lin  # noqa: E402
+from mgx.kernels.triton.testing import make_weight  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+WEIGHTS = {
+    "dense": ("none", {}),
+    "w8a16": ("w8a16", {}),
+    "int4-g32": ("int4", {"group_size": 32}),
+    "int4-g64-sym": ("int4", {"group_size": 64, "symmetric": True}),
+    "sparse24": ("sparse24", {}),
+    "sparse24-nibble": ("sparse24", {"layout": "sparse24_nibble_meta"}),
+    "sparse24-int4-g32": ("sparse24_int4", {"group_size": 32}),
+    "sparse24-int4-nibble-sym": ("sparse24_int4", {"group_size": 64, "symmetric": True, "layout": "sparse24_nibble_meta"}),
+}
+
+
+def oracle_dequantize(w: lin.GpuWeight) -> np.ndarray:
+    """The numpy oracle (``reference.dequantize``) on the same bytes, as IR tensors in the row_major layout."""
+
+    def arr(t: torch.Tensor) -> np.ndarray:
+        if t.dtype == torch.bfloat16:
+            return t.cpu().view(torch.int16).numpy().view(np.uint16)
+        return t.cpu().numpy()
+
+    dtypes = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16, torch.int8: DType.I8,
+              torch.uint8: DType.U8}  # fmt: skip
+    params = {"cols": w.k}
+    if w.scheme in ("int4", "sparse24_int4"):
+        params.update(group_size=w.group_size, symmetric=w.symmetric)
+    roles = {"scales": w.scales, "zeros": w.zeros, "meta": w.meta}
+    arrays = {role: arr(t) for role, t in roles.items() if t is not None}
+    if w.layout == "sparse24_nibble_meta":
+        arrays = layouts.unpack_sparse24_nibble_meta(arrays, params)
+
+    def tensor(name: str, t: torch.Tensor, a: np.ndarray) -> Tensor:
+        return Tensor(name, dtypes[t.dtype], a.shape, a, w.scheme, params)
+
+    aux = {role: tensor(role, roles[role], a) for role, a in arrays.items()}
+    return ref.dequantize(tensor("w", w.weight, arr(w.weight)), aux)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_dequantize_ref_matches_the_numpy_oracle(name: str) -> None:
+    scheme, kw = WEIGHTS[name]
+    w = make_weight(scheme, 6, 256, dtype=torch.float32, generator=torch.Generator().manual_seed(1), **kw)
+    np.testing.assert_array_equal(lin.dequantize_ref(w).cpu().numpy(), oracle_dequantize(w))
+
+
+def test_int4_with_a_short_last_group() -> None:
+    g = torch.Generator().manual_seed(8)
+    n, k, group = 5, 96, 64  # two groups: 64 columns, then 32
+    w = lin.GpuWeight("int4", n, k, torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).to(DEVICE),
+                      scales=torch.rand(n, 2, generator=g).to(DEVICE),
+                      zeros=torch.randint(0, 16, (n, 2), generator=g, dtype=torch.uint8).to(DEVICE),
+                      group_size=group, symmetric=False)  # fmt: skip
+    np.testing.assert_array_equal(lin.dequantize_ref(w).cpu().numpy(), oracle_dequantize(w))
+    x = torch.randn(2, k, generator=g).to(DEVICE)
+    torch.testing.assert_close(lin.linear(x, w), lin.linear_ref(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_linear_fp32(name: str, m: int) -> None:
+    scheme, kw = WEIGHTS[name]
+    g = torch.Generator().manual_seed(m)
+    w = make_weight(scheme, 40, 256, dtype=torch.float32, device=DEVICE, generator=g, **kw)
+    x = torch.randn(m, 256, generator=g).to(DEVICE)
+    bias = torch.randn(40, generator=g).to(DEVICE)
+    got = lin.linear(x, w, bias)
+    want = lin.linear_ref(x, w, bias)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    oracle = ref.linear(x.cpu().numpy(), lin.dequantize_ref(w).cpu().numpy(), bias.cpu().numpy())
+    np.testing.assert_allclose(got.cpu().numpy(), oracle, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dense", "w8a16", "int4-g32", "sparse24-nibble", "sparse24-int4-g32"])
+@pytest.mark.parametrize("m", [1, 17])
+def test_linear_bf16(name: str, m: int) -> None:
+    scheme, kw = WEIGHTS[name]
+    g = torch.Generator().manual_seed(3)
+    w = make_weight(scheme, 64, 128, dtype=torch.bfloat16, device=DEVICE, generator=g, **kw)
+    x = torch.randn(m, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = lin.linear(x, w).float()
+    want = lin.linear_ref(x, w).float()
+    assert ((got - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["dense", "int4-g64-sym", "sparse24"])
+@pytest.mark.parametrize("m", [2, 24])
+def test_linear_silu_mul(name: str, m: int) -> None:
+    scheme, kw = WEIGHTS[name]
+    g = torch.Generator().manual_seed(4)
+    w = make_weight(scheme, 2 * 24, 128, dtype=torch.float32, device=DEVICE, generator=g, **kw)
+    x = torch.randn(m, 128, generator=g).to(DEVICE)
+    got = lin.linear_silu_mul(x, w)
+    torch.testing.assert_close(got, lin.linear_silu_mul_ref(x, w), atol=1e-5, rtol=1e-5)
+    y = ref.linear(x.cpu().numpy(), lin.dequantize_ref(w).cpu().numpy())
+    np.testing.assert_allclose(got.cpu().numpy(), ref.silu_mul(y), atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul() -> None:
+    x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 4
+    got = lin.silu_mul(x)
+    torch.testing.assert_close(got, lin.silu_mul_ref(x), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got.cpu().numpy(), ref.silu_mul(x.cpu().numpy()), atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_configs_agree() -> None:
+    g = torch.Generator().manual_seed(6)
+    w = make_weight("int4", 64, 256, dtype=torch.float32, device=DEVICE, generator=g, group_size=64)
+    x = torch.randn(1, 256, generator=g).to(DEVICE)
+    want = lin.linear_ref(x, w)
+    for cfg in (lin.LinearConfig(1, 8, 128, 4, 2), lin.LinearConfig(1, 32, 64, 4, 2), lin.LinearConfig(16, 16, 64, 4, 2)):
+        torch.testing.assert_close(lin.linear(x, w, config=cfg), want, atol=1e-5, rtol=1e-5)
+
+
+def test_nibble_meta_layout_round_trips() -> None:
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 3, (5, 16))
+    second = first + 1 + rng.integers(0, 3 - first)
+    meta = (first | (second << 2)).astype(np.uint8)
+    vals = rng.standard_normal((5, 32)).astype(np.float32)
+    packed = layouts.pack_sparse24_nibble_meta({"weight": vals, "meta": meta}, {"cols": 64})
+    assert packed["meta"].shape == (5, 8) and packed["weight"] is vals
+    back = layouts.unpack_sparse24_nibble_meta(packed, {"cols": 64})
+    np.testing.assert_array_equal(back["meta"], meta)
+    with pytest.raises(ValueError, match="above bit 3"):
+        layouts.pack_sparse24_nibble_meta({"meta": meta | 0x80}, {})
+
+
+def test_weight_validation_names_the_problem() -> None:
+    with pytest.raises(ValueError, match="scheme 'int8'"):
+        lin.GpuWeight("int8", 4, 4, torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="scales shape"):
+        lin.GpuWeight("w8a16", 4, 8, torch.zeros(4, 8, dtype=torch.int8), scales=torch.zeros(3))
+    with pytest.raises(ValueError, match="group_size"):
+        lin.GpuWeight("int4", 4, 64, torch.zeros(4, 32, dtype=torch.uint8), scales=torch.zeros(4, 2), group_size=48)

@@ -1,0 +1,42 @@
+"""The LM head fused with argmax: greedy ids and their logits, without [R, V] logits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mgx.kernels.triton import lm_head  # noqa: E402
+from mgx.kernels.triton.linear import GpuWeight, LinearConfig  # noqa: E402
+from mgx.kernels.triton.testing import make_weight  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("scheme", "rows"), [("none", 1), ("none", 5), ("w8a16", 2), ("int4", 3), ("none", 20)])
+def test_lm_head_argmax(scheme: str, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = make_weight(scheme, 333, 64, dtype=torch.float32, device=DEVICE, generator=g, group_size=32)
+    x = torch.randn(rows, 64, generator=g).to(DEVICE)
+    ids, vals = lm_head.lm_head_argmax(x, w)
+    want_ids, want_vals = lm_head.lm_head_argmax_ref(x, w)
+    assert ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(vals, want_vals, atol=1e-5, rtol=1e-5)
+
+
+def test_ties_go_to_the_smallest_id_across_tiles() -> None:
+    v, h = 100, 16
+    weight = torch.zeros(v, h, device=DEVICE)
+    weight[[7, 40, 93], 0] = 1.0  # three equal best logits in three different tiles
+    weight[3, 1] = 1.0
+    x = torch.zeros(2, h, device=DEVICE)
+    x[0, 0] = 2.0
+    x[1, 1] = 1.0
+    ids, vals = lm_head.lm_head_argmax(x, GpuWeight("none", v, h, weight), config=LinearConfig(1, 16, 16, 4, 2))
+    assert ids.tolist() == [7, 3]
+    assert vals.tolist() == [2.0, 1.0]

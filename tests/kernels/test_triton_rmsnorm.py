@@ -1,0 +1,119 @@
+"""Triton RMSNorm (plain, grouped, with the residual add) and the CUDA RMSNorm's build, load and fallback.
+
+Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. The interpreter rounds
+fp32 -> bf16 by truncation (the GPU rounds to nearest), so bf16 checks allow two bf16 steps.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mgx.kernels import reference as ref  # noqa: E402
+from mgx.kernels.cuda import build, driver  # noqa: E402
+from mgx.kernels.cuda import rmsnorm as cuda_rmsnorm  # noqa: E402
+from mgx.kernels.triton import rmsnorm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# dtype -> (atol, rtol) for outputs of about unit size
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "cols", "group"), [(1, 64, None), (7, 96, None), (5, 64, 16), (3, 40, 8)])
+def test_rms_norm_matches_torch_and_numpy(dtype: torch.dtype, rows: int, cols: int, group: int | None) -> None:
+    g = gen(rows * cols)
+    x = rand(g, rows, cols, dtype=dtype) * 3
+    w = rand(g, group or cols, dtype=dtype)
+    out = torch.full_like(x, float("nan"))  # every element must be written
+    got = rmsnorm.rms_norm(x, w, 1e-5, group=group, out=out)
+    want = rmsnorm.rms_norm_ref(x, w, 1e-5, group=group)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol * 3, rtol=rtol)
+    oracle = ref.rms_norm(x.float().cpu().numpy(), w.float().cpu().numpy(), eps=1e-5, group=group or cols)
+    np.testing.assert_allclose(got.float().cpu().numpy(), oracle, atol=atol * 3, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_add(dtype: torch.dtype) -> None:
+    g = gen(1)
+    x, r, w = rand(g, 6, 128, dtype=dtype), rand(g, 6, 128, dtype=dtype), rand(g, 128, dtype=dtype)
+    out, summed = rmsnorm.rms_norm(x, w, 1e-6, residual=r)
+    want_out, want_sum = rmsnorm.rms_norm_ref(x, w, 1e-6, residual=r)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(summed.float(), want_sum.float(), atol=atol * 4, rtol=rtol)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=atol * 3, rtol=rtol)
+
+
+def test_no_weight_and_strided_rows() -> None:
+    g = gen(2)
+    big = rand(g, 4, 80)
+    x = big[:, :48]  # rows 80 apart
+    got = rmsnorm.rms_norm(x, None, 1e-6)
+    torch.testing.assert_close(got, rmsnorm.rms_norm_ref(x, None, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_shapes() -> None:
+    x = torch.zeros(2, 12, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of group"):
+        rmsnorm.rms_norm(x, None, 1e-6, group=5)
+    with pytest.raises(ValueError, match="weight shape"):
+        rmsnorm.rms_norm(x, torch.ones(11, device=DEVICE), 1e-6)
+
+
+# --- the native CUDA RMSNorm: build, arch checks, fallback ---------------------------------------
+
+
+def test_arch_matching_rules() -> None:
+    assert cuda_rmsnorm.arch_runs_on("sm_90a", 90)
+    assert not cuda_rmsnorm.arch_runs_on("sm_90a", 100)
+    assert cuda_rmsnorm.arch_runs_on("sm_80", 86)
+    assert not cuda_rmsnorm.arch_runs_on("sm_86", 80)
+    assert not cuda_rmsnorm.arch_runs_on("sm_80", 90)
+    assert not cuda_rmsnorm.arch_runs_on("bogus", 90)
+    assert build.gencode("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
+    with pytest.raises(build.CudaBuildError):
+        build.gencode("hopper")
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize(("arch", "sm"), [("sm_90a", 90), ("sm_80", 80)])
+def test_build_gives_a_cubin_for_the_arch(arch: str, sm: int) -> None:
+    image = build.build_cuda_kernels(arch)
+    assert image[:4] == b"\x7fELF"
+    assert driver.cubin_sm(image) == sm
+    for name in (b"mgx_rms_norm_bf16", b"mgx_rms_norm_f16", b"mgx_rms_norm_f32"):
+        assert name in image
+
+
+def test_without_native_kernels_falls_back_to_triton_and_warns_once() -> None:
+    g = gen(3)
+    x, w = rand(g, 3, 64, dtype=torch.bfloat16), rand(g, 64, dtype=torch.bfloat16)
+    cuda_rmsnorm.reset_fallback_warning()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            assert cuda_rmsnorm.load_cuda_kernels(None, None) is None
+            assert cuda_rmsnorm.load_cuda_kernels(b"\x7fELF-not-really", "sm_10a") is None
+        else:
+            cuda_rmsnorm._fallback("no GPU")
+            cuda_rmsnorm._fallback("no GPU")
+    assert len([w_ for w_ in seen if "Triton RMSNorm" in str(w_.message)]) == 1
+    got = cuda_rmsnorm.rms_norm(x, w, 1e-6, kernels=None)
+    torch.testing.assert_close(got, rmsnorm.rms_norm(x, w, 1e-6))
