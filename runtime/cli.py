@@ -283,3 +283,122 @@ def bench(
             f.write(text + "\n")
     else:
         click.echo(text)
+
+
+@main.command()
+@click.argument("model", metavar="MODEL.mgx")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface)."
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to bind.")
+@click.option(
+    "--api-key",
+    envvar="MGX_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: MGX_API_KEY).",
+)
+@click.option(
+    "--served-model-name",
+    multiple=True,
+    help="Model id clients name (repeatable). Default: the artifact's name, else the file name.",
+)
+@click.option("--kv-memory", help=_KV_MEMORY_HELP)
+@click.option(
+    "--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block."
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Most sequences per step.",
+)
+@click.option(
+    "--max-tokens-per-step",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Token budget of a step.",
+)
+@click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off.")
+@click.option(
+    "--max-pending",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Requests held at once (running or queued); more are answered 429 with Retry-After.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, seconds to let running requests finish before aborting them.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="info",
+    show_default=True,
+)
+@click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@_user_errors
+def serve(
+    model: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: tuple[str, ...],
+    kv_memory: str | None,
+    block_size: int,
+    max_num_seqs: int,
+    max_tokens_per_step: int,
+    no_prefix_cache: bool,
+    max_pending: int,
+    shutdown_timeout: float,
+    log_level: str,
+    access_log: bool,
+) -> None:
+    """Serve MODEL.mgx over an OpenAI-compatible HTTP API until SIGTERM.
+
+    \b
+    Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent
+    events), GET /v1/models, /health, /metrics (Prometheus), /dashboard (live charts).
+    """
+    from .engine import Engine
+    from .errors import EngineError
+
+    try:
+        from .server import ServerConfig
+        from .server import serve as run_server
+    except ImportError as e:  # a trimmed install
+        raise EngineError(
+            f"serving needs starlette and uvicorn ({e}); pip install starlette uvicorn"
+        ) from None
+
+    path = _model_path(model)
+    config = _engine_config(
+        kv_memory,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_tokens_per_step=max_tokens_per_step,
+        prefix_caching=not no_prefix_cache,
+    )
+    engine = Engine(path, config=config)
+    names = served_model_name or (
+        engine.contents.metadata.get("name") or os.path.basename(path).removesuffix(".mgx"),
+    )
+    try:
+        server_config = ServerConfig(model_names=tuple(names), api_key=api_key, max_pending=max_pending)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    click.echo(engine.cache_plan.describe(), err=True)
+    click.echo(f"serving {names[0]!r} on http://{host}:{port} (dashboard: /dashboard)", err=True)
+    run_server(
+        engine,
+        server_config,
+        host=host,
+        port=port,
+        shutdown_timeout=shutdown_timeout,
+        log_level=log_level,
+        access_log=access_log,
+    )

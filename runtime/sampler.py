@@ -59,6 +59,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ["torch", "transformers", "triton", "mgx.compiler", "mgx.passes"]
-ALLOWED = {"numpy", "tokenizers", "jinja2", "click", "zstandard", "flatbuffers", "mgx"}
+ALLOWED = {"numpy", "tokenizers", "jinja2", "click", "zstandard", "flatbuffers", "mgx", "starlette", "uvicorn", "anyio"}
 
 
 def loaded_after(code: str) -> set[str]:

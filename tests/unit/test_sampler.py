@@ -130,3 +130,13 @@ def test_invalid_params_are_refused(bad: dict) -> None:
 
 def test_a_single_stop_string_is_a_tuple_of_one() -> None:
     assert SamplingParams(stop="###").stop == ("###",)
+
+
+def test_out_of_range_seed_is_refused_when_the_request_is_made() -> None:
+    import pytest
+
+    from mgx.runtime.sampler import SamplingParams
+
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=-1)
+    SamplingParams(seed=2**64 - 1)
