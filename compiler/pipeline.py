@@ -1,17 +1,19 @@
-"""The compile driver: source -> trace -> lower -> passes -> golden -> artifact.
+"""The compile driver: source -> trace -> lower -> storage dtype -> passes -> golden -> artifact.
 
 The pipeline is a visible, named list of steps; each pass named in model.yaml runs in order, is
-logged with its effect, and is followed by the IR verifier.
+logged with its effect, and is followed by the IR verifier. Passes see the weights as they will be
+stored (already in the storage dtype). When passes ran, the golden outputs come from a copy of the
+source model that holds the graph's effective weights (dequantized, folded, pruned: ``write_back``),
+so they are what transformers computes with the weights as stored.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from mgx.formats import ir
 from mgx.formats.artifact import (
@@ -24,12 +26,14 @@ from mgx.formats.artifact import (
     PassRecord,
     write_artifact,
 )
-from mgx.passes import get_pass
+from mgx.passes import PassContext, get_pass, to_storage
 
 from ._progress import Progress
+from .calibrate import CalibrationError, collect_hessians, parse_calibration
 from .spec import ModelSpec
+from .writeback import WriteBackError, write_back
 
-__all__ = ["CompileError", "CompileResult", "compile_model", "STORAGE_DTYPES"]
+__all__ = ["CompileError", "CompileResult", "compile_model", "run_passes", "to_storage", "STORAGE_DTYPES"]
 
 STORAGE_DTYPES = {"fp32": ir.DType.F32, "bf16": ir.DType.BF16, "fp16": ir.DType.F16}
 # Tensors kept in fp32 whatever the storage dtype: tiny, and precision matters.
@@ -64,22 +68,6 @@ def _round_model_weights(model: Any, dtype: str) -> None:
             p.copy_(p.to(target).to(torch.float32))
 
 
-def to_storage(array: np.ndarray, dtype: ir.DType) -> np.ndarray:
-    """An fp32 array in the storage dtype (bf16 as uint16 bits, rounded to nearest even)."""
-    array = np.ascontiguousarray(array, dtype=np.float32)
-    if dtype == ir.DType.F32:
-        return array
-    if dtype == ir.DType.F16:
-        return array.astype(np.float16)
-    bits = array.view(np.uint32)
-    rounding = ((bits >> 16) & 1) + 0x7FFF
-    out = ((bits + rounding) >> 16).astype(np.uint16)
-    nan = np.isnan(array)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
 def convert_tensors(graph: ir.Graph, dtype: ir.DType) -> None:
     """Store every plain fp32 weight in ``dtype``."""
     for name, t in graph.tensors.items():
@@ -89,22 +77,45 @@ def convert_tensors(graph: ir.Graph, dtype: ir.DType) -> None:
                                         t.layout)
 
 
-def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress) -> list[PassRecord]:
-    """Run the spec's passes in order, verifying the IR after each."""
+def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any = None,
+               tokenizer: Any = None) -> list[PassRecord]:
+    """Run the spec's passes in order, verifying the IR after each.
+
+    ``model`` and ``tokenizer`` (the source model, which this may overwrite with the graph's weights)
+    are needed only by passes whose options name a calibration text.
+    """
+    base = spec.spec_path.parent if spec.spec_path is not None else Path.cwd()
     records = []
     for p in spec.passes:
         try:
             fn = get_pass(p.name)
         except KeyError as exc:
             raise CompileError(f"passes: {exc.args[0]}") from None
+        options = dict(p.options)
+        context = PassContext(target=spec.target)
+        calibration = None
+        if "calibration" in options:
+            try:
+                calibration = parse_calibration(options.pop("calibration"), base, f"passes.{p.name}.calibration")
+                if model is None:
+                    raise CalibrationError(f"pass {p.name!r}: a calibration text needs the source model")
+                with progress.step(f"calibrate {p.name} ({calibration.text_file.name})"):
+                    write_back(graph, model)
+                    context.hessians, context.calibration_tokens = collect_hessians(graph, model, tokenizer,
+                                                                                    calibration)
+            except (CalibrationError, WriteBackError) as exc:
+                raise CompileError(str(exc)) from None
         with progress.step(f"pass {p.name}"):
             try:
-                result = fn(graph, dict(p.options))
+                result = fn(graph, options, context)
                 ir.verify(graph)
             except (ValueError, ir.IRError) as exc:
                 raise CompileError(f"pass {p.name!r} failed: {exc}") from None
         progress._write(f"    {p.name}: {result.summary}\n")
-        records.append(PassRecord(p.name, dict(p.options), result.summary))
+        recorded = dict(result.options if result.options is not None else options)
+        if calibration is not None:
+            recorded["calibration"] = calibration.record()
+        records.append(PassRecord(p.name, recorded, result.summary))
     return records
 
 
@@ -137,11 +148,19 @@ def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path 
             graph, _ = lower_model(src.model, program)
         except (LoweringError, ir.IRError) as exc:
             raise CompileError(str(exc)) from None
-    passes = run_passes(graph, spec, progress)
     convert_tensors(graph, STORAGE_DTYPES[spec.dtype])
     ir.verify(graph)
+    # With passes, the reference model is a copy that takes the graph's effective weights.
+    reference = copy.deepcopy(src.model) if spec.passes else src.model
+    passes = run_passes(graph, spec, progress, reference, src.tokenizer)
+    if spec.passes and spec.golden.prompts:
+        with progress.step("write effective weights back to the reference model"):
+            try:
+                write_back(graph, reference)
+            except WriteBackError as exc:
+                raise CompileError(str(exc)) from None
     with progress.step(f"golden outputs ({len(spec.golden.prompts)} prompts x {spec.golden.max_new_tokens} tokens)"):
-        golden = record_golden(src.model, src.tokenizer, spec.golden)
+        golden = record_golden(reference, src.tokenizer, spec.golden)
     tokenizer_hash = hashlib.sha256(
         (src.tokenizer_json + "\0" + (src.chat_template or "")).encode("utf-8")
     ).hexdigest()

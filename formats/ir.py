@@ -194,7 +194,12 @@ class OpSpec:
 # The op table. Runtime semantics, all activations [T, F] in the compute dtype:
 OP_SPECS: dict[str, OpSpec] = {
     "embedding": OpSpec(
-        (1, 1), 1, ("weight",), doc="tokens[T] (int) -> weight[tokens]: [T, H]; weight [V, H]"
+        (1, 1),
+        1,
+        ("weight",),
+        ("scales", "zeros", "meta"),
+        doc="tokens[T] (int) -> weight[tokens]: [T, H]; weight [V, H], read through its scheme (a table "
+        "tied to the LM head is quantized with it)",
     ),
     "rms_norm": OpSpec(
         (1, 1),

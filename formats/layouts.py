@@ -61,6 +61,54 @@ register_layout(
 )
 
 
+# -- cpu_tile16: what the C++ CPU kernels (mgx.kernels.cpu) stream ----------------------------------
+
+CPU_TILE = 16  # output channels per tile
+_PER_CHANNEL_ROLES = ("weight", "scales", "zeros", "meta")  # arrays [N, ...] with one row per output channel
+
+
+def _tile_channels(a: np.ndarray) -> np.ndarray:
+    """[N, ...] -> same shape and dtype; each block of 16 channel rows stored transposed, [U][16] (U = the
+    row's elements), the last block [U][N % 16]. One k step of 16 outputs is then one contiguous load."""
+    n = a.shape[0]
+    rows = np.ascontiguousarray(a).reshape(n, -1)  # [N, U]
+    full = n - n % CPU_TILE
+    head = rows[:full].reshape(-1, CPU_TILE, rows.shape[1]).transpose(0, 2, 1)  # [N/16, U, 16]
+    return np.concatenate([head.ravel(), rows[full:].T.ravel()]).reshape(a.shape)
+
+
+def _untile_channels(a: np.ndarray) -> np.ndarray:
+    """The inverse of ``_tile_channels``."""
+    n = a.shape[0]
+    units = a.size // n if n else 0
+    flat = np.ascontiguousarray(a).reshape(-1)
+    full = n - n % CPU_TILE
+    head = flat[: full * units].reshape(-1, units, CPU_TILE).transpose(0, 2, 1).reshape(full, units)
+    tail = flat[full * units :].reshape(units, n - full).T
+    return np.concatenate([head, tail]).reshape(a.shape)
+
+
+def _map_channels(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[Arrays, dict[str, Any]], Arrays]:
+    def apply(arrays: Arrays, params: dict[str, Any]) -> Arrays:
+        return {role: fn(a) if role in _PER_CHANNEL_ROLES else a for role, a in arrays.items()}
+
+    return apply
+
+
+register_layout(
+    Layout(
+        "cpu_tile16",
+        ("none", "w8a16", "int4", "sparse24", "sparse24_int4"),
+        ("cpu",),
+        _map_channels(_tile_channels),
+        _map_channels(_untile_channels),
+        "the weight and its per-channel companions (scales, zeros, meta) in tiles of 16 output channels, "
+        "each tile transposed to [row elements][16] (the last tile [row elements][N % 16]); shapes, dtypes "
+        "and bytes per tensor unchanged. Bias stays as it is.",
+    )
+)
+
+
 def _get(name: str, scheme: str) -> Layout:
     layout = LAYOUTS.get(name)
     if layout is None:

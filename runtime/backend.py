@@ -251,6 +251,7 @@ def host_memory_available() -> int:
 # Backend name -> "module:Class", imported on first use.
 BACKENDS: dict[str, str] = {
     "reference": "mgx.runtime.backend:ReferenceBackend",
+    "cpu": "mgx.runtime.backend_cpu:CPUBackend",
 }
 
 

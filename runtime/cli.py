@@ -97,6 +97,7 @@ def main() -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
 @click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
 @click.option("--kv-memory", help=_KV_MEMORY_HELP)
+@click.option("--threads", type=click.IntRange(min=1), help="CPU kernel threads (default: all cores; MGX_NUM_THREADS).")
 @_user_errors
 def generate(
     model: str,
@@ -110,9 +111,13 @@ def generate(
     chat: bool,
     stop: tuple[str, ...],
     kv_memory: str | None,
+    threads: int | None,
 ) -> None:
     """Generate text from MODEL.mgx, streaming it to stdout; timings go to stderr."""
     from .engine import Engine, GenerationResult
+
+    if threads:  # read by mgx.kernels.cpu when the CPU backend loads it
+        os.environ["MGX_NUM_THREADS"] = str(threads)
 
     engine = Engine(_model_path(model), config=_engine_config(kv_memory))
     events = engine.generate(

@@ -1,0 +1,237 @@
+"""The CPU backend: the C++ kernels of ``mgx.kernels.cpu``, numpy for glue, nothing else (no torch).
+
+Weights are read where the artifact maps them (``row_major`` or ``cpu_tile16``; see
+``mgx.formats.layouts``): building the backend wraps each weight in a kernel handle and converts only
+the small float vectors (norm weights, biases, ``inv_freq``) to float32. K/V live in a
+``PagedKVCache`` of float32 (``MGX_CPU_KV_DTYPE=bf16`` or ``f16`` halves it); the attention kernel
+writes each step's keys and values into their slots itself.
+
+Two steps of the graph are fused here, with results the same as running the ops one by one:
+an ``add`` whose output only feeds the next op, an ``rms_norm``, runs as one kernel (the norm is
+computed with the sum and handed out when the runner reaches it); and the cos/sin table of RoPE
+is computed once per step and shared by every layer.
+
+Threads: ``MGX_NUM_THREADS`` (``mgx-run --threads``) or ``mgx.kernels.cpu.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from mgx.formats.ir import Graph, Op, Tensor
+from mgx.kernels import cpu
+from mgx.kernels.reference.dtypes import to_f32
+
+from .backend import Backend
+from .batch import StepBatch
+from .errors import UnsupportedModelError
+from .kv_cache import KVCache, PagedKVCache
+
+__all__ = ["CPUBackend"]
+
+_AUX_ROLES = ("scales", "zeros", "meta")
+# MGX_CPU_KV_DTYPE -> (numpy storage dtype, stored as bf16 bit patterns)
+_KV_DTYPES = {"f32": (np.float32, False), "bf16": (np.uint16, True), "f16": (np.float16, False)}
+
+
+@dataclass(slots=True)
+class _Norm:
+    weight: np.ndarray | None  # float32 [group]
+    eps: float
+    group: int
+
+
+@dataclass(slots=True)
+class _Rope:
+    inv_freq: np.ndarray  # float32 [rotary_dim / 2]
+    head_dim: int
+    rotary_dim: int
+    scaling: float
+
+
+@dataclass(slots=True)
+class _Attention:
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int
+
+
+class CPUBackend(Backend):
+    """Runs a graph with the C++ CPU kernels (AVX-512, AVX2+FMA or scalar, chosen from CPUID)."""
+
+    name: ClassVar[str] = "cpu"
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        kv_name = os.environ.get("MGX_CPU_KV_DTYPE", "f32")
+        if kv_name not in _KV_DTYPES:
+            raise UnsupportedModelError(f"MGX_CPU_KV_DTYPE={kv_name!r}: expected one of {', '.join(_KV_DTYPES)}")
+        self._kv_dtype, self._kv_bf16 = _KV_DTYPES[kv_name]
+        self.kv_itemsize = np.dtype(self._kv_dtype).itemsize
+        # Per op (by identity), what its kernel needs, prepared once.
+        self._linear: dict[int, cpu.LinearWeight] = {}
+        self._norm: dict[int, _Norm] = {}
+        self._rope: dict[int, _Rope] = {}
+        self._attention: dict[int, _Attention] = {}
+        self._vectors: dict[str, np.ndarray] = {}  # tensor name -> float32 copy (norm weights, biases, inv_freq)
+        handles: dict[tuple[str, str | None], cpu.LinearWeight] = {}  # a tied embedding / LM head shares one
+        for op in graph.ops:
+            if op.kind in ("linear", "lm_head", "embedding"):
+                key = (op.weights["weight"], op.weights.get("bias"))
+                if key not in handles:
+                    handles[key] = self._weight_handle(op)
+                self._linear[id(op)] = handles[key]
+            elif op.kind == "rms_norm":
+                w = op.weights.get("weight")
+                self._norm[id(op)] = _Norm(
+                    None if w is None else self._f32(w), float(op.attrs["eps"]), int(op.attrs["group"])
+                )
+            elif op.kind == "rope":
+                a = op.attrs
+                self._rope[id(op)] = _Rope(
+                    self._f32(op.weights["inv_freq"]),
+                    int(a["head_dim"]),
+                    int(a["rotary_dim"]),
+                    float(a["attention_scaling"]),
+                )
+            elif op.kind == "attention":
+                a = op.attrs
+                self._attention[id(op)] = _Attention(
+                    int(a["layer"]),
+                    int(a["num_heads"]),
+                    int(a["num_kv_heads"]),
+                    int(a["head_dim"]),
+                    float(a["scale"]),
+                    int(a["sliding_window"]),
+                )
+        self._fused_norm = _fusible_add_norms(graph)  # id(add op) -> the rms_norm op it computes too
+        self._pending: dict[int, np.ndarray] = {}  # id(rms_norm op) -> its output, computed by the add
+        self._rope_cache: tuple[np.ndarray, _Rope, tuple[np.ndarray, np.ndarray]] | None = None
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
+        return PagedKVCache(self.graph.states, num_blocks, block_size, num_state_slots, self._kv_dtype)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _weight_handle(self, op: Op) -> cpu.LinearWeight:
+        tensors = self.graph.tensors
+        weight = tensors[op.weights["weight"]]
+        aux = {r: tensors[op.weights[r]] for r in _AUX_ROLES if r in op.weights}
+        bias = self._f32(op.weights["bias"]) if "bias" in op.weights else None
+        try:
+            return cpu.LinearWeight(weight, aux, bias)
+        except cpu.CPUWeightError as exc:
+            raise UnsupportedModelError(f"{op.kind} from {op.source or '?'}: {exc}") from None
+
+    def _f32(self, name: str) -> np.ndarray:
+        """A small float tensor as contiguous float32 [n], converted once per tensor."""
+        values = self._vectors.get(name)
+        if values is None:
+            t: Tensor = self.graph.tensors[name]
+            if t.data is None:
+                raise UnsupportedModelError(f"tensor {name} has no data")
+            values = self._vectors[name] = np.ascontiguousarray(to_f32(t.data, t.dtype), dtype=np.float32).reshape(-1)
+        return values
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def embedding(self, op: Op, tokens: np.ndarray) -> np.ndarray:
+        return cpu.embedding(tokens, self._linear[id(op)])
+
+    def rms_norm(self, op: Op, x: np.ndarray) -> np.ndarray:
+        done = self._pending.pop(id(op), None)
+        if done is not None:
+            return done
+        n = self._norm[id(op)]
+        return cpu.rms_norm(x, n.weight, eps=n.eps, group=n.group)
+
+    def linear(self, op: Op, x: np.ndarray) -> np.ndarray:
+        return cpu.linear(x, self._linear[id(op)])
+
+    def split(self, op: Op, x: np.ndarray) -> list[np.ndarray]:
+        # Column views: the kernels read strided rows, so nothing is copied.
+        out, start = [], 0
+        for size in op.attrs["sizes"]:
+            out.append(x[:, start : start + int(size)])
+            start += int(size)
+        return out
+
+    def rope(self, op: Op, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        r = self._rope[id(op)]
+        cos, sin = self._rope_table(positions, r)
+        return (
+            cpu.rope(q, cos, sin, head_dim=r.head_dim, rotary_dim=r.rotary_dim),
+            cpu.rope(k, cos, sin, head_dim=r.head_dim, rotary_dim=r.rotary_dim),
+        )
+
+    def _rope_table(self, positions: np.ndarray, r: _Rope) -> tuple[np.ndarray, np.ndarray]:
+        # Every layer of a step rotates at the same positions (one array object per step) by the same
+        # frequencies (one tensor, converted once): compute the table for the first layer, reuse it after.
+        cached = self._rope_cache
+        if (
+            cached is not None
+            and cached[0] is positions
+            and cached[1].inv_freq is r.inv_freq
+            and cached[1].scaling == r.scaling
+        ):
+            return cached[2]
+        table = cpu.rope_table(positions, r.inv_freq, r.scaling)
+        self._rope_cache = (positions, r, table)
+        return table
+
+    def attention(self, op: Op, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: StepBatch, kv: KVCache) -> np.ndarray:
+        a = self._attention[id(op)]
+        paged = batch.paged
+        assert paged is not None, "the runner attaches the paged view before running ops"
+        return cpu.paged_attention(
+            q,
+            k,
+            v,
+            kv.k[a.layer],
+            kv.v[a.layer],
+            batch.positions,
+            paged.block_tables,
+            paged.context_lens,
+            paged.query_start_loc,
+            num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            scale=a.scale,
+            sliding_window=a.window,
+            bf16_cache=self._kv_bf16,
+        )
+
+    def silu_mul(self, op: Op, gate: np.ndarray, up: np.ndarray | None) -> np.ndarray:
+        return cpu.silu_mul(gate, up)
+
+    def add(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        norm_op = self._fused_norm.get(id(op))
+        if norm_op is None:
+            return a + b
+        n = self._norm[id(norm_op)]
+        normed, total = cpu.rms_norm(a, n.weight, eps=n.eps, group=n.group, residual=b)
+        self._pending[id(norm_op)] = normed
+        return total
+
+    def lm_head(self, op: Op, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return cpu.linear(x[rows], self._linear[id(op)])
+
+    def greedy(self, op: Op, x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The LM head with a fused argmax: greedy token ids [R] and their logits [R], never the [R, V] logits."""
+        return cpu.lm_head_argmax(x[rows], self._linear[id(op)])
+
+
+def _fusible_add_norms(graph: Graph) -> dict[int, Op]:
+    """id(add) -> the rms_norm right after it that reads its output (it then runs in the add's kernel)."""
+    fused = {}
+    for op, nxt in zip(graph.ops, graph.ops[1:]):
+        if op.kind == "add" and nxt.kind == "rms_norm" and nxt.inputs == op.outputs:
+            fused[id(op)] = nxt
+    return fused
