@@ -71,10 +71,10 @@ def write_back(graph: ir.Graph, model: Any) -> int:
         if missing:
             raise WriteBackError(f"{op.kind} from {op.source}: no module {missing[0]!r} in the source model")
         if op.kind == "rms_norm":
-            weight = dense_weight(graph, op, "weight")
-            if weight is None:  # folded away (or never there): the norm multiplies by one
-                weight = np.ones(int(op.attrs["group"]), np.float32)
-            written += _set(modules[op.source], "weight", weight, f"rms_norm from {op.source}")
+            gamma = dense_weight(graph, op, "weight")
+            if gamma is None:  # folded away (or never there): the norm multiplies by one
+                gamma = np.ones(int(op.attrs["group"]), np.float32)
+            written += _set(modules[op.source], "weight", gamma, f"rms_norm from {op.source}")
             continue
         w, bias = weight(op), dense_weight(graph, op, "bias")
         bounds = np.cumsum([0, *sizes]) if sizes[0] is not None else np.array([0, w.shape[0]])

@@ -17,6 +17,7 @@ Threads: ``MGX_NUM_THREADS`` (``mgx-run --threads``) or ``mgx.kernels.cpu.set_nu
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -114,6 +115,36 @@ class CPUBackend(Backend):
         self._fused_norm = _fusible_add_norms(graph)  # id(add op) -> the rms_norm op it computes too
         self._pending: dict[int, np.ndarray] = {}  # id(rms_norm op) -> its output, computed by the add
         self._rope_cache: tuple[np.ndarray, _Rope, tuple[np.ndarray, np.ndarray]] | None = None
+        self._dispatch = {id(op): self._bind(op) for op in graph.ops}
+
+    def run_op(self, op: Op, args: list[np.ndarray], batch: StepBatch, kv: KVCache) -> list[np.ndarray]:
+        # One dict lookup per op instead of the base class's match on the kind: this runs ~360 times
+        # in a SmolLM2 step, where a decode step's kernels take a few milliseconds in all.
+        return self._dispatch[id(op)](args, batch, kv)
+
+    def _bind(self, op: Op) -> Callable[[list[np.ndarray], StepBatch, KVCache], list[np.ndarray]]:
+        """The call ``run_op`` makes for ``op``: the per-kind method with the op bound in."""
+        match op.kind:
+            case "embedding":
+                return lambda args, batch, kv: [self.embedding(op, args[0])]
+            case "rms_norm":
+                return lambda args, batch, kv: [self.rms_norm(op, args[0])]
+            case "linear":
+                weight = self._linear[id(op)]
+                return lambda args, batch, kv: [cpu.linear(args[0], weight)]
+            case "split":
+                return lambda args, batch, kv: self.split(op, args[0])
+            case "rope":
+                return lambda args, batch, kv: list(self.rope(op, args[0], args[1], batch.positions))
+            case "attention":
+                return lambda args, batch, kv: [self.attention(op, args[0], args[1], args[2], batch, kv)]
+            case "silu_mul":
+                return lambda args, batch, kv: [self.silu_mul(op, args[0], args[1] if len(args) > 1 else None)]
+            case "add":
+                return lambda args, batch, kv: [self.add(op, args[0], args[1])]
+            case "lm_head":
+                return lambda args, batch, kv: [self.lm_head(op, args[0], batch.sample_rows)]
+        raise UnsupportedModelError(f"backend {self.name!r} has no kernel for op kind {op.kind!r}")
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         return PagedKVCache(self.graph.states, num_blocks, block_size, num_state_slots, self._kv_dtype)

@@ -16,17 +16,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Without a GPU, Triton kernels run in Triton's interpreter; this must be set before anything
+# imports triton (its driver is chosen once, at import).
+try:
+    import torch as _torch
+
+    _HAS_CUDA = _torch.cuda.is_available()
+except ImportError:
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if not has_cuda:
+    if not _HAS_CUDA:
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if "gpu" in item.keywords:

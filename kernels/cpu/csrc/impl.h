@@ -651,10 +651,17 @@ inline TilesFn tiles_fn(const WeightDesc& w) {
   return nullptr;
 }
 
+// Threads for `work` multiply-adds (or elements) split into at most `parts` pieces: one per 64K, so a
+// small op never pays a fork/join (microseconds, and far more when the cores are shared).
+inline int threads_for(int64_t work, int64_t parts) {
+  constexpr int64_t kWorkPerThread = int64_t(1) << 16;
+  return int(std::max<int64_t>(1, std::min<int64_t>({num_threads(), parts, work / kWorkPerThread})));
+}
+
 // Contiguous tile ranges per thread: each thread streams its own slice of the weight.
 template <class Fn>
-inline void parallel_tiles(int64_t ntiles, int64_t min_tiles_per_thread, Fn&& fn) {
-  int threads = int(std::min<int64_t>(num_threads(), std::max<int64_t>(1, ntiles / min_tiles_per_thread)));
+inline void parallel_tiles(int64_t ntiles, int64_t work, Fn&& fn) {
+  const int threads = threads_for(work, ntiles);
 #ifdef _OPENMP
   if (threads > 1) {
 #pragma omp parallel num_threads(threads)
@@ -671,7 +678,7 @@ inline void parallel_tiles(int64_t ntiles, int64_t min_tiles_per_thread, Fn&& fn
 
 void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
   const TilesFn fn = tiles_fn(w);
-  parallel_tiles(cdiv(w.n, kTile), 2, [&](int64_t t0, int64_t t1) { fn(w, x, ldx, m, y, ldy, t0, t1); });
+  parallel_tiles(cdiv(w.n, kTile), w.n * w.k * m, [&](int64_t t0, int64_t t1) { fn(w, x, ldx, m, y, ldy, t0, t1); });
 }
 
 void linear_argmax(const WeightDesc& w, const float* x, int64_t ldx, int64_t m, int64_t* index, float* value) {
@@ -681,7 +688,7 @@ void linear_argmax(const WeightDesc& w, const float* x, int64_t ldx, int64_t m, 
   const int threads = std::max(1, num_threads());
   std::vector<int64_t> best_i(size_t(threads) * m, -1);
   std::vector<float> best_v(size_t(threads) * m, -std::numeric_limits<float>::infinity());
-  parallel_tiles(ntiles, 8, [&](int64_t t0, int64_t t1) {
+  parallel_tiles(ntiles, w.n * w.k * m, [&](int64_t t0, int64_t t1) {
 #ifdef _OPENMP
     const int id = omp_get_thread_num();
 #else
@@ -715,16 +722,14 @@ void linear_argmax(const WeightDesc& w, const float* x, int64_t ldx, int64_t m, 
 }
 
 void gather_rows(const WeightDesc& w, const int64_t* rows, int64_t count, float* out, int64_t ldo) {
-#pragma omp parallel for num_threads(num_threads()) schedule(static) if (count * w.k > (1 << 16))
+#pragma omp parallel for num_threads(threads_for(count * w.k * 8, count)) schedule(static)
   for (int64_t i = 0; i < count; ++i) dequant_row(w, rows[i], 0, w.k, out + i * ldo);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Element-wise kernels. Rows are independent: threads split rows when there are enough of them.
 
-inline int row_threads(int64_t rows, int64_t work_per_row) {
-  return (rows > 1 && rows * work_per_row >= (1 << 15)) ? num_threads() : 1;
-}
+inline int row_threads(int64_t rows, int64_t work_per_row) { return threads_for(rows * work_per_row, rows); }
 
 void rms_norm(const float* x, int64_t ldx, const float* res, int64_t ldr, int64_t t, int64_t f, int64_t group,
               const float* weight, float eps, float* sum_out, int64_t lds, float* out, int64_t ldo) {
@@ -850,7 +855,9 @@ void attention_impl(const AttentionArgs& a) {
         items.push_back({i, h, r0, std::min<int64_t>(r0 + QT, a.query_start[i + 1])});
   const int64_t dp = cdiv(d, W) * W;  // head width padded to whole registers
   const int64_t nitems = int64_t(items.size());
-  const int threads = int(std::min<int64_t>(num_threads(), nitems));
+  int64_t work = 0;  // query-key dot products times head width, both for scores and for values
+  for (int64_t i = 0; i < a.num_seqs; ++i) work += 2 * (a.query_start[i + 1] - a.query_start[i]) * a.context_lens[i] * hq * d;
+  const int threads = threads_for(work, nitems);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> qbuf(size_t(QT * G * dp)), obuf(size_t(QT * G * dp)), kt(size_t(dp * kTile)),
