@@ -151,6 +151,8 @@ def worker_mgx(model: Path, args: argparse.Namespace) -> dict[str, float]:
     from mgx.runtime.batch import SeqChunk
     from mgx.runtime.model_runner import ModelRunner
 
+    if args.isa:
+        cpu.set_isa(args.isa)
     graph = load_artifact(model).contents.graph
     runner = ModelRunner(graph, "cpu")
     vocab = graph.arch.vocab_size
@@ -295,9 +297,9 @@ def worker_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
 # -- driver -------------------------------------------------------------------------------------------
 
 
-def _run_worker(label: str, kind: str, target: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run_worker(label: str, kind: str, target: str, args: argparse.Namespace, isa: str = "") -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", kind, "--target", target, "--threads", str(args.threads),
-           "--repeat", str(args.repeat), "--steps", str(args.steps),
+           "--repeat", str(args.repeat), "--steps", str(args.steps), "--isa", isa, "--cpus", args.cpus,
            "--batches", ",".join(map(str, args.batches)), "--prompt-lens", ",".join(map(str, args.prompt_lens))]
     env = dict(os.environ, MGX_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     print(f"running {label} ...", file=sys.stderr, flush=True)
@@ -320,8 +322,9 @@ def _table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         lines.append(f"| {label} | " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
     lines += ["", "Ratios (MGX / peer, same run):", "", "| MGX vs | " + " | ".join(heads) + " |",
               "|---|" + "---|" * len(cols)]
-    peers = [(m, p) for m, p in PAIRS if m in results and p in results]
-    peers += [(m, h) for m in ("bf16", "w8a16") for h in ("hf bf16", "hf fp32") if m in results and h in results]
+    peers = [(m, p) for mine, p in PAIRS for m in results if m.split("@")[0] == mine and p in results]
+    peers += [(m, h) for m in results if m.split("@")[0] in ("w8a16", "bf16") for h in ("hf bf16", "hf fp32")
+              if h in results]
     for mine, peer in peers:
         cells = []
         for c in cols:
@@ -333,19 +336,26 @@ def _table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--threads", type=int, default=0, help="threads of every engine (default: the usable CPUs)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per run")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--prompt-lens", default=",".join(map(str, PROMPT_LENS)))
     ap.add_argument("--engines", default="mgx,llama,hf", help="any of mgx, llama, hf")
+    ap.add_argument("--mgx", default=",".join(MGX_MODELS),
+                    help="MGX builds to run; NAME@ISA forces a kernel path, e.g. w8a16@avx2")
+    ap.add_argument("--cpus", default="", help="pin every engine to these CPUs, e.g. 0,1 (default: no pinning)")
+    ap.add_argument("--isa", default="", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, default=Path("bench_cpu_work"), help="cache of built models")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.threads = args.threads or (len(args.cpus.split(",")) if args.cpus else len(os.sched_getaffinity(0)))
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.prompt_lens = [int(n) for n in str(args.prompt_lens).split(",")]
+    if args.cpus:  # before any thread pool exists, so each engine sizes its own to these CPUs
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.worker:
         run = {"mgx": lambda: worker_mgx(Path(args.target), args), "llama": lambda: worker_llama(Path(args.target), args),
                "hf": lambda: worker_hf(args.target, args)}[args.worker]
@@ -355,8 +365,9 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     if "mgx" in engines:
-        for name in MGX_MODELS:
-            results[name] = _run_worker(f"MGX {name}", "mgx", str(_mgx_artifact(args.work, name)), args)
+        for label in args.mgx.split(","):
+            name, _, isa = label.partition("@")
+            results[label] = _run_worker(f"MGX {label}", "mgx", str(_mgx_artifact(args.work, name)), args, isa)
     if "llama" in engines:
         for name in LLAMA_MODELS:
             results[f"llama {name}"] = _run_worker(f"llama.cpp {name}", "llama", str(_llama_gguf(args.work, name)), args)

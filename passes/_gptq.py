@@ -58,11 +58,15 @@ def obs_solve(
     keep: np.ndarray | None = None,
     prune_2_4: bool = False,
     damp: float = 0.01,
+    act_order: bool = False,
 ) -> tuple[np.ndarray, np.ndarray | None, list[tuple[np.ndarray, ...]]]:
     """Round and/or prune ``w`` [N, K] column by column with error feedback through ``hessian`` [K, K].
 
     ``keep`` is a fixed keep mask [N, K] (pruned entries become 0); with ``prune_2_4`` the mask is
     chosen on the way, two of every four columns per row by the SparseGPT saliency w^2 / [H^-1]_kk^2.
+    With ``act_order`` columns are visited by decreasing H_kk (the inputs with most energy first) and
+    each group's parameters are fitted up front on the original weights ("static groups"), since a
+    group's columns are no longer visited together.
     Returns the new values [N, K] float32 (exactly what the quantizer's ``round`` produced, 0 where
     pruned), the keep mask (None if nothing was pruned) and the parameters fitted per group, in order.
     """
@@ -72,7 +76,13 @@ def obs_solve(
     group = quantizer.group_cols if quantizer else _BLOCK
     if group % _SUB:
         raise PassError(f"column groups must be a multiple of {_SUB}, got {group}")
+    if act_order and (quantizer is None or keep is not None or prune_2_4):
+        raise PassError("act_order applies to plain (dense) quantization only")
     block = group * -(-_BLOCK // group)
+    order = np.argsort(-np.diag(hessian), kind="stable") if act_order else np.arange(k)
+    static = [quantizer.fit(np.asarray(w[:, g0:g0 + group], np.float32)) for g0 in range(0, k, group)] \
+        if act_order else None
+    w, hessian = w[:, order], hessian[np.ix_(order, order)]
     h = np.array(hessian, dtype=np.float64, copy=True)
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0  # inputs that are always zero: any value is as good; keep it
@@ -84,6 +94,7 @@ def obs_solve(
     if keep is not None or prune_2_4:
         mask = np.ones((k, n), bool) if keep is None else np.array(keep.T, order="C")
     params: list[tuple[np.ndarray, ...]] = []
+    current: tuple[np.ndarray, ...] = ()
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
         err = np.zeros((b1 - b0, n), np.float32)  # error of each column of the block, scaled by 1/U[c, c]
@@ -95,11 +106,14 @@ def obs_solve(
                     drop = np.argsort(wt[c:c + 4] ** 2 / d**2, axis=0, kind="stable")[:2]  # [2, N]
                     mask[c:c + 4] = True
                     np.put_along_axis(mask[c:c + 4], drop, False, axis=0)
-                if quantizer is not None and c % group == 0:
+                if static is not None:
+                    current = static[order[c] // group]
+                elif quantizer is not None and c % group == 0:
                     span = wt[c:min(c + group, k)]  # up to date: earlier sub-blocks were applied
-                    params.append(quantizer.fit((span if mask is None else np.where(mask[c:c + group], span, 0)).T))
+                    current = quantizer.fit((span if mask is None else np.where(mask[c:c + group], span, 0)).T)
+                    params.append(current)
                 col = wt[c]
-                q = quantizer.round(col, params[-1], c % group) if quantizer is not None else col.copy()
+                q = quantizer.round(col, current, order[c] % group) if quantizer is not None else col.copy()
                 if mask is not None:
                     q = np.where(mask[c], q, np.float32(0))
                 out[c] = q
@@ -108,4 +122,7 @@ def obs_solve(
                 err[c - b0] = e
             wt[s1:b1] -= u[s0:s1, s1:b1].T @ err[s0 - b0:s1 - b0]
         wt[b1:] -= u[b0:b1, b1:].T @ err
+    if static is not None:
+        params = static
+        out[order] = out.copy()  # rows back in the original column order
     return np.ascontiguousarray(out.T), None if mask is None else np.ascontiguousarray(mask.T), params

@@ -45,6 +45,7 @@ class Int4Options:
     symmetric: bool = False  # True: zero point fixed at 8 and no zeros tensor
     method: Literal["rtn", "gptq"] = "rtn"  # round to nearest, or GPTQ (needs a calibration text)
     damp: float = 0.01  # gptq: added to the Hessian's diagonal, as a fraction of its mean
+    act_order: bool = False  # gptq: visit columns by decreasing input energy (dense weights only)
     skip: Skip = field(default_factory=Skip)  # weights to keep as they are
 
     def __post_init__(self) -> None:
@@ -73,7 +74,8 @@ def _gptq(graph: ir.Graph, sites: list[WeightSite], hessian: np.ndarray, opts: I
         keep = np.concatenate([sparse24_expand(np.ones((m.shape[0], k // 2), np.float32), m, k) != 0
                                for m in metas])
     quantizer = int4_column_quantizer(2 * g if sparse else g, sym)
-    out, _, params = obs_solve(w, hessian, quantizer=quantizer, keep=keep, damp=opts.damp)
+    out, _, params = obs_solve(w, hessian, quantizer=quantizer, keep=keep, damp=opts.damp,
+                               act_order=opts.act_order and not sparse)
     scales = np.stack([p[0] for p in params], axis=1).astype(np.float32)
     zeros = None if sym else np.stack([p[1] for p in params], axis=1).astype(np.uint8)
     encoded, row = [], 0

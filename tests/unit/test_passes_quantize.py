@@ -100,13 +100,14 @@ def _output_error(graph: ir.Graph, quantized: ir.Graph, acts: dict[str, np.ndarr
     return total
 
 
-@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
-def test_gptq_beats_round_to_nearest_on_its_objective(symmetric: bool) -> None:
+@pytest.mark.parametrize("symmetric, act_order", [(False, False), (True, False), (False, True)],
+                         ids=["asym", "sym", "asym_act_order"])
+def test_gptq_beats_round_to_nearest_on_its_objective(symmetric: bool, act_order: bool) -> None:
     graph, _ = build_tiny_graph(tie_word_embeddings=True, fused=True)
     stats, acts = hessians(graph)
     opts = {"group_size": 32, "symmetric": symmetric}
     rtn, _ = after(graph, ("quantize_int4", opts))
-    gptq, (res,) = after(graph, ("quantize_int4", {**opts, "method": "gptq"}),
+    gptq, (res,) = after(graph, ("quantize_int4", {**opts, "method": "gptq", "act_order": act_order}),
                          context=PassContext(hessians=stats, calibration_tokens=96))
     assert "gptq" in res.summary
     assert _output_error(graph, gptq, acts) < 0.8 * _output_error(graph, rtn, acts)
