@@ -21,14 +21,11 @@ HEADERS = [f"{CSRC}/{name}.h" for name in ("common", "impl", "isa_prelude", "sca
 
 
 class BuildExt(build_ext):
-    """Flags per toolchain, OpenMP when a probe links with it, translation units compiled in parallel."""
+    """GCC or Clang flags, OpenMP when a probe links with it, translation units compiled in parallel."""
 
     def build_extensions(self) -> None:
-        if self.compiler.compiler_type == "msvc":
-            flags, omp = ["/O2", "/std:c++17"], (["/openmp"], [])
-        else:
-            # No -ffast-math: the kernels rely on IEEE infinities (masked attention scores).
-            flags, omp = ["-O3", "-std=c++17", "-g0", "-fvisibility=hidden"], (["-fopenmp"], ["-fopenmp"])
+        # No -ffast-math: the kernels rely on IEEE infinities (masked attention scores).
+        flags, omp = ["-O3", "-std=c++17", "-g0", "-fvisibility=hidden"], (["-fopenmp"], ["-fopenmp"])
         if os.environ.get("MGX_NO_OPENMP") == "1" or not self._links(omp):
             omp = ([], [])
         for ext in self.extensions:

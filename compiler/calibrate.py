@@ -85,8 +85,9 @@ def collect_hessians(graph: ir.Graph, model: Any, tokenizer: Any, spec: Calibrat
 
     def hook_for(value: str):  # noqa: ANN202 - a torch hook
         def hook(module: Any, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)  # [tokens, K]
-            sums[value] = sums[value] + x.T @ x
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)  # [tokens, K]
+            # One sequence's products in float32 (as fast as the forward), summed across them in float64.
+            sums[value] += (x.T @ x).to(torch.float64)
 
         return hook
 

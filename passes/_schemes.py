@@ -31,6 +31,7 @@ __all__ = [
     "encode_int4",
     "sparse24_mask",
     "encode_sparse24",
+    "encode_sparse24_int4",
     "sparse24_kept",
     "sparse24_expand",
     "pack_nibbles",

@@ -45,7 +45,7 @@ class Int4Options:
     symmetric: bool = False  # True: zero point fixed at 8 and no zeros tensor
     method: Literal["rtn", "gptq"] = "rtn"  # round to nearest, or GPTQ (needs a calibration text)
     damp: float = 0.01  # gptq: added to the Hessian's diagonal, as a fraction of its mean
-    act_order: bool = False  # gptq: visit columns by decreasing input energy (dense weights only)
+    act_order: bool = True  # gptq: visit columns by decreasing input energy (dense weights only)
     skip: Skip = field(default_factory=Skip)  # weights to keep as they are
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -240,10 +241,10 @@ def test_async_engine_streams_and_abort_frees_blocks(contents, workload, solo) -
         return tokens
 
     async def aborted() -> None:
-        async for out in engine.generate([3, 4, 5], SamplingParams(max_tokens=60, **GREEDY), request_id="x"):
+        async for out in engine.generate([3, 4, 5], SamplingParams(max_tokens=120, **GREEDY), request_id="x"):
             assert out.request_id == "x"
             break  # leaving early aborts it
-        gen = engine.generate([3, 4, 5], SamplingParams(max_tokens=60, **GREEDY), request_id="y")
+        gen = engine.generate([3, 4, 5], SamplingParams(max_tokens=120, **GREEDY), request_id="y")
         await gen.__anext__()
         assert await engine.abort("y")
         assert [o.finish_reason async for o in gen][-1] == "abort"  # after what was already on its way
@@ -278,7 +279,18 @@ def test_llm_wrapper_is_thread_safe(contents, workload, solo) -> None:
         for t in threads:
             t.join()
         assert [results[i] for i in range(16)] == solo[:16]
-        stream = llm.stream("the cat", SamplingParams(max_tokens=5, temperature=0.0))
+        # Closing the stream early aborts the request. It must still be running when the stream
+        # closes: ask for as many tokens as the context holds and slow the loop's steps down, so the
+        # loop cannot finish it between the first token and close() however the threads are scheduled.
+        step = llm.engine.step
+
+        def slow_step():  # noqa: ANN202
+            time.sleep(0.005)
+            return step()
+
+        llm.engine.step = slow_step
+        prompt = [5, 6, 7]
+        stream = llm.stream(prompt, SamplingParams(max_tokens=128 - len(prompt), **GREEDY))
         first = next(stream)
         assert first.token_ids
         stream.close()

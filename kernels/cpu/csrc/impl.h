@@ -4,11 +4,11 @@
 // target for the rest of its translation unit, and includes this file inside its own namespace, so
 // the instantiations of different ISAs never share a symbol (no ODR merging of AVX-512 code into a
 // path an AVX2 machine runs). `O` provides, over a register R of O::W floats:
-//   zero, set1, load, store, add, sub, mul, div, max, fma(a, b, c) = a*b + c, hsum, hmax, exp,
-//   iota (0..W-1), keep_range, sel_eq, from_bf16 / from_f16 / from_i8 / from_u8 (W elements),
-//   nibbles (16 bytes -> low and high nibbles of 16 lanes as 16/W registers each),
-//   RI (index register), idx_u8, perm4 (x[0..3] picked per lane), and the tile sizes
-//   kStreamRows and kMicroRows.
+//   zero, set1, load, store, add, sub, mul, div, max, floor, fma(a, b, c) = a*b + c, hsum, hmax,
+//   exp, iota (0..W-1), keep_range, sel_eq, from_bf16 / from_f16 / from_i8 / from_u8 (W elements),
+//   nibbles (16 bytes -> low and high nibbles of 16 lanes as 16/W registers each), nibbles_w (W
+//   bytes -> one register of each), RI / meta_idx / quad / perm4 (2:4 weights: each lane picks its
+//   x[0..3] by index), and the tile sizes kStreamRows and kMicroRows.
 //
 // Layout of the linear kernels: a weight is processed one tile of 16 output channels at a time.
 //  * Streaming (rows <= O::kStreamRows, tiled layout): each k step of a tile is decoded into
@@ -822,7 +822,54 @@ void silu_mul(const float* gate, int64_t ldg, const float* up, int64_t ldu, int6
 // visible keys in chunks of 16 positions with an online softmax. The item's query vectors (its rows
 // times the G query heads sharing the kv head) reuse each chunk's K (transposed to [D][16]) and V.
 
-constexpr int64_t QT = 16;  // query rows per work item (prefill); decode items have one row
+constexpr int64_t QT = 32;            // query rows per work item (prefill): each gathers a chunk of K/V once
+constexpr int64_t kGatherQueries = 8;  // from this many query vectors per item, transpose each chunk of K
+
+// Scores of Q queries (rows of q, stride ldq) against a chunk of 16 keys stored transposed, kt[e][16].
+template <int Q>
+inline void chunk_scores(const float* q, int64_t ldq, const float* kt, int64_t d, float* out) {
+  R acc[Q][NV];
+  unroll<Q>([&](auto i) { unroll<NV>([&](auto j) { acc[i][j] = O::zero(); }); });
+  for (int64_t e = 0; e < d; ++e) {
+    R k[NV];
+    unroll<NV>([&](auto j) { k[j] = O::load(kt + e * kTile + j * W); });
+    unroll<Q>([&](auto i) {
+      const R qe = O::set1(q[i * ldq + e]);
+      unroll<NV>([&](auto j) { acc[i][j] = O::fma(qe, k[j], acc[i][j]); });
+    });
+  }
+  unroll<Q>([&](auto i) { unroll<NV>([&](auto j) { O::store(out + i * kTile + j * W, acc[i][j]); }); });
+}
+
+// od[0..d) = od * corr + sum_j p[j] * rows[j][0..d) for j in [j0, j1). Up to eight registers of the
+// output stay in registers while the keys stream by: eight independent FMA chains, one broadcast
+// of p[j] per key; rows of 16-bit caches are converted as they are read.
+template <class T>
+inline void accumulate_pv(float* od, float corr, const float* p, const T* const* rows, int64_t j0, int64_t j1,
+                          int64_t d) {
+  const R vcorr = O::set1(corr);
+  const int64_t whole = d / W * W;
+  for (int64_t e0 = 0; e0 < whole; e0 += 8 * W) {
+    const int64_t n = std::min<int64_t>(8, (whole - e0) / W);
+    R acc[8];
+    unroll<8>([&](auto u) { acc[u] = u < n ? O::mul(O::load(od + e0 + u * W), vcorr) : O::zero(); });
+    for (int64_t j = j0; j < j1; ++j) {
+      const R pj = O::set1(p[j]);
+      const T* row = rows[j] + e0;
+      unroll<8>([&](auto u) {
+        if (u < n) acc[u] = O::fma(pj, load_as_f32<T>(row + u * W), acc[u]);
+      });
+    }
+    unroll<8>([&](auto u) {
+      if (u < n) O::store(od + e0 + u * W, acc[u]);
+    });
+  }
+  for (int64_t e = whole; e < d; ++e) {  // a head width that is not whole registers
+    float acc = od[e] * corr;
+    for (int64_t j = j0; j < j1; ++j) acc += p[j] * to_f32(rows[j][e]);
+    od[e] = acc;
+  }
+}
 
 template <class KT>
 void attention_impl(const AttentionArgs& a) {
@@ -858,10 +905,14 @@ void attention_impl(const AttentionArgs& a) {
   int64_t work = 0;  // query-key dot products times head width, both for scores and for values
   for (int64_t i = 0; i < a.num_seqs; ++i) work += 2 * (a.query_start[i + 1] - a.query_start[i]) * a.context_lens[i] * hq * d;
   const int threads = threads_for(work, nitems);
+  (void)threads;  // unused when built without OpenMP
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> qbuf(size_t(QT * G * dp)), obuf(size_t(QT * G * dp)), kt(size_t(dp * kTile)),
         vbuf(size_t(kTile * dp)), mrow(size_t(QT * G)), lrow(size_t(QT * G));
+    std::vector<const KT*> krow(kTile), vrow(kTile);
+    std::vector<const float*> vtile(kTile);
+    std::vector<float> sbuf(size_t(QT * G * kTile));
     alignas(64) float p[kTile];
     const R lane_pos = O::iota();
 #pragma omp for schedule(dynamic, 1)
@@ -884,18 +935,36 @@ void attention_impl(const AttentionArgs& a) {
       }
       int64_t kstart = a.sliding_window > 0 ? std::max<int64_t>(0, pmin - a.sliding_window + 1) : 0;
       kstart -= kstart % kTile;
+      // Few query vectors (decode): read each key and value row where it lies, one dot product per
+      // query and key. Many (prefill): copy the chunk's K transposed and V converted to float32 once,
+      // then every query's scores are 16 lanes of FMAs over the chunk.
+      const bool in_place = nq < kGatherQueries;
       for (int64_t c0 = kstart; c0 <= pmax; c0 += kTile) {
         const int64_t nk = std::min<int64_t>(kTile, pmax + 1 - c0);
-        for (int64_t j = 0; j < kTile; ++j) {  // gather the chunk: K transposed, V row-major
-          if (j < nk) {
-            const int64_t off = (slot_of(item.seq, c0 + j) * hk + item.head) * d;
-            for (int64_t e = 0; e < dp; ++e) {
-              kt[size_t(e * kTile + j)] = e < d ? to_f32(kc[off + e]) : 0.0f;
-              vbuf[size_t(j * dp + e)] = e < d ? to_f32(vc[off + e]) : 0.0f;
-            }
-          } else {
-            for (int64_t e = 0; e < dp; ++e) kt[size_t(e * kTile + j)] = vbuf[size_t(j * dp + e)] = 0.0f;
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t off = (slot_of(item.seq, c0 + j) * hk + item.head) * d;
+          krow[size_t(j)] = kc + off;
+          vrow[size_t(j)] = vc + off;
+        }
+        if (!in_place) {  // padding (keys past the chunk, lanes past d) stays zero from the fill below
+          if (nk < kTile || c0 == kstart) {
+            std::fill(kt.begin(), kt.end(), 0.0f);
+            std::fill(vbuf.begin(), vbuf.end(), 0.0f);
           }
+          for (int64_t j = 0; j < nk; ++j) {
+            const KT* kr = krow[size_t(j)];
+            const KT* vr = vrow[size_t(j)];
+            float* vd = vbuf.data() + j * dp;
+            for (int64_t e = 0; e < d; ++e) {
+              kt[size_t(e * kTile + j)] = to_f32(kr[e]);
+              vd[e] = to_f32(vr[e]);
+            }
+          }
+          for (int64_t j = 0; j < kTile; ++j) vtile[size_t(j)] = vbuf.data() + j * dp;
+          // Scores of four queries at a time: 4 x NV independent FMA chains over the head width.
+          int64_t qi = 0;
+          for (; qi + 4 <= nq; qi += 4) chunk_scores<4>(qbuf.data() + qi * dp, dp, kt.data(), d, sbuf.data() + qi * kTile);
+          for (; qi < nq; ++qi) chunk_scores<1>(qbuf.data() + qi * dp, dp, kt.data(), d, sbuf.data() + qi * kTile);
         }
         for (int64_t qi = 0; qi < nq; ++qi) {
           const int64_t pos = a.positions[item.r0 + qi / G];
@@ -904,17 +973,42 @@ void attention_impl(const AttentionArgs& a) {
           if (hi < lo) continue;  // nothing visible to this query in the chunk
           const float* qd = qbuf.data() + qi * dp;
           R s[NV];
-          for (int j = 0; j < NV; ++j) s[j] = O::zero();
-          for (int64_t e = 0; e < d; ++e) {
-            const R qe = O::set1(qd[e]);
-            for (int j = 0; j < NV; ++j) s[j] = O::fma(qe, O::load(kt.data() + e * kTile + j * W), s[j]);
+          if (in_place) {
+            alignas(64) float sc[kTile];
+            for (int64_t j = 0; j < kTile; ++j) sc[j] = -std::numeric_limits<float>::infinity();
+            // Four keys at a time: four independent FMA chains, each query register loaded once.
+            int64_t j = lo - c0;
+            for (; j + 4 <= hi - c0 + 1; j += 4) {
+              R acc[4];
+              unroll<4>([&](auto u) { acc[u] = O::zero(); });
+              int64_t e = 0;
+              for (; e + W <= d; e += W) {
+                const R qv = O::load(qd + e);
+                unroll<4>([&](auto u) { acc[u] = O::fma(qv, load_as_f32<KT>(krow[size_t(j + u)] + e), acc[u]); });
+              }
+              unroll<4>([&](auto u) {
+                float dot = O::hsum(acc[u]);
+                for (int64_t t = e; t < d; ++t) dot += qd[t] * to_f32(krow[size_t(j + u)][t]);
+                sc[j + u] = dot;
+              });
+            }
+            for (; j <= hi - c0; ++j) {
+              R acc = O::zero();
+              int64_t e = 0;
+              for (; e + W <= d; e += W) acc = O::fma(O::load(qd + e), load_as_f32<KT>(krow[size_t(j)] + e), acc);
+              float dot = O::hsum(acc);
+              for (; e < d; ++e) dot += qd[e] * to_f32(krow[size_t(j)][e]);
+              sc[j] = dot;
+            }
+            for (int j = 0; j < NV; ++j) s[j] = O::load(sc + j * W);
+          } else {
+            for (int j = 0; j < NV; ++j) {
+              const R pos_j = O::add(lane_pos, O::set1(float(c0 + j * W)));
+              s[j] = O::keep_range(O::load(sbuf.data() + qi * kTile + j * W), pos_j, float(lo), float(hi));
+            }
           }
           R mx = O::set1(-std::numeric_limits<float>::infinity());
-          for (int j = 0; j < NV; ++j) {
-            const R pos_j = O::add(lane_pos, O::set1(float(c0 + j * W)));
-            s[j] = O::keep_range(s[j], pos_j, float(lo), float(hi));
-            mx = O::max(mx, s[j]);
-          }
+          for (int j = 0; j < NV; ++j) mx = O::max(mx, s[j]);
           const float m_old = mrow[size_t(qi)];
           const float m_new = std::max(m_old, O::hmax(mx));
           const float corr = std::exp(m_old - m_new);  // 0 on the first visible chunk
@@ -927,12 +1021,8 @@ void attention_impl(const AttentionArgs& a) {
           mrow[size_t(qi)] = m_new;
           lrow[size_t(qi)] = lrow[size_t(qi)] * corr + O::hsum(sum);
           float* od = obuf.data() + qi * dp;
-          const R vcorr = O::set1(corr);
-          for (int64_t e = 0; e < dp; e += W) {
-            R acc = O::mul(O::load(od + e), vcorr);
-            for (int64_t j = 0; j < nk; ++j) acc = O::fma(O::set1(p[j]), O::load(vbuf.data() + j * dp + e), acc);
-            O::store(od + e, acc);
-          }
+          if (in_place) accumulate_pv(od, corr, p, vrow.data(), lo - c0, hi - c0 + 1, d);
+          else accumulate_pv(od, corr, p, vtile.data(), 0, nk, dp);
         }
       }
       for (int64_t qi = 0; qi < nq; ++qi) {

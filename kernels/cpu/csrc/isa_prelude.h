@@ -17,7 +17,8 @@
 #include "common.h"
 #include "scalar_types.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
+// MGX_PORTABLE_ONLY builds what a non-x86 host builds (the scalar path only), on any host.
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(MGX_PORTABLE_ONLY)
 #define MGX_X86 1
 #else
 #define MGX_X86 0

@@ -20,7 +20,7 @@
 #include <omp.h>
 #endif
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && !defined(MGX_PORTABLE_ONLY)
 #include <cpuid.h>
 #define MGX_HAVE_CPUID 1
 #else
