@@ -35,7 +35,7 @@ import yaml
 __all__ = ["SpecError", "SourceSpec", "GoldenPrompt", "GoldenSpec", "GenerationSpec", "PassSpec", "ModelSpec", "load_spec"]
 
 DTYPES = ("fp32", "bf16", "fp16")
-TARGETS = ("cpu",)
+TARGETS = ("cpu", "cuda")
 
 
 class SpecError(ValueError):

@@ -57,7 +57,11 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             continue
         roles = {"weight": site.name, **{r: op.weights[r] for r in COMPANION_ROLES if r in op.weights}}
         arrays = {role: graph.tensor(n).data for role, n in roles.items()}
-        packed = layouts.pack(name, arrays, t.scheme, t.scheme_params)
+        try:
+            packed = layouts.pack(name, arrays, t.scheme, t.scheme_params)
+        except ValueError as e:  # a shape the layout cannot hold (say, K not a multiple of 8)
+            skipped[site.name] = f"{name} cannot hold its shape ({e})"
+            continue
         # Postcondition: the layout gives back exactly what it was given.
         back = layouts.unpack(name, packed, t.scheme, t.scheme_params)
         if set(back) != set(arrays) or any(not np.array_equal(back[r], arrays[r]) for r in arrays):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -67,6 +68,12 @@ class Backend(ABC):
     @abstractmethod
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         """The paged K/V (and recurrent state) memory of this graph, in this backend's memory."""
+
+    def execute(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache) -> np.ndarray:
+        """One step: ``run_ops`` runs the graph's ops in order through ``run_op`` and returns the
+        logits value; a backend may prepare the step first or replay a recorded run instead.
+        Returns host float32 logits [R, V]."""
+        return run_ops(batch)
 
     def run_op(self, op: Op, args: list[Array], batch: StepBatch, kv: KVCache) -> list[Array]:
         """Run ``op`` on its input values; returns its output values in order."""
@@ -252,6 +259,7 @@ def host_memory_available() -> int:
 BACKENDS: dict[str, str] = {
     "reference": "mgx.runtime.backend:ReferenceBackend",
     "cpu": "mgx.runtime.backend_cpu:CPUBackend",
+    "cuda": "mgx.runtime.backend_cuda:CUDABackend",
 }
 
 

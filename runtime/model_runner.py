@@ -82,8 +82,15 @@ class ModelRunner:
             self.blocks.commit(c.seq_id, c.token_ids.tolist())
         return [logits[batch.sampled(i)] for i in range(len(chunks))]
 
-    def execute(self, batch: StepBatch) -> Array:
-        """Run the graph's ops on a packed batch whose paged view is set -> logits [R, V]."""
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        """Run the graph on a packed batch whose paged view is set -> host logits [R, V].
+
+        The backend decides how (op by op, or replaying a captured CUDA graph of the op loop).
+        """
+        return self.backend.execute(self.run_ops, batch, self.kv)
+
+    def run_ops(self, batch: StepBatch) -> Array:
+        """The graph's ops one after another on ``batch`` -> the backend's logits value [R, V]."""
         values = {self.graph.inputs[0]: batch.token_ids}
         for op, dead in zip(self.graph.ops, self._dead_after, strict=True):
             outs = self.backend.run_op(op, [values[name] for name in op.inputs], batch, self.kv)

@@ -13,88 +13,38 @@ Tolerance: max |logit difference| 1e-4 on the tiny models (logits of order 1..10
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import numpy as np
 import pytest
 from _cpu_testing import ISAS
 
-from mgx.formats import ir
 from mgx.kernels import cpu
 from mgx.passes import PASSES, PassContext
 from mgx.runtime.batch import SeqChunk
 from mgx.runtime.model_runner import ModelRunner
 
-from _tiny_graph import build_tiny_graph
+from _backend_testing import MODELS, PIPELINES, compiled, greedy_run
 
 TINY_ATOL = 1e-4
 SMOLLM2_ATOL = 2e-3
-
-MODELS: dict[str, dict[str, Any]] = {
-    "gqa": {},
-    "qk-norm-bias-fused": {"qk_norm": True, "attention_bias": True, "fused": True},
-    "window-partial-rotary": {"sliding_window": 6, "rotary_dim": 4, "num_kv_heads": 3},
-    "tied-bf16": {"tie_word_embeddings": True, "dtype": ir.DType.BF16},
-}
-PIPELINES: dict[str, list[Any]] = {
-    "dense": [],
-    "dense-tiled": ["reorder_weights"],
-    "w8a16-tiled": ["fuse_qkv", "fuse_gate_up", "quantize_w8a16", "reorder_weights"],
-    "w8a16-tied-tiled": ["quantize_w8a16", ("reorder_weights", {"skip": {"embedding": False}})],
-    "int4-rowmajor": [("quantize_int4", {"group_size": 32, "symmetric": True})],
-    "int4-tiled": [("quantize_int4", {"group_size": 32}), "reorder_weights"],
-    "sparse24-tiled": ["sparsify_2_4", "reorder_weights"],
-    "sparse24-int4-tiled": ["sparsify_2_4", ("quantize_int4", {"group_size": 32}), "reorder_weights"],
-}
-
-
-def _compiled(model: str, pipeline: str) -> ir.Graph:
-    graph, _ = build_tiny_graph(**MODELS[model])
-    graph = copy.deepcopy(graph)
-    for p in PIPELINES[pipeline]:
-        name, options = (p, {}) if isinstance(p, str) else p
-        PASSES[name](graph, dict(options), PassContext(target="cpu"))
-        ir.verify(graph)
-    return graph
-
-
-def _greedy_run(runner: ModelRunner, prompts: list[np.ndarray], steps: int) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Prefill the first prompt whole and the second in two chunks (its second chunk rides with the
-    first sequence's first decode), then decode both together; greedy on the runner's own logits."""
-    a, b = prompts
-    tokens: list[list[int]] = [[], []]
-    logits: list[np.ndarray] = []
-    (la, _) = runner.step([SeqChunk(0, a), SeqChunk(1, b[:5], sample=False)])
-    tokens[0].append(int(np.argmax(la[-1])))
-    (la, lb) = runner.step([SeqChunk(0, tokens[0][-1:]), SeqChunk(1, b[5:], all_logits=True)])
-    logits += [la, lb]
-    tokens[0].append(int(np.argmax(la[-1])))
-    tokens[1].append(int(np.argmax(lb[-1])))
-    for _ in range(steps):
-        (la, lb) = runner.step([SeqChunk(0, tokens[0][-1:]), SeqChunk(1, tokens[1][-1:])])
-        logits += [la, lb]
-        tokens[0].append(int(np.argmax(la[-1])))
-        tokens[1].append(int(np.argmax(lb[-1])))
-    return tokens, logits
-
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_tiny_graphs_match_the_reference_backend(model: str, pipeline: str, isa: str) -> None:
-    graph = _compiled(model, pipeline)
+    graph = compiled(model, pipeline)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, graph.arch.vocab_size, 23), rng.integers(0, graph.arch.vocab_size, 12)]
-    want_tokens, want_logits = _greedy_run(ModelRunner(graph, "reference"), prompts, 12)
+    want_tokens, want_logits = greedy_run(ModelRunner(graph, "reference"), prompts, 12)
     with cpu.use_isa(isa):
-        got_tokens, got_logits = _greedy_run(ModelRunner(graph, "cpu"), prompts, 12)
+        got_tokens, got_logits = greedy_run(ModelRunner(graph, "cpu"), prompts, 12)
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits, strict=True):
         np.testing.assert_allclose(got, want, atol=TINY_ATOL, rtol=0)
 
 
 def test_cpu_backend_reads_the_cpu_layout_without_copies() -> None:
-    graph = _compiled("gqa", "w8a16-tiled")
+    graph = compiled("gqa", "w8a16-tiled")
     runner = ModelRunner(graph, "cpu")
     linear_weights = [graph.tensors[op.weights["weight"]] for op in graph.ops if op.kind == "linear"]
     assert linear_weights and all(t.layout == "cpu_tile16" for t in linear_weights)

@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from mgx.formats import layouts  # noqa: E402
 from mgx.formats.ir import DType, Tensor  # noqa: E402
 from mgx.kernels import reference as ref  # noqa: E402
-from mgx.kernels.triton import layouts  # noqa: E402
 from mgx.kernels.triton import linear as lin  # noqa: E402
 from mgx.kernels.triton.testing import make_weight  # noqa: E402
 

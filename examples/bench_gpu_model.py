@@ -1,0 +1,296 @@
+"""Whole-model GPU benchmark: MGX's CUDA backend against Hugging Face transformers, in one run.
+
+    python examples/bench_gpu_model.py --shape llama-1b --schemes bf16,w8a16,int4 --json out.json
+
+A random-weight Llama with the shapes of Llama-3.2-1B (``llama-1b``) or Llama-3.1-8B (``llama-8b``)
+is built in bf16, traced and lowered by the MGX compiler, run through the passes of each scheme
+(``fuse_qkv``, ``fuse_gate_up``, the scheme's quantizer, ``reorder_weights`` for target ``cuda``),
+written as a ``.mgx`` file and loaded by ``Engine(path, backend="cuda")``. Measured:
+
+- load: artifact open plus weight upload (GB/s through the pinned staging buffers);
+- decode at batch 1: a 512-token prompt, 256 new greedy tokens; tokens/s over the decode steps
+  and the fraction of the measured copy bandwidth that the weight bytes read per token make;
+- aggregate decode at batch 32, 64, 128 (128-token prompts, 64 decode steps timed once every
+  sequence decodes);
+- prefill of a 2,048-token prompt: tokens/s and model FLOPs as a fraction of the measured bf16
+  matrix rate.
+
+The same model in transformers runs eager and with a static cache under ``torch.compile``
+(``--hf eager,compile``) on the same prompts. ``--smoke`` runs a tiny shape on the CPU under
+TRITON_INTERPRET=1 to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("MGX_CUDA_DEVICE", "cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+}  # fmt: skip
+SCHEME_PASSES = {
+    "bf16": [],
+    "w8a16": [("quantize_w8a16", {})],
+    "int4": [("quantize_int4", {"group_size": 128})],
+}
+DEVICE = "cpu" if SMOKE else "cuda"
+ROWS: list[dict] = []
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a large device-to-device copy (best of 10)."""
+    n = (1 << 30) if DEVICE == "cuda" else (1 << 22)
+    a, b = torch.empty(n, dtype=torch.uint8, device=DEVICE), torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    best = float("inf")
+    for _ in range(10):
+        sync()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of a large square matmul (best of 10)."""
+    n = 8192 if DEVICE == "cuda" else 256
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
+    best = float("inf")
+    for _ in range(10):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def build_hf(shape: str, max_pos: int):  # noqa: ANN201
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_pos, rope_theta=500000.0,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return model.eval()
+
+
+def tokenizer_json(vocab: int) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
+def build_artifacts(model, schemes: list[str], out_dir: Path) -> dict[str, Path]:  # noqa: ANN001
+    from mgx.compiler.lower import lower_model, trace_model
+    from mgx.compiler.pipeline import convert_tensors
+    from mgx.formats import ir
+    from mgx.formats.artifact import ArtifactContents, Fingerprint, PassRecord, write_artifact
+    from mgx.passes import PASSES, PassContext
+
+    cpu_model = copy.deepcopy(model).to("cpu") if DEVICE == "cuda" else model
+    t0 = time.perf_counter()
+    base, _ = lower_model(cpu_model, trace_model(cpu_model))
+    del cpu_model
+    convert_tensors(base, ir.DType.BF16)
+    log(f"traced and lowered in {time.perf_counter() - t0:.1f}s")
+    paths = {}
+    vocab = base.arch.vocab_size
+    for scheme in schemes:
+        t0 = time.perf_counter()
+        graph = copy.deepcopy(base) if scheme != schemes[-1] else base
+        records = []
+        for name, opts in [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]:
+            result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
+            ir.verify(graph)
+            records.append(PassRecord(name, dict(opts), result.summary))
+        path = out_dir / f"{scheme}.mgx"
+        fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
+        write_artifact(path, ArtifactContents(graph=graph, tokenizer_json=tokenizer_json(vocab), fingerprint=fp,
+                                              passes=records))  # fmt: skip
+        log(f"{scheme}: passes and write {time.perf_counter() - t0:.1f}s, {path.stat().st_size / 1e9:.2f} GB")
+        paths[scheme] = path
+        del graph
+    return paths
+
+
+def weight_bytes_per_token(engine) -> int:  # noqa: ANN001
+    """Bytes of every weight a decode step reads in full (the embedding table only if the LM head reads it)."""
+    graph = engine.graph
+    names = set()
+    for op in graph.ops:
+        if op.kind != "embedding":
+            names.update(op.weights.values())
+    return sum(graph.tensors[n].nbytes for n in names)
+
+
+def run_steps(engine, prompts: list[list[int]], new: int) -> tuple[float, float, int]:  # noqa: ANN001
+    """Add the requests, step to the end; (prefill seconds, decode seconds, decode tokens) where the
+    decode clock starts once every sequence has its first token."""
+    from mgx.runtime.sampler import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    counts: dict[str, int] = {}
+    sync()
+    t0 = time.perf_counter()
+    t_first = None
+    decoded_after = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        for o in outs:
+            counts[o.request_id] = counts.get(o.request_id, 0) + len(o.token_ids)
+        if t_first is None and len(counts) == len(prompts) and all(v >= 1 for v in counts.values()):
+            sync()
+            t_first = time.perf_counter()
+            decoded_after = sum(counts.values())
+    sync()
+    t_end = time.perf_counter()
+    return t_first - t0, t_end - t_first, sum(counts.values()) - decoded_after
+
+
+def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: int) -> None:  # noqa: ANN001
+    from mgx.runtime import Engine, EngineConfig
+
+    rng = np.random.default_rng(0)
+    vocab_hi = 500 if SMOKE else 100000
+    biggest = max(args.batches)
+    sync()
+    t0 = time.perf_counter()
+    engine = Engine(path, backend="cuda", config=EngineConfig(max_num_seqs=biggest, max_tokens_per_step=args.prefill,
+                                                              kv_memory=args.kv_memory))  # fmt: skip
+    sync()
+    load_s = time.perf_counter() - t0
+    up = engine.runner.backend.upload_stats
+    row = {"engine": f"mgx {scheme}", "load_s": load_s, "upload_gb_s": up.gb_per_s, "weight_bytes": up.bytes}
+    # Warm up: compile the kernels and capture the decode graphs (outside the clocks).
+    run_steps(engine, [rng.integers(3, vocab_hi, 32).tolist() for _ in range(biggest)], 3)
+    run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], 4)
+    per_token = weight_bytes_per_token(engine)
+    _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], args.new)
+    row["decode_b1_tok_s"] = n / dt
+    row["decode_b1_bw_frac"] = per_token * n / dt / bw
+    for b in args.batches:
+        _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], args.batch_new)
+        row[f"decode_b{b}_tok_s"] = n / dt
+    run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)  # warm the prefill shapes
+    pf, _, _ = run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
+    row["prefill_tok_s"] = args.prefill / pf
+    row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
+    log(json.dumps(row))
+    ROWS.append(row)
+    del engine
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def hf_decode(model, batch: int, prompt: int, new: int, rng) -> float:  # noqa: ANN001
+    """Decode tokens/s of ``model.generate`` at ``batch``: (new - 1) * batch tokens over the time
+    the run takes beyond a 1-token run (the prefill)."""
+    vocab_hi = 500 if SMOKE else 100000
+    ids = torch.tensor(rng.integers(3, vocab_hi, (batch, prompt)), device=DEVICE)
+
+    def gen(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+        sync()
+        return time.perf_counter() - t0
+
+    gen(2)
+    one = min(gen(1) for _ in range(2))
+    full = gen(new)
+    return (new - 1) * batch / (full - one)
+
+
+def bench_hf(model, args, bw: float, n_params: int, mode: str) -> None:  # noqa: ANN001
+    rng = np.random.default_rng(0)
+    if mode == "compile":
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    row = {"engine": f"transformers {mode}"}
+    t0 = time.perf_counter()
+    row["decode_b1_tok_s"] = hf_decode(model, 1, args.prompt, args.new, rng)
+    row["decode_b1_bw_frac"] = row["decode_b1_tok_s"] * 2 * n_params / bw
+    for b in args.hf_batches:
+        row[f"decode_b{b}_tok_s"] = hf_decode(model, b, args.batch_prompt, args.batch_new, rng)
+    row["seconds"] = time.perf_counter() - t0
+    log(json.dumps(row))
+    ROWS.append(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
+    parser.add_argument("--schemes", default="bf16,w8a16,int4")
+    parser.add_argument("--hf", default="eager,compile", help="transformers modes to compare ('' for none)")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--batches", default="32,64,128")
+    parser.add_argument("--hf-batches", default="128")
+    parser.add_argument("--batch-prompt", type=int, default=128)
+    parser.add_argument("--batch-new", type=int, default=64)
+    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--kv-memory", default="16GiB")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    if SMOKE:
+        args.shape, args.prompt, args.new, args.batches, args.hf_batches = "tiny", 16, 4, [2], [2]
+        args.batch_new, args.prefill, args.kv_memory, args.batch_prompt = 3, 32, "64MiB", 16
+    bw, flops = copy_bandwidth(), matmul_rate()
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    model = build_hf(args.shape, max(args.prompt + args.new, args.prefill) + 64)
+    n_params = sum(p.numel() for p in model.model.layers.parameters()) + model.lm_head.weight.numel()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build_artifacts(model, args.schemes.split(","), Path(tmp))
+        for scheme, path in paths.items():
+            bench_mgx(path, scheme, args, bw, flops, n_params)
+    for mode in [m for m in args.hf.split(",") if m]:
+        bench_hf(model, args, bw, n_params, mode)
+    out = {"shape": args.shape, "copy_gb_s": bw / 1e9, "bf16_tflops": flops / 1e12, "rows": ROWS,
+           "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}  # fmt: skip
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

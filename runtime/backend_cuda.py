@@ -1,0 +1,586 @@
+"""The CUDA backend: the Triton kernels of ``mgx.kernels.triton`` on an NVIDIA GPU, torch for memory.
+
+Weights. Every tensor an op reads is copied once from the mapped artifact into one device arena
+(256-byte aligned slices): the bytes go through two pinned staging buffers of ``MGX_CUDA_STAGE_MB``
+(default 64) in turn, so filling one from the page cache overlaps the copy of the other on a copy
+stream; ``upload_stats`` says how many bytes moved at what rate. Dense weights stored in another
+float type than the compute dtype are converted on the device; quantized weights stay as stored
+(int8 / int4 codes, float32 scales). Layouts the GPU kernels do not read (``cpu_tile16``) are
+unpacked to ``row_major`` on the host first.
+
+Compute dtype: the model's own (the dense weights' float type; bf16 for a fully quantized model),
+or ``dtype=`` / ``MGX_CUDA_DTYPE`` (f32, bf16, f16). K/V are cached in the compute dtype.
+
+Fusions, each with the results of running the ops one by one: an ``add`` followed by the
+``rms_norm`` of its output is one kernel; a ``linear`` whose output only feeds a one-input
+``silu_mul`` (the fused gate/up projection) computes the SiLU product in its epilogue; a ``rope``
+whose outputs only feed the ``attention`` op rotates q and k in the same kernel that writes k and v
+into the paged cache (the attention prologue).
+
+CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
+captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
+holds it; the rows past the real ones point at a scratch KV block that no sequence owns. A graph
+is captured the first time its bucket is needed (``warm_up`` captures them ahead of time); prefill
+and mixed steps run eagerly. ``MGX_CUDA_GRAPHS=0`` turns graphs off.
+
+The same code runs on a CPU device under ``TRITON_INTERPRET=1`` (``device="cpu"``): that is how CI
+checks this backend's plumbing without a GPU (no pinned memory, no graphs there).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from mgx.formats import layouts as layout_registry
+from mgx.formats.ir import DType, Graph, Op, Tensor
+from mgx.kernels.triton.attention import decode_splits, paged_attention_decode, paged_attention_prefill, write_kv
+from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
+from mgx.kernels.triton.linear import SCHEME_IDS, GpuWeight, dequantize_ref, linear, linear_silu_mul, silu_mul
+from mgx.kernels.triton.rmsnorm import rms_norm
+from mgx.kernels.triton.rope import rope_, rope_and_write_kv
+
+from .backend import Array, Backend
+from .batch import StepBatch
+from .errors import UnsupportedModelError
+from .kv_cache import KVCache
+
+__all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS"]
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+_AUX_ROLES = ("scales", "zeros", "meta")
+_ALIGN = 256
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+_TORCH_OF = {
+    DType.F32: torch.float32,
+    DType.F16: torch.float16,
+    DType.BF16: torch.bfloat16,
+    DType.I8: torch.int8,
+    DType.U8: torch.uint8,
+    DType.I32: torch.int32,
+    DType.I64: torch.int64,
+}
+# Device memory kept out of the KV budget for activations, graph pools and kernels' scratch.
+_RESERVE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class UploadStats:
+    """How the weights reached the device."""
+
+    bytes: int
+    seconds: float
+    chunks: int
+    pinned: bool
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class CudaKVCache(KVCache):
+    """K/V blocks in device memory, one extra block at the end that padded graph rows write into."""
+
+    def __init__(self, graph: Graph, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_blocks, block_size, 0)
+        self.scratch_block = num_blocks
+        for s in graph.states:
+            if s.kind != "kv":
+                raise UnsupportedModelError(f"the CUDA backend has no kernel for state kind {s.kind!r}")
+            shape = (num_blocks + 1, block_size, s.num_kv_heads, s.head_dim)
+            self.k[s.layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self.v[s.layer] = torch.zeros(shape, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.k.values(), *self.v.values()])
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's metadata on the device (static buffers when the step runs as a graph)."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int32
+    block_tables: torch.Tensor  # [S, W] int32
+    context_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S+1] int32
+    sample_rows: torch.Tensor  # [R] int64
+    max_query_len: int
+    max_context_len: int
+    decode_splits: int | None = None  # fixed in graphs; None: chosen from max_context_len
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    step: _Step
+    logits: torch.Tensor  # [bucket, V] float32, written by every replay
+
+
+@dataclass(slots=True)
+class _Attn:
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int
+    rope: Op | None = None  # the rope op fused into this attention's prologue
+
+
+@dataclass(slots=True)
+class _Fusions:
+    norm_after_add: dict[int, Op] = field(default_factory=dict)  # id(add) -> the rms_norm it computes
+    silu_after_linear: dict[int, Op] = field(default_factory=dict)  # id(linear) -> the silu_mul it computes
+    rope_into_attention: dict[int, Op] = field(default_factory=dict)  # id(rope) -> the attention it joins
+
+
+class CUDABackend(Backend):
+    """Runs a graph with the Triton kernels on one GPU (or, interpreted, on the CPU for tests)."""
+
+    name: ClassVar[str] = "cuda"
+
+    def __init__(
+        self, graph: Graph, *, device: str | torch.device | None = None, dtype: str | None = None, graphs: bool | None = None
+    ) -> None:
+        super().__init__(graph)
+        self.device = torch.device(device if device is not None else os.environ.get("MGX_CUDA_DEVICE", "cuda"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedModelError("backend 'cuda': torch sees no CUDA device on this host")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = self._compute_dtype(dtype or os.environ.get("MGX_CUDA_DTYPE"))
+        self.kv_itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if graphs is None:
+            graphs = os.environ.get("MGX_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = bool(graphs) and self.device.type == "cuda"
+        self._users = _users(graph)
+        self._fuse = self._find_fusions()
+        names = sorted({name for op in graph.ops for name in op.weights.values()})
+        self._dev, self.upload_stats = self._upload({name: graph.tensors[name] for name in names})
+        self._weights: dict[int, GpuWeight] = {}
+        self._bias: dict[int, torch.Tensor | None] = {}
+        self._norm: dict[int, tuple[torch.Tensor | None, float, int]] = {}
+        self._attn: dict[int, _Attn] = {}
+        self._inv_freq: dict[int, tuple[torch.Tensor, int, int, float]] = {}
+        for op in graph.ops:
+            self._prepare(op)
+        self._pending: dict[int, Array] = {}  # id(op) -> output computed by the op fused before it
+        self._step: _Step | None = None
+        self._graphs: dict[int, _Graph] = {}
+        self._pool: Any = None
+        self._kv: CudaKVCache | None = None
+        self._max_blocks = 0
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _compute_dtype(self, name: str | None) -> torch.dtype:
+        if name is not None:
+            if name not in _DTYPES:
+                raise UnsupportedModelError(f"CUDA compute dtype {name!r}: expected one of {', '.join(_DTYPES)}")
+            return _DTYPES[name]
+        for op in self.graph.ops:
+            if op.kind in ("embedding", "linear", "lm_head"):
+                t = self.graph.tensors[op.weights["weight"]]
+                if t.scheme in ("none", "sparse24") and t.dtype in (DType.F32, DType.F16, DType.BF16):
+                    return _TORCH_OF[t.dtype]
+        return torch.bfloat16
+
+    def _find_fusions(self) -> _Fusions:
+        f = _Fusions()
+        ops = self.graph.ops
+        for op, nxt in zip(ops, ops[1:]):
+            only_next = all(self._users.get(o) == [nxt] for o in op.outputs)
+            if op.kind == "add" and nxt.kind == "rms_norm" and nxt.inputs == op.outputs:
+                f.norm_after_add[id(op)] = nxt
+            elif op.kind == "linear" and nxt.kind == "silu_mul" and nxt.inputs == op.outputs and only_next:
+                f.silu_after_linear[id(op)] = nxt
+            elif op.kind == "rope" and nxt.kind == "attention" and nxt.inputs[:2] == op.outputs and only_next:
+                f.rope_into_attention[id(op)] = nxt
+        return f
+
+    def _upload(self, tensors: dict[str, Tensor]) -> tuple[dict[str, torch.Tensor], UploadStats]:
+        """Copy every tensor's bytes into one device arena; returns a typed view per tensor."""
+        host: dict[str, np.ndarray] = {}
+        for name, t in tensors.items():
+            if t.data is None:
+                raise UnsupportedModelError(f"tensor {name} has no data")
+            host[name] = t.data
+        offsets, total = {}, 0
+        for name, a in host.items():
+            offsets[name] = total
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        arena = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
+        t0 = time.perf_counter()
+        pinned = self.device.type == "cuda"
+        chunks = _copy_to_arena(arena, [(offsets[n], a) for n, a in host.items()], pinned)
+        if pinned:
+            torch.cuda.synchronize(self.device)
+        stats = UploadStats(sum(a.nbytes for a in host.values()), time.perf_counter() - t0, chunks, pinned)
+        views = {}
+        for name, a in host.items():
+            t = tensors[name]
+            raw = arena[offsets[name] : offsets[name] + a.nbytes]
+            views[name] = raw.view(_TORCH_OF[t.dtype]).view(a.shape)
+        return views, stats
+
+    def _prepare(self, op: Op) -> None:
+        a = op.attrs
+        if op.kind in ("linear", "lm_head", "embedding"):
+            self._weights[id(op)] = self._gpu_weight(op)
+            b = op.weights.get("bias")
+            self._bias[id(op)] = None if b is None else self._dev[b].to(self.dtype)
+        elif op.kind == "rms_norm":
+            w = op.weights.get("weight")
+            self._norm[id(op)] = (None if w is None else self._dev[w].float(), float(a["eps"]), int(a["group"]))
+        elif op.kind == "rope":
+            self._inv_freq[id(op)] = (
+                self._dev[op.weights["inv_freq"]].float().reshape(-1),
+                int(a["head_dim"]),
+                int(a["rotary_dim"]),
+                float(a["attention_scaling"]),
+            )
+        elif op.kind == "attention":
+            self._attn[id(op)] = _Attn(
+                int(a["layer"]), int(a["num_heads"]), int(a["num_kv_heads"]), int(a["head_dim"]),
+                float(a["scale"]), int(a["sliding_window"]),
+            )  # fmt: skip
+
+    def _gpu_weight(self, op: Op) -> GpuWeight:
+        tensors = self.graph.tensors
+        t = tensors[op.weights["weight"]]
+        where = f"{op.kind} from {op.source or '?'}: weight {t.name}"
+        if t.scheme not in SCHEME_IDS:
+            raise UnsupportedModelError(f"{where} uses scheme {t.scheme!r}; the CUDA kernels read {', '.join(SCHEME_IDS)}")
+        dev = {r: self._dev[op.weights[r]] for r in _AUX_ROLES if r in op.weights}
+        w = self._dev[t.name]
+        if t.layout not in GPU_LAYOUTS:
+            w, dev = self._to_row_major(t, op, w, dev)
+        if t.scheme in ("none", "sparse24") and w.dtype != self.dtype:
+            w = w.to(self.dtype)
+        p = t.scheme_params
+        cols = int(p.get("cols", t.shape[1]))
+        try:
+            return GpuWeight(
+                t.scheme, t.shape[0], cols, w, scales=dev.get("scales"), zeros=dev.get("zeros"), meta=dev.get("meta"),
+                group_size=int(p.get("group_size", 0)), symmetric=bool(p.get("symmetric", True)),
+                layout=t.layout if t.layout in GPU_LAYOUTS else "row_major",
+            )  # fmt: skip
+        except ValueError as e:
+            raise UnsupportedModelError(f"{where}: {e}") from None
+
+    def _to_row_major(
+        self, t: Tensor, op: Op, w: torch.Tensor, aux: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A weight in a layout the GPU kernels do not read, unpacked to row_major (on the host, once)."""
+        try:
+            arrays = {"weight": t.data, **{r: self.graph.tensors[op.weights[r]].data for r in aux}}
+            rows = layout_registry.unpack(t.layout, arrays, t.scheme, t.scheme_params)
+        except layout_registry.LayoutError as e:
+            raise UnsupportedModelError(f"{op.kind} from {op.source or '?'}: {e}") from None
+        out = {r: torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for r, a in rows.items()}
+        out["weight"] = out["weight"].view(_TORCH_OF[t.dtype])
+        return out.pop("weight"), out
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
+        if num_state_slots:
+            raise UnsupportedModelError("the CUDA backend has no recurrent-state kernels yet")
+        self._kv = CudaKVCache(self.graph, num_blocks, block_size, self.dtype, self.device)
+        self._max_blocks = -(-self.graph.arch.max_position // block_size)
+        return self._kv
+
+    def memory_available(self) -> int:
+        if self.device.type != "cuda":
+            return super().memory_available()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, free - _RESERVE_BYTES)
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def execute(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache) -> np.ndarray:
+        paged = batch.paged
+        assert paged is not None, "the runner attaches the paged view before running ops"
+        s = len(batch.seq_ids)
+        decode = batch.num_tokens == s and batch.sample_rows.size == s and np.array_equal(batch.sample_rows, np.arange(s))
+        if self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]:
+            return self._replay(run_ops, batch)
+        self._step = self._eager_step(batch)
+        try:
+            logits = run_ops(batch)
+        finally:
+            self._step = None
+            self._pending.clear()
+        return logits.float().cpu().numpy()
+
+    def _eager_step(self, batch: StepBatch) -> _Step:
+        paged = batch.paged
+        ints = np.concatenate(
+            [batch.positions.astype(np.int32), paged.context_lens, paged.query_start_loc, paged.block_tables.ravel()]
+        )
+        dev = torch.from_numpy(ints).to(self.device, non_blocking=True)
+        longs = torch.from_numpy(np.concatenate([batch.token_ids, batch.sample_rows])).to(self.device, non_blocking=True)
+        t, s = batch.num_tokens, len(batch.seq_ids)
+        cut = np.cumsum([t, s, s + 1])
+        qlens = np.diff(paged.query_start_loc)
+        return _Step(
+            token_ids=longs[:t],
+            positions=dev[: cut[0]],
+            context_lens=dev[cut[0] : cut[1]],
+            query_start_loc=dev[cut[1] : cut[2]],
+            block_tables=dev[cut[2] :].view(paged.block_tables.shape),
+            sample_rows=longs[t:],
+            max_query_len=int(qlens.max()) if qlens.size else 0,
+            max_context_len=int(paged.context_lens.max()) if s else 0,
+        )
+
+    def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> np.ndarray:
+        s = len(batch.seq_ids)
+        bucket = next(b for b in GRAPH_BUCKETS if b >= s)
+        g = self._graphs.get(bucket)
+        if g is None:
+            g = self._graphs[bucket] = self._capture(run_ops, batch, bucket)
+        self._fill(g.step, batch)
+        g.graph.replay()
+        return g.logits[:s].cpu().numpy()
+
+    def _static_step(self, bucket: int) -> _Step:
+        assert self._kv is not None, "the KV cache is made before the first step"
+        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
+        width = max(1, self._max_blocks)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
+        return _Step(
+            token_ids=z(bucket, dt=torch.int64),
+            positions=z(bucket),
+            block_tables=z(bucket, width),
+            context_lens=z(bucket),
+            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=self.device),
+            sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
+            max_query_len=1,
+            max_context_len=self.graph.arch.max_position,
+            decode_splits=decode_splits(bucket, hk, self.graph.arch.max_position, sms),
+        )
+
+    def _fill(self, st: _Step, batch: StepBatch | None) -> None:
+        """Write a decode batch into a graph's static buffers; rows past it decode into the scratch block."""
+        bucket = st.token_ids.shape[0]
+        s = 0 if batch is None else len(batch.seq_ids)
+        width = st.block_tables.shape[1]
+        tables = np.full((bucket, width), -1, np.int32)
+        tables[s:, 0] = self._kv.scratch_block
+        ctx = np.ones(bucket, np.int32)
+        pos = np.zeros(bucket, np.int32)
+        tok = np.zeros(bucket, np.int64)
+        if batch is not None:
+            bt = batch.paged.block_tables
+            tables[:s, : bt.shape[1]] = bt[:, :width]
+            ctx[:s] = batch.paged.context_lens
+            pos[:s] = batch.positions
+            tok[:s] = batch.token_ids
+        st.block_tables.copy_(torch.from_numpy(tables), non_blocking=True)
+        st.context_lens.copy_(torch.from_numpy(ctx), non_blocking=True)
+        st.positions.copy_(torch.from_numpy(pos), non_blocking=True)
+        st.token_ids.copy_(torch.from_numpy(tok), non_blocking=True)
+
+    def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> _Graph:
+        st = self._static_step(bucket)
+        self._fill(st, None)  # capture on padding rows only: warming up writes nothing a sequence owns
+        self._step = st
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile every kernel and let the allocator settle
+                    run_ops(batch)
+                    self._pending.clear()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = run_ops(batch).float()
+            self._pending.clear()
+        finally:
+            self._step = None
+        return _Graph(graph, st, logits)
+
+    def warm_up(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, max_batch: int) -> list[int]:
+        """Capture the graphs of every bucket up to ``max_batch`` now; returns the buckets captured."""
+        done = []
+        if not self.use_graphs:
+            return done
+        for b in GRAPH_BUCKETS:
+            if b > max(1, max_batch) and done:
+                break
+            if b not in self._graphs:
+                self._graphs[b] = self._capture(run_ops, batch, b)
+            done.append(b)
+        return done
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    @property
+    def _cur(self) -> _Step:
+        st = self._step
+        assert st is not None, "ops run inside execute()"
+        return st
+
+    def embedding(self, op: Op, tokens: np.ndarray) -> Array:
+        w = self._weights[id(op)]
+        ids = self._cur.token_ids
+        if w.scheme == "none":
+            return w.weight.index_select(0, ids)
+        rows = GpuWeight(
+            w.scheme, ids.shape[0], w.k, w.weight.index_select(0, ids),
+            scales=None if w.scales is None else w.scales.index_select(0, ids),
+            zeros=None if w.zeros is None else w.zeros.index_select(0, ids),
+            meta=None if w.meta is None else w.meta.index_select(0, ids),
+            group_size=w.group_size, symmetric=w.symmetric, layout=w.layout,
+        )  # fmt: skip
+        return dequantize_ref(rows).to(self.dtype)
+
+    def rms_norm(self, op: Op, x: Array) -> Array:
+        done = self._pending.pop(id(op), None)
+        if done is not None:
+            return done
+        weight, eps, group = self._norm[id(op)]
+        if group != x.shape[1] and x.stride(0) != x.shape[1]:
+            x = x.contiguous()  # q/k norm of a split view: groups need whole rows
+        return rms_norm(x, weight, eps, group=group)
+
+    def linear(self, op: Op, x: Array) -> Array:
+        silu = self._fuse.silu_after_linear.get(id(op))
+        if silu is not None:
+            out = linear_silu_mul(x, self._weights[id(op)], self._bias[id(op)])
+            self._pending[id(silu)] = out
+            return out
+        return linear(x, self._weights[id(op)], self._bias[id(op)])
+
+    def split(self, op: Op, x: Array) -> list[Array]:
+        return list(torch.split(x, [int(s) for s in op.attrs["sizes"]], dim=1))
+
+    def rope(self, op: Op, q: Array, k: Array, positions: np.ndarray) -> tuple[Array, Array]:
+        attn = self._fuse.rope_into_attention.get(id(op))
+        if attn is not None:
+            self._pending[id(attn)] = op  # rotated in the attention op's prologue
+            return q, k
+        inv_freq, head_dim, rotary_dim, scaling = self._inv_freq[id(op)]
+        return rope_(q, k, self._cur.positions, inv_freq, head_dim=head_dim, rotary_dim=rotary_dim,
+                        attention_scaling=scaling)  # fmt: skip
+
+    def attention(self, op: Op, q: Array, k: Array, v: Array, batch: StepBatch, kv: KVCache) -> Array:
+        a = self._attn[id(op)]
+        st = self._cur
+        kc, vc = kv.k[a.layer], kv.v[a.layer]
+        rope_op = self._pending.pop(id(op), None)
+        if rope_op is not None:
+            inv_freq, head_dim, rotary_dim, scaling = self._inv_freq[id(rope_op)]
+            rope_and_write_kv(q, k, v, st.positions, inv_freq, kc, vc, st.block_tables, st.query_start_loc,
+                                 head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scaling)  # fmt: skip
+        else:
+            write_kv(k, v, st.positions, kc, vc, st.block_tables, st.query_start_loc)
+        if st.max_query_len == 1 and q.shape[0] == st.context_lens.shape[0]:
+            return paged_attention_decode(
+                q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
+                num_splits=st.decode_splits, max_context_len=st.max_context_len,
+            )  # fmt: skip
+        return paged_attention_prefill(
+            q, kc, vc, st.block_tables, st.context_lens, st.query_start_loc, st.positions,
+            scale=a.scale, sliding_window=a.window, max_query_len=st.max_query_len,
+        )  # fmt: skip
+
+    def silu_mul(self, op: Op, gate: Array, up: Array | None) -> Array:
+        done = self._pending.pop(id(op), None)
+        if done is not None:
+            return done
+        if up is None:
+            return silu_mul(gate)
+        return torch.nn.functional.silu(gate.float()).mul_(up.float()).to(self.dtype)
+
+    def add(self, op: Op, a: Array, b: Array) -> Array:
+        norm_op = self._fuse.norm_after_add.get(id(op))
+        if norm_op is None:
+            return a + b
+        weight, eps, group = self._norm[id(norm_op)]
+        normed, total = rms_norm(a, weight, eps, group=group, residual=b)
+        self._pending[id(norm_op)] = normed
+        return total
+
+    def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
+        st = self._cur
+        if st.sample_rows.shape[0] != x.shape[0]:
+            x = x.index_select(0, st.sample_rows)
+        return linear(x, self._weights[id(op)], self._bias[id(op)])
+
+
+def _users(graph: Graph) -> dict[str, list[Op]]:
+    users: dict[str, list[Op]] = {}
+    for op in graph.ops:
+        for name in op.inputs:
+            users.setdefault(name, []).append(op)
+    for name in graph.outputs:
+        users.setdefault(name, []).append(None)  # type: ignore[arg-type]  # read by the caller
+    return users
+
+
+def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pinned: bool) -> int:
+    """Copy host arrays to their byte offsets in ``arena``; returns the number of device copies made.
+
+    On a GPU the bytes go through two pinned staging buffers in turn: while the copy engine moves one
+    to the device, the host fills the other from the mapped file.
+    """
+    if not pinned:  # a CPU arena (tests): plain copies
+        host = arena.numpy()
+        for off, a in pieces:
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            host[off : off + flat.size] = flat
+        return len(pieces)
+    stage_bytes = int(os.environ.get("MGX_CUDA_STAGE_MB", "64")) << 20
+    stages = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    host_views = [s.numpy() for s in stages]
+    done = [None, None]  # the event after each stage's last copy
+    stream = torch.cuda.Stream(arena.device)
+    chunks, cur, fill, start = 0, 0, 0, 0  # start: arena offset of the stage's first byte
+
+    def flush() -> None:
+        nonlocal chunks, cur, fill
+        if fill:
+            with torch.cuda.stream(stream):
+                arena[start : start + fill].copy_(stages[cur][:fill], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            done[cur] = ev
+            chunks += 1
+            cur ^= 1
+            fill = 0
+            if done[cur] is not None:
+                done[cur].synchronize()  # the other stage is free again
+
+    for off, a in pieces:
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        if fill:
+            gap = off - (start + fill)  # the alignment padding before this piece
+            if 0 <= gap and fill + gap < stage_bytes:
+                fill += gap
+            else:
+                flush()
+        if not fill:
+            start = off
+        pos = 0
+        while pos < flat.size:
+            n = min(flat.size - pos, stage_bytes - fill)
+            host_views[cur][fill : fill + n] = flat[pos : pos + n]
+            fill += n
+            pos += n
+            if fill == stage_bytes:
+                flush()
+                start = off + pos
+    flush()
+    stream.synchronize()
+    return chunks
