@@ -47,6 +47,9 @@ class Backend(ABC):
         {"embedding", "rms_norm", "linear", "split", "rope", "attention", "silu_mul", "add", "lm_head"}
     )
 
+    # True when greedy_head is implemented (an LM head fused with the argmax).
+    has_greedy_head: ClassVar[bool] = False
+
     # Bytes per element of cached K/V and recurrent state (the reference backend keeps float32).
     kv_itemsize: ClassVar[int] = 4
 
@@ -95,6 +98,8 @@ class Backend(ABC):
             case "add":
                 return [self.add(op, args[0], args[1])]
             case "lm_head":
+                if batch.greedy:
+                    return [self.greedy_head(op, args[0], batch.sample_rows)]
                 return [self.lm_head(op, args[0], batch.sample_rows)]
         raise UnsupportedModelError(f"backend {self.name!r} has no kernel for op kind {op.kind!r}")
 
@@ -137,6 +142,11 @@ class Backend(ABC):
     @abstractmethod
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> np.ndarray:
         """Logits for ``rows`` [R] of x [T, H] only -> host float32 [R, V]."""
+
+    def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
+        """The LM head fused with the argmax for ``rows`` [R]: (ids [R], their logits [R]), first id
+        of equal maxima; only called when ``has_greedy_head``."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused greedy LM head")
 
 
 class ReferenceBackend(Backend):

@@ -68,6 +68,7 @@ class CPUBackend(Backend):
     """Runs a graph with the C++ CPU kernels (AVX-512, AVX2+FMA or scalar, chosen from CPUID)."""
 
     name: ClassVar[str] = "cpu"
+    has_greedy_head: ClassVar[bool] = True
 
     def __init__(self, graph: Graph) -> None:
         super().__init__(graph)
@@ -143,7 +144,10 @@ class CPUBackend(Backend):
             case "add":
                 return lambda args, batch, kv: [self.add(op, args[0], args[1])]
             case "lm_head":
-                return lambda args, batch, kv: [self.lm_head(op, args[0], batch.sample_rows)]
+                return lambda args, batch, kv: [
+                    self.greedy_head(op, args[0], batch.sample_rows) if batch.greedy
+                    else self.lm_head(op, args[0], batch.sample_rows)
+                ]  # fmt: skip
         raise UnsupportedModelError(f"backend {self.name!r} has no kernel for op kind {op.kind!r}")
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
@@ -254,7 +258,7 @@ class CPUBackend(Backend):
     def lm_head(self, op: Op, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return cpu.linear(x[rows], self._linear[id(op)])
 
-    def greedy(self, op: Op, x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def greedy_head(self, op: Op, x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The LM head with a fused argmax: greedy token ids [R] and their logits [R], never the [R, V] logits."""
         return cpu.lm_head_argmax(x[rows], self._linear[id(op)])
 

@@ -40,9 +40,15 @@ import torch
 
 from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
-from mgx.kernels.triton.attention import decode_splits, paged_attention_decode, paged_attention_prefill, write_kv
+from mgx.kernels.triton.attention import (
+    decode_splits,
+    paged_attention_decode,
+    paged_attention_prefill,
+    write_kv,
+)
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
 from mgx.kernels.triton.linear import SCHEME_IDS, GpuWeight, dequantize_ref, linear, linear_silu_mul, silu_mul
+from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rmsnorm import rms_norm
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 
@@ -120,7 +126,7 @@ class _Step:
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     step: _Step
-    logits: torch.Tensor  # [bucket, V] float32, written by every replay
+    out: Any  # logits [bucket, V] float32, or (ids [bucket], their logits [bucket]); written by every replay
 
 
 @dataclass(slots=True)
@@ -145,6 +151,7 @@ class CUDABackend(Backend):
     """Runs a graph with the Triton kernels on one GPU (or, interpreted, on the CPU for tests)."""
 
     name: ClassVar[str] = "cuda"
+    has_greedy_head: ClassVar[bool] = True
 
     def __init__(
         self, graph: Graph, *, device: str | torch.device | None = None, dtype: str | None = None, graphs: bool | None = None
@@ -303,7 +310,7 @@ class CUDABackend(Backend):
 
     # -- a step -----------------------------------------------------------------------------------
 
-    def execute(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache) -> np.ndarray:
+    def execute(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache) -> Any:
         paged = batch.paged
         assert paged is not None, "the runner attaches the paged view before running ops"
         s = len(batch.seq_ids)
@@ -312,11 +319,11 @@ class CUDABackend(Backend):
             return self._replay(run_ops, batch)
         self._step = self._eager_step(batch)
         try:
-            logits = run_ops(batch)
+            out = run_ops(batch)
         finally:
             self._step = None
             self._pending.clear()
-        return logits.float().cpu().numpy()
+        return _to_host(out)
 
     def _eager_step(self, batch: StepBatch) -> _Step:
         paged = batch.paged
@@ -339,15 +346,17 @@ class CUDABackend(Backend):
             max_context_len=int(paged.context_lens.max()) if s else 0,
         )
 
-    def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> np.ndarray:
+    def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> Any:
         s = len(batch.seq_ids)
-        bucket = next(b for b in GRAPH_BUCKETS if b >= s)
-        g = self._graphs.get(bucket)
+        key = (next(b for b in GRAPH_BUCKETS if b >= s), batch.greedy)
+        g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[bucket] = self._capture(run_ops, batch, bucket)
+            g = self._graphs[key] = self._capture(run_ops, batch, key[0])
         self._fill(g.step, batch)
         g.graph.replay()
-        return g.logits[:s].cpu().numpy()
+        if isinstance(g.out, tuple):
+            return tuple(_to_host(t[:s]) for t in g.out)
+        return _to_host(g.out[:s])
 
     def _static_step(self, bucket: int) -> _Step:
         assert self._kv is not None, "the KV cache is made before the first step"
@@ -404,22 +413,24 @@ class CUDABackend(Backend):
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = run_ops(batch).float()
+                out = run_ops(batch)
+                if not isinstance(out, tuple):
+                    out = out.float()
             self._pending.clear()
         finally:
             self._step = None
-        return _Graph(graph, st, logits)
+        return _Graph(graph, st, out)
 
-    def warm_up(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, max_batch: int) -> list[int]:
+    def warm_up(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, max_batch: int, greedy: bool) -> list[int]:
         """Capture the graphs of every bucket up to ``max_batch`` now; returns the buckets captured."""
-        done = []
+        done: list[int] = []
         if not self.use_graphs:
             return done
         for b in GRAPH_BUCKETS:
             if b > max(1, max_batch) and done:
                 break
-            if b not in self._graphs:
-                self._graphs[b] = self._capture(run_ops, batch, b)
+            if (b, greedy) not in self._graphs:
+                self._graphs[b, greedy] = self._capture(run_ops, batch, b)
             done.append(b)
         return done
 
@@ -513,10 +524,22 @@ class CUDABackend(Backend):
         return total
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
+        return linear(self._sampled(x), self._weights[id(op)], self._bias[id(op)])
+
+    def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
+        return lm_head_argmax(self._sampled(x), self._weights[id(op)], self._bias[id(op)])
+
+    def _sampled(self, x: Array) -> Array:
         st = self._cur
-        if st.sample_rows.shape[0] != x.shape[0]:
-            x = x.index_select(0, st.sample_rows)
-        return linear(x, self._weights[id(op)], self._bias[id(op)])
+        return x if st.sample_rows.shape[0] == x.shape[0] else x.index_select(0, st.sample_rows)
+
+
+def _to_host(out: Any) -> Any:
+    """Device logits (or the greedy pair) -> host numpy: float32 logits, int64 ids."""
+    if isinstance(out, tuple):
+        ids, top = out
+        return ids.cpu().numpy().astype(np.int64), top.float().cpu().numpy()
+    return out.float().cpu().numpy()
 
 
 def _users(graph: Graph) -> dict[str, list[Op]]:

@@ -48,6 +48,7 @@ class StepBatch:
     sample_rows: np.ndarray  # [R] int64 rows lm_head runs on, grouped by sequence
     cu_sample_rows: np.ndarray  # [B+1] int64 offsets into sample_rows per sequence
     paged: PagedStep | None = None  # where the K/V of each sequence lives; set by the runner
+    greedy: bool = False  # the lm_head gives each sampled row's argmax and its logit, not the logits
 
     @classmethod
     def pack(cls, chunks: Sequence[SeqChunk], start_positions: Sequence[int]) -> StepBatch:

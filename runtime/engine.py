@@ -234,14 +234,23 @@ class Engine:
         start, kv_used = time.perf_counter(), self.blocks.num_used_blocks
         reqs = [self._by_seq[c.seq.seq_id] for c in plan.chunks]
         chunks = [SeqChunk(c.seq.seq_id, c.token_ids, sample=c.samples) for c in plan.chunks]
-        logits = self.runner.step(chunks)  # per chunk [1, V] (or [0, V] for a chunk that does not sample)
-        outputs = [self._sample(r, rows[-1]) for c, r, rows in zip(plan.chunks, reqs, logits) if c.samples]
+        sampling = [r for c, r in zip(plan.chunks, reqs) if c.samples]
+        if all(_plain_greedy(r.params) for r in sampling):
+            # The LM head fused with the argmax: no [R, V] logits leave the backend.
+            picked = self.runner.step_greedy(chunks)  # per chunk (ids [1], logits [1]), or empty
+            outputs = [self._accept(r, int(ids[-1]), None) for c, r, (ids, _) in zip(plan.chunks, reqs, picked) if c.samples]
+        else:
+            logits = self.runner.step(chunks)  # per chunk [1, V] (or [0, V] for a chunk that does not sample)
+            outputs = [self._sample(r, rows[-1]) for c, r, rows in zip(plan.chunks, reqs, logits) if c.samples]
         self._account(plan, reqs, start, time.perf_counter(), len(outputs), kv_used)
         return outputs
 
     def _sample(self, req: Request, logits: np.ndarray) -> RequestOutput:
         token = req.sampler.sample(logits, req.seq.token_ids, req.output_ids)
         logprobs = req.sampler.logprobs(logits, token) if req.params.logprobs is not None else None
+        return self._accept(req, token, logprobs)
+
+    def _accept(self, req: Request, token: int, logprobs: Any) -> RequestOutput:
         out = req.accept(token, logprobs, time.perf_counter())
         if out.finished:
             self.scheduler.finish(req.seq)
@@ -358,11 +367,10 @@ class Engine:
         try:
             chunk = prompt_ids
             for _ in range(n):
-                (logits,) = self.runner.step([SeqChunk(seq_id, chunk)])
-                token = int(np.argmax(logits[-1]))
-                ids.append(token)
-                top1.append(float(logits[-1][token]))
-                chunk = [token]
+                ((picked, logit),) = self.runner.step_greedy([SeqChunk(seq_id, chunk)])
+                ids.append(int(picked[-1]))
+                top1.append(float(logit[-1]))
+                chunk = [ids[-1]]
         finally:
             self.runner.free(seq_id)
         return ids, top1
@@ -391,3 +399,14 @@ class Engine:
                 f"more than the KV cache holds ({self.cache_plan.num_tokens} tokens); "
                 "raise --kv-memory or lower max_tokens"
             )
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that needs the whole logits row (penalties, log-probabilities)."""
+    return (
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.logprobs is None
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,8 +63,28 @@ class ModelRunner:
 
     def step(self, chunks: Sequence[SeqChunk]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its logits [R_i, V] (R_i = 1, all rows, or 0 if not sampled)."""
+        batch, logits = self._run(chunks, greedy=False)
+        return [logits[batch.sampled(i)] for i in range(len(chunks))]
+
+    def step_greedy(self, chunks: Sequence[SeqChunk]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Run one step for greedy decoding; per chunk (argmax ids [R_i] int64, their logits [R_i] float32).
+
+        A backend with a fused LM head + argmax (``Backend.greedy_head``) never materializes the
+        [R, V] logits; otherwise the argmax (first of equal maxima) is taken here from the logits.
+        """
+        batch, out = self._run(chunks, greedy=self.backend.has_greedy_head)
+        if batch.greedy:
+            ids, top = out
+        else:
+            ids = np.argmax(out, axis=1) if out.shape[0] else np.zeros(0, np.int64)
+            top = out[np.arange(ids.size), ids]
+        ids, top = np.asarray(ids, dtype=np.int64), np.asarray(top, dtype=np.float32)
+        return [(ids[batch.sampled(i)], top[batch.sampled(i)]) for i in range(len(chunks))]
+
+    def _run(self, chunks: Sequence[SeqChunk], greedy: bool) -> tuple[StepBatch, Any]:
         starts = [self.blocks.num_computed(c.seq_id) for c in chunks]
         batch = StepBatch.pack(chunks, starts)
+        batch.greedy = greedy
         self._check_positions(batch, starts)
         for c, start in zip(chunks, starts, strict=True):
             if not self.blocks.allocate(c.seq_id, start + c.token_ids.size):
@@ -77,13 +98,14 @@ class ModelRunner:
             self.blocks.block_size,
             [self.blocks.state_slot(s) for s in batch.seq_ids],
         )
-        logits = self.execute(batch)
+        out = self.execute(batch)
         for c in chunks:
             self.blocks.commit(c.seq_id, c.token_ids.tolist())
-        return [logits[batch.sampled(i)] for i in range(len(chunks))]
+        return batch, out
 
-    def execute(self, batch: StepBatch) -> np.ndarray:
-        """Run the graph on a packed batch whose paged view is set -> host logits [R, V].
+    def execute(self, batch: StepBatch) -> Any:
+        """Run the graph on a packed batch whose paged view is set -> host logits [R, V], or with
+        ``batch.greedy`` the pair (ids [R], their logits [R]).
 
         The backend decides how (op by op, or replaying a captured CUDA graph of the op loop).
         """

@@ -96,3 +96,18 @@ def test_smollm2_w8a16_tiled_matches_the_reference_backend(smollm2) -> None:  # 
     (want_tokens, want_logits), (got_tokens, got_logits) = results
     assert got_tokens == want_tokens
     np.testing.assert_allclose(got_logits, want_logits, atol=SMOLLM2_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_step_greedy_is_the_argmax_of_the_logits(backend: str) -> None:
+    """The fused LM head + argmax (CPU) and the runner's own argmax (reference) pick what the logits say."""
+    graph = compiled("tied-bf16", "w8a16-tiled")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (9, 4)]
+    full, fused = ModelRunner(graph, backend), ModelRunner(graph, backend)
+    chunks = [SeqChunk(0, prompts[0], all_logits=True), SeqChunk(1, prompts[1])]
+    logits = full.step(chunks)
+    picked = fused.step_greedy(chunks)
+    for rows, (ids, top) in zip(logits, picked, strict=True):
+        assert ids.tolist() == np.argmax(rows, axis=1).tolist()
+        np.testing.assert_allclose(top, rows.max(axis=1), atol=TINY_ATOL, rtol=0)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _backend_testing import MODELS, PIPELINES, compiled, greedy_run
 
 from mgx.runtime.backend_cuda import CUDABackend
 from mgx.runtime.batch import SeqChunk
 from mgx.runtime.errors import UnsupportedModelError
 from mgx.runtime.model_runner import ModelRunner
+
+from _backend_testing import MODELS, PIPELINES, compiled, greedy_run
 
 ATOL = 1e-3
 HAS_CUDA = torch.cuda.is_available()
@@ -115,7 +116,7 @@ def test_gpu_graph_buckets_pad_with_the_scratch_block() -> None:
             outs.append(np.concatenate(logits))
         np.testing.assert_allclose(outs[1], outs[0], atol=ATOL, rtol=0)
         assert last[eager] == last[replay]
-    assert set(replay.backend._graphs) == {1, 2, 4, 8}
+    assert set(replay.backend._graphs) == {(b, False) for b in (1, 2, 4, 8)}
     assert not eager.backend._graphs
     scratch = replay.backend._kv.scratch_block
     owned = {b for s in range(5) for b in replay.blocks.table(s)}
@@ -144,3 +145,29 @@ def test_gpu_smollm2_fp32_reproduces_the_golden_tokens(smollm2, monkeypatch) -> 
     for case in smollm2.result.golden.cases:
         ids, _ = engine.greedy_with_logits(list(case.prompt_ids), len(case.expected_ids))
         assert ids == list(case.expected_ids), case.prompt
+
+
+def test_interpreted_engine_greedy_uses_the_fused_head() -> None:
+    """The engine's greedy path (LM head fused with the argmax) gives the reference backend's tokens."""
+    graph = compiled("gqa", "int4-tiled")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (7, 3)]
+    want = [greedy_tokens(ModelRunner(graph, "reference"), p, 4) for p in prompts]
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    runner = ModelRunner(graph, backend)
+    calls = []
+    head = backend.greedy_head
+    backend.greedy_head = lambda *a: calls.append(1) or head(*a)  # noqa: ARG005
+    assert [greedy_tokens(runner, p, 4) for p in prompts] == want
+    assert calls
+
+
+def greedy_tokens(runner: ModelRunner, prompt: np.ndarray, n: int) -> list[int]:
+    seq = hash(prompt.tobytes()) % 1000
+    out, chunk = [], prompt
+    for _ in range(n):
+        ((ids, _),) = runner.step_greedy([SeqChunk(seq, chunk)])
+        out.append(int(ids[-1]))
+        chunk = ids[-1:]
+    runner.free(seq)
+    return out

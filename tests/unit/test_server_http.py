@@ -43,15 +43,15 @@ def http(server):
 def slow(server):
     """Each engine step takes 10 ms more, so a request stays in flight long enough to act on it."""
     runner = server.engine.runner
-    step = runner.step
+    execute = runner.execute
 
-    def slow_step(chunks):  # noqa: ANN001
+    def slow_execute(batch):  # noqa: ANN001
         time.sleep(0.01)
-        return step(chunks)
+        return execute(batch)
 
-    runner.step = slow_step
+    runner.execute = slow_execute
     yield
-    del runner.step
+    del runner.execute
 
 
 def assert_error(r, status: int, param: str | None, code: str | None = None) -> dict:
