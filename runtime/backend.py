@@ -28,7 +28,15 @@ from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache, PagedKVCache, kv_bytes_per_block, state_bytes_per_slot
 
-__all__ = ["Array", "Backend", "ReferenceBackend", "BACKENDS", "create_backend", "host_memory_available"]
+__all__ = [
+    "Array",
+    "Backend",
+    "ReferenceBackend",
+    "BACKENDS",
+    "create_backend",
+    "host_memory_available",
+    "value_plan",
+]
 
 # An activation value [T, F] as the backend holds it: numpy float32 for the reference backend,
 # a device tensor for GPU backends. The runner never looks inside.
@@ -281,3 +289,31 @@ def create_backend(name: str, graph: Graph) -> Backend:
     module, _, cls_name = target.partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
     return cls(graph)
+
+
+def value_plan(graph: Graph) -> tuple[list[tuple[Op, tuple[int, ...], tuple[int, ...], tuple[int, ...]]], int, int]:
+    """The op loop's bookkeeping: each op with its input, output and freed value slots; the slot count and the output's slot.
+
+    Slot 0 is the graph's input. A value is freed right after the op that reads it last (or that
+    produces it, when nothing reads it), except the graph's output.
+    """
+    slots = {graph.inputs[0]: 0}
+    for op in graph.ops:
+        for name in op.outputs:
+            slots.setdefault(name, len(slots))
+    last: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        for name in op.inputs:
+            last[name] = i
+        for name in op.outputs:
+            last.setdefault(name, i)  # produced but never read: free right away
+    dead: list[list[int]] = [[] for _ in graph.ops]
+    keep = set(graph.outputs)
+    for name, i in last.items():
+        if name not in keep:
+            dead[i].append(slots[name])
+    plan = [
+        (op, tuple(slots[n] for n in op.inputs), tuple(slots[n] for n in op.outputs), tuple(d))
+        for op, d in zip(graph.ops, dead, strict=True)
+    ]
+    return plan, len(slots), slots[graph.outputs[0]]

@@ -9,7 +9,7 @@ import numpy as np
 
 from mgx.formats.ir import Graph, IRError, verify
 
-from .backend import Array, Backend, create_backend
+from .backend import Array, Backend, create_backend, value_plan
 from .batch import PagedStep, SeqChunk, StepBatch
 from .block_manager import BlockManager
 from .errors import UnsupportedModelError
@@ -59,7 +59,7 @@ class ModelRunner:
             )
         self.blocks = blocks
         self.kv = self.backend.new_kv_cache(blocks.num_blocks, blocks.block_size, blocks.num_state_slots)
-        self._dead_after = _last_uses(graph)
+        self._plan, self._num_slots, self._output_slot = value_plan(graph)
 
     def step(self, chunks: Sequence[SeqChunk]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its logits [R_i, V] (R_i = 1, all rows, or 0 if not sampled)."""
@@ -112,14 +112,22 @@ class ModelRunner:
         return self.backend.execute(self.run_ops, batch, self.kv)
 
     def run_ops(self, batch: StepBatch) -> Array:
-        """The graph's ops one after another on ``batch`` -> the backend's logits value [R, V]."""
-        values = {self.graph.inputs[0]: batch.token_ids}
-        for op, dead in zip(self.graph.ops, self._dead_after, strict=True):
-            outs = self.backend.run_op(op, [values[name] for name in op.inputs], batch, self.kv)
-            values.update(zip(op.outputs, outs, strict=True))
-            for name in dead:
-                del values[name]
-        return values[self.graph.outputs[0]]  # [R, V]
+        """The graph's ops one after another on ``batch`` -> the backend's logits value [R, V].
+
+        Values live in a list indexed by slot numbers fixed at construction (``_plan``), and each
+        is dropped after its last reader: a decode step runs hundreds of small ops, so the loop
+        itself is kept to list indexing.
+        """
+        values: list[Any] = [None] * self._num_slots
+        values[0] = batch.token_ids
+        run, kv = self.backend.run_op, self.kv
+        for op, inputs, outputs, dead in self._plan:
+            outs = run(op, [values[i] for i in inputs], batch, kv)
+            for i, value in zip(outputs, outs):
+                values[i] = value
+            for i in dead:
+                values[i] = None
+        return values[self._output_slot]  # [R, V]
 
     def length(self, seq_id: int) -> int:
         """Tokens cached for ``seq_id``."""
@@ -142,19 +150,3 @@ class ModelRunner:
                     f"sequence {seq_id}: new tokens must take positions {start}, {start + 1}, ...; "
                     f"got {pos[:4].tolist()}..."
                 )
-
-
-def _last_uses(graph: Graph) -> list[list[str]]:
-    """For each op, the values no later op reads, so a step frees activations as it goes."""
-    last: dict[str, int] = {}
-    for i, op in enumerate(graph.ops):
-        for name in op.inputs:
-            last[name] = i
-        for name in op.outputs:
-            last.setdefault(name, i)  # produced but never read: free right away
-    dead: list[list[str]] = [[] for _ in graph.ops]
-    keep = set(graph.outputs)
-    for name, i in last.items():
-        if name not in keep:
-            dead[i].append(name)
-    return dead

@@ -66,6 +66,12 @@ class CPUWeightError(ValueError):
 # -- configuration ------------------------------------------------------------------------------------
 
 
+# The extension's entry points without this module's Python-side argument checks (the C side still
+# checks what memory safety needs): for callers that validated shapes once and run many small ops,
+# like the CPU backend's step program. Everyone else uses the functions below.
+raw = _C
+
+
 def supported_isas() -> list[str]:
     """The kernel paths this host can run, best first ("scalar" is always last)."""
     return list(_C.supported_isas())
