@@ -171,13 +171,13 @@ def worker_mgx(model: Path, args: argparse.Namespace) -> dict[str, float]:
         seqs = [next(ids) for _ in range(batch)]
         last = {}
         for s, p in zip(seqs, _prompts(vocab, batch, CONTEXT_PROMPT)):
-            (logits,) = runner.step([SeqChunk(s, p)])
-            last[s] = int(np.argmax(logits[-1]))
+            ((picked, _),) = runner.step_greedy([SeqChunk(s, p)])
+            last[s] = int(picked[-1])
         start = time.perf_counter()
-        for _ in range(args.steps):
-            outs = runner.step([SeqChunk(s, [last[s]]) for s in seqs])
-            for s, logits in zip(seqs, outs):
-                last[s] = int(np.argmax(logits[-1]))
+        for _ in range(args.steps):  # greedy as the engine runs it: the LM head fused with the argmax
+            outs = runner.step_greedy([SeqChunk(s, [last[s]]) for s in seqs])
+            for s, (picked, _) in zip(seqs, outs):
+                last[s] = int(picked[-1])
         spent = time.perf_counter() - start
         for s in seqs:
             runner.free(s)
