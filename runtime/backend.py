@@ -287,7 +287,13 @@ def create_backend(name: str, graph: Graph) -> Backend:
     if target is None:
         raise UnsupportedModelError(f"unknown backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
     module, _, cls_name = target.partition(":")
-    cls = getattr(importlib.import_module(module), cls_name)
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except ImportError as e:
+        raise UnsupportedModelError(
+            f"backend {name!r} cannot load on this host: {e} (the cuda backend needs torch and triton; "
+            f"the cpu backend needs the package built with its C++ kernels)"
+        ) from None
     return cls(graph)
 
 

@@ -60,6 +60,35 @@ def _engine_config(kv_memory: str | None, **kw: Any) -> Any:
         raise EngineError(str(e)) from None
 
 
+def _backend_options(fn: F) -> F:
+    """``--backend`` and ``--threads``, shared by every command that runs a model."""
+    fn = click.option(
+        "--threads", type=click.IntRange(min=1), help="CPU kernel threads (default: all cores; MGX_NUM_THREADS)."
+    )(fn)
+    return click.option(
+        "--backend",
+        type=click.Choice(["auto", "cpu", "cuda", "reference"]),
+        default="auto",
+        show_default=True,
+        help="Where the model runs: cpu (C++ kernels), cuda (Triton kernels on an NVIDIA GPU; needs torch), "
+        "reference (numpy, slow; the oracle). auto: cpu when its kernels are built, else reference.",
+    )(fn)
+
+
+def _backend(name: str, threads: int | None) -> str:
+    """The backend to run on (``auto`` resolved); ``threads`` reaches the CPU kernels through the environment."""
+    if threads:  # read by mgx.kernels.cpu when the CPU backend loads it
+        os.environ["MGX_NUM_THREADS"] = str(threads)
+    if name != "auto":
+        return name
+    try:
+        import mgx.kernels.cpu  # noqa: F401
+    except ImportError:
+        click.echo("note: the C++ CPU kernels are not built; running the slow numpy reference backend", err=True)
+        return "reference"
+    return "cpu"
+
+
 def _model_path(path: str) -> str:
     if not os.path.exists(path):
         _fail(f"no such model file: {path}")
@@ -97,7 +126,7 @@ def main() -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template as a user turn.")
 @click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable).")
 @click.option("--kv-memory", help=_KV_MEMORY_HELP)
-@click.option("--threads", type=click.IntRange(min=1), help="CPU kernel threads (default: all cores; MGX_NUM_THREADS).")
+@_backend_options
 @_user_errors
 def generate(
     model: str,
@@ -111,15 +140,13 @@ def generate(
     chat: bool,
     stop: tuple[str, ...],
     kv_memory: str | None,
+    backend: str,
     threads: int | None,
 ) -> None:
     """Generate text from MODEL.mgx, streaming it to stdout; timings go to stderr."""
     from .engine import Engine, GenerationResult
 
-    if threads:  # read by mgx.kernels.cpu when the CPU backend loads it
-        os.environ["MGX_NUM_THREADS"] = str(threads)
-
-    engine = Engine(_model_path(model), config=_engine_config(kv_memory))
+    engine = Engine(_model_path(model), config=_engine_config(kv_memory), backend=_backend(backend, threads))
     events = engine.generate(
         prompt,
         max_tokens=max_tokens,
@@ -153,8 +180,9 @@ def generate(
 
 @main.command()
 @click.argument("model", metavar="MODEL.mgx")
+@_backend_options
 @_user_errors
-def check(model: str) -> None:
+def check(model: str, backend: str, threads: int | None) -> None:
     """Verify MODEL.mgx and replay its golden set; exit 1 on a mismatch, 2 on a damaged file."""
     from mgx.formats.artifact import verify_artifact
 
@@ -164,7 +192,7 @@ def check(model: str) -> None:
     path = _model_path(model)
     verify_artifact(path)
     click.echo(f"{path}: file ok")
-    engine = Engine(path)
+    engine = Engine(path, backend=_backend(backend, threads))
     golden = engine.contents.golden
     if golden is None or not golden.cases:
         _fail(f"{path} has no golden set to replay (compile it with one)")
@@ -234,6 +262,7 @@ def check(model: str) -> None:
     type=click.Path(dir_okay=False),
     help="Also write the report as JSON here ('-': stdout only).",
 )
+@_backend_options
 @_user_errors
 def bench(
     model: str,
@@ -249,6 +278,8 @@ def bench(
     max_tokens_per_step: int,
     no_prefix_cache: bool,
     json_path: str | None,
+    backend: str,
+    threads: int | None,
 ) -> None:
     """Run an offline workload of random prompts on MODEL.mgx; print throughput, latency and cache figures."""
     import json
@@ -275,7 +306,7 @@ def bench(
         max_tokens_per_step=max_tokens_per_step,
         prefix_caching=not no_prefix_cache,
     )
-    engine = Engine(_model_path(model), config=config)
+    engine = Engine(_model_path(model), config=config, backend=_backend(backend, threads))
     click.echo(engine.cache_plan.describe(), err=True)
     report = run_bench(engine, workload)
     text = json.dumps(report, indent=2)
@@ -346,6 +377,7 @@ def bench(
     show_default=True,
 )
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@_backend_options
 @_user_errors
 def serve(
     model: str,
@@ -362,6 +394,8 @@ def serve(
     shutdown_timeout: float,
     log_level: str,
     access_log: bool,
+    backend: str,
+    threads: int | None,
 ) -> None:
     """Serve MODEL.mgx over an OpenAI-compatible HTTP API until SIGTERM.
 
@@ -388,7 +422,7 @@ def serve(
         max_tokens_per_step=max_tokens_per_step,
         prefix_caching=not no_prefix_cache,
     )
-    engine = Engine(path, config=config)
+    engine = Engine(path, config=config, backend=_backend(backend, threads))
     names = served_model_name or (
         engine.contents.metadata.get("name") or os.path.basename(path).removesuffix(".mgx"),
     )

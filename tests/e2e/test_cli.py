@@ -57,6 +57,19 @@ def test_mgxc_compile_inspect_verify(tmp_path: Path) -> None:
     gen = _run("mgx-run", "generate", str(out), "--prompt", "Hello", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert "load" in gen.stderr and "tok/s" in gen.stderr
+    # The default backend (auto: the C++ CPU kernels) and the numpy reference agree; every backend
+    # replays the golden set.
+    ref = _run("mgx-run", "generate", str(out), "--prompt", "Hello", "--max-tokens", "5", "--backend", "reference")
+    assert ref.returncode == 0 and ref.stdout == gen.stdout, ref.stderr
+    for backend in ("cpu", "reference"):
+        res = _run("mgx-run", "check", str(out), "--backend", backend, "--threads", "1")
+        assert res.returncode == 0, res.stdout + res.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # a clear error, not a traceback
+        res = _run("mgx-run", "generate", str(out), "--prompt", "Hello", "--backend", "cuda")
+        assert res.returncode != 0 and "Traceback" not in res.stderr
+        assert "cuda" in res.stderr and "no CUDA device" in res.stderr, res.stderr
 
     data = bytearray(out.read_bytes())
     data[len(data) // 2] ^= 0x01
