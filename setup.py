@@ -3,7 +3,8 @@
 One build runs on any x86-64 host: each ISA path is its own translation unit that switches its
 target with a pragma (kernels/cpu/csrc/isa_prelude.h), and the module picks a path from CPUID at
 import. Other architectures compile the portable path only. OpenMP is used when the compiler has it
-(``MGX_NO_OPENMP=1`` builds without). No dependency beyond a C++17 compiler and the Python headers.
+(``MGX_NO_OPENMP=1`` builds without). ``MGX_PORTABLE_ONLY=1`` builds only the portable path, as
+an aarch64 host would (tests/e2e/test_portable_build.py). No dependency beyond a C++17 compiler and the Python headers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             ext.extra_compile_args = flags + omp[0]
             ext.extra_link_args = omp[1]
+            if os.environ.get("MGX_PORTABLE_ONLY") == "1":  # what a non-x86 host builds, on any host
+                ext.define_macros.append(("MGX_PORTABLE_ONLY", "1"))
         super().build_extensions()
 
     def build_extension(self, ext: Extension) -> None:

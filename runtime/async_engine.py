@@ -85,6 +85,11 @@ class EngineLoop:
         with self._lock:
             return self.engine.metrics.snapshot()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the loop, when an engine step raised (every request then fails at once)."""
+        return self._error
+
     def close(self) -> None:
         """Stop the thread; unfinished requests are aborted."""
         with self._wake:

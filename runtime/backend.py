@@ -16,6 +16,7 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,6 +31,7 @@ from .kv_cache import KVCache, PagedKVCache, kv_bytes_per_block, state_bytes_per
 
 __all__ = [
     "Array",
+    "AttentionAttrs",
     "Backend",
     "ReferenceBackend",
     "BACKENDS",
@@ -44,6 +46,30 @@ Array = Any
 
 # The quantization-aware roles of linear-like ops, handed to the weight's dequantizer.
 _AUX_ROLES = ("scales", "zeros", "meta")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionAttrs:
+    """An ``attention`` op's attributes, typed once when a backend prepares the op."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int  # sliding window; 0 = none
+
+    @classmethod
+    def of(cls, op: Op) -> AttentionAttrs:
+        a = op.attrs
+        return cls(
+            int(a["layer"]),
+            int(a["num_heads"]),
+            int(a["num_kv_heads"]),
+            int(a["head_dim"]),
+            float(a["scale"]),
+            int(a["sliding_window"]),
+        )
 
 
 class Backend(ABC):

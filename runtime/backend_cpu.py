@@ -34,7 +34,7 @@ from mgx.formats.ir import Graph, Op, Tensor
 from mgx.kernels import cpu
 from mgx.kernels.reference.dtypes import to_f32
 
-from .backend import Array, Backend, value_plan
+from .backend import Array, AttentionAttrs, Backend, value_plan
 from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache, PagedKVCache
@@ -61,16 +61,6 @@ class _Rope:
     scaling: float
 
 
-@dataclass(slots=True)
-class _Attention:
-    layer: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    window: int
-
-
 class CPUBackend(Backend):
     """Runs a graph with the C++ CPU kernels (AVX-512, AVX2+FMA or scalar, chosen from CPUID)."""
 
@@ -88,7 +78,7 @@ class CPUBackend(Backend):
         self._linear: dict[int, cpu.LinearWeight] = {}
         self._norm: dict[int, _Norm] = {}
         self._rope: dict[int, _Rope] = {}
-        self._attention: dict[int, _Attention] = {}
+        self._attention: dict[int, AttentionAttrs] = {}
         self._vectors: dict[str, np.ndarray] = {}  # tensor name -> float32 copy (norm weights, biases, inv_freq)
         handles: dict[tuple[str, str | None], cpu.LinearWeight] = {}  # a tied embedding / LM head shares one
         for op in graph.ops:
@@ -111,15 +101,7 @@ class CPUBackend(Backend):
                     float(a["attention_scaling"]),
                 )
             elif op.kind == "attention":
-                a = op.attrs
-                self._attention[id(op)] = _Attention(
-                    int(a["layer"]),
-                    int(a["num_heads"]),
-                    int(a["num_kv_heads"]),
-                    int(a["head_dim"]),
-                    float(a["scale"]),
-                    int(a["sliding_window"]),
-                )
+                self._attention[id(op)] = AttentionAttrs.of(op)
         self._fused_norm = _fusible_add_norms(graph)  # id(add op) -> the rms_norm op it computes too
         self._pending: dict[int, np.ndarray] = {}  # id(rms_norm op) -> its output, computed by the add
         self._rope_cache: tuple[np.ndarray, _Rope, tuple[np.ndarray, np.ndarray]] | None = None

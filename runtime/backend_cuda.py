@@ -52,7 +52,7 @@ from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rmsnorm import rms_norm
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 
-from .backend import Array, Backend
+from .backend import Array, AttentionAttrs, Backend
 from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache
@@ -130,17 +130,6 @@ class _Graph:
 
 
 @dataclass(slots=True)
-class _Attn:
-    layer: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    window: int
-    rope: Op | None = None  # the rope op fused into this attention's prologue
-
-
-@dataclass(slots=True)
 class _Fusions:
     norm_after_add: dict[int, Op] = field(default_factory=dict)  # id(add) -> the rms_norm it computes
     silu_after_linear: dict[int, Op] = field(default_factory=dict)  # id(linear) -> the silu_mul it computes
@@ -174,7 +163,7 @@ class CUDABackend(Backend):
         self._weights: dict[int, GpuWeight] = {}
         self._bias: dict[int, torch.Tensor | None] = {}
         self._norm: dict[int, tuple[torch.Tensor | None, float, int]] = {}
-        self._attn: dict[int, _Attn] = {}
+        self._attn: dict[int, AttentionAttrs] = {}
         self._inv_freq: dict[int, tuple[torch.Tensor, int, int, float]] = {}
         for op in graph.ops:
             self._prepare(op)
@@ -254,10 +243,7 @@ class CUDABackend(Backend):
                 float(a["attention_scaling"]),
             )
         elif op.kind == "attention":
-            self._attn[id(op)] = _Attn(
-                int(a["layer"]), int(a["num_heads"]), int(a["num_kv_heads"]), int(a["head_dim"]),
-                float(a["scale"]), int(a["sliding_window"]),
-            )  # fmt: skip
+            self._attn[id(op)] = AttentionAttrs.of(op)
 
     def _gpu_weight(self, op: Op) -> GpuWeight:
         tensors = self.graph.tensors

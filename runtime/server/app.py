@@ -120,6 +120,10 @@ class Server:
         return JSONResponse(self._model_card(name))
 
     async def health(self, request: Request) -> Response:
+        failure = self.loop.failure
+        if failure is not None:  # the engine thread is gone: a load balancer must stop sending here
+            detail = f"{type(failure).__name__}: {failure}"
+            return JSONResponse({"status": "failed", "error": detail}, status_code=503)
         if self.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})

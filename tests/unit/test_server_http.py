@@ -298,3 +298,19 @@ def test_dashboard_page_and_data(http) -> None:
     for key in ("generation_tokens_per_s", "ttft_seconds_p50", "tpot_seconds_p90", "batch_occupancy_now",
                 "kv_cache_usage_ratio", "prefix_cache_hit_rate", "running", "waiting"):  # fmt: skip
         assert key in data
+
+
+def test_health_reports_a_failed_engine(artifact: Path) -> None:
+    """When an engine step raises, requests fail at once and /health turns 503 with the cause."""
+    with running_server(artifact) as running, httpx.Client(base_url=running.url, timeout=30) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+
+        def broken(batch):  # noqa: ANN001, ANN202
+            raise RuntimeError("simulated kernel fault")
+
+        running.engine.runner.execute = broken
+        r = c.post("/v1/completions", json={**COMP, "max_tokens": 3})
+        assert r.status_code >= 500 and "Traceback" not in r.text
+        health = c.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "failed", "error": "RuntimeError: simulated kernel fault"}
