@@ -78,8 +78,11 @@ def convert_tensors(graph: ir.Graph, dtype: ir.DType) -> None:
 
 
 def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any = None,
-               tokenizer: Any = None) -> list[PassRecord]:
+               tokenizer: Any = None, tunings: dict[str, list[Any]] | None = None) -> list[PassRecord]:
     """Run the spec's passes in order, verifying the IR after each.
+
+    Launch configurations a pass chose (``autotune``: ``stats["autotune"]``, {GPU arch: entries}) are
+    added to ``tunings``, which the artifact stores.
 
     ``model`` and ``tokenizer`` (the source model, which this may overwrite with the graph's weights)
     are needed only by passes whose options name a calibration text.
@@ -112,6 +115,9 @@ def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any 
             except (ValueError, ir.IRError) as exc:
                 raise CompileError(f"pass {p.name!r} failed: {exc}") from None
         progress._write(f"    {p.name}: {result.summary}\n")
+        if tunings is not None:
+            for arch, entries in result.stats.get("autotune", {}).items():
+                tunings.setdefault(arch, []).extend(entries)
         recorded = dict(result.options if result.options is not None else options)
         if calibration is not None:
             recorded["calibration"] = calibration.record()
@@ -152,7 +158,8 @@ def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path 
     ir.verify(graph)
     # With passes, the reference model is a copy that takes the graph's effective weights.
     reference = copy.deepcopy(src.model) if spec.passes else src.model
-    passes = run_passes(graph, spec, progress, reference, src.tokenizer)
+    tunings: dict[str, list[Any]] = {}
+    passes = run_passes(graph, spec, progress, reference, src.tokenizer, tunings)
     if spec.passes and spec.golden.prompts:
         with progress.step("write effective weights back to the reference model"):
             try:
@@ -190,6 +197,7 @@ def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path 
         fingerprint=fingerprint,
         golden=golden,
         metadata={"name": spec.name, "source": spec.source.description, "producer": "mgxc"},
+        autotune=tunings,
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with progress.step(f"write {out_path.name}"):

@@ -9,6 +9,7 @@ and layout (the compiler uses it to hand the effective weights back to the sourc
 from __future__ import annotations
 
 from . import (
+    autotune,
     fold_norm,
     fuse_gate_up,
     fuse_qkv,
@@ -42,6 +43,7 @@ PASSES: dict[str, PassFn] = {
     "quantize_w8a16": quantize_w8a16.run,
     "quantize_int4": quantize_int4.run,
     "reorder_weights": reorder_weights.run,
+    "autotune": autotune.run,
 }
 
 

@@ -90,6 +90,11 @@ class Backend(ABC):
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
 
+    def use_tunings(self, autotune: dict[str, list[Any]]) -> str | None:
+        """Take the artifact's stored kernel configurations (GPU arch -> entries); returns a line for
+        the log, or None when this backend has nothing to tune."""
+        return None
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes over all attention layers, in this backend's cache dtype."""
         return kv_bytes_per_block(self.graph.states, block_size, self.kv_itemsize)

@@ -51,6 +51,8 @@ from mgx.kernels.triton.linear import SCHEME_IDS, GpuWeight, dequantize_ref, lin
 from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rmsnorm import rms_norm
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
+from mgx.kernels.triton.tuning import Tunings
+from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
 from .backend import Array, AttentionAttrs, Backend
 from .batch import StepBatch
@@ -63,15 +65,6 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 _AUX_ROLES = ("scales", "zeros", "meta")
 _ALIGN = 256
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-_TORCH_OF = {
-    DType.F32: torch.float32,
-    DType.F16: torch.float16,
-    DType.BF16: torch.bfloat16,
-    DType.I8: torch.int8,
-    DType.U8: torch.uint8,
-    DType.I32: torch.int32,
-    DType.I64: torch.int64,
-}
 # Device memory kept out of the KV budget for activations, graph pools and kernels' scratch.
 _RESERVE_BYTES = 2 << 30
 
@@ -173,6 +166,7 @@ class CUDABackend(Backend):
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
+        self.tunings = Tunings()  # stored autotune choices for this GPU (use_tunings); empty: defaults
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -185,7 +179,7 @@ class CUDABackend(Backend):
             if op.kind in ("embedding", "linear", "lm_head"):
                 t = self.graph.tensors[op.weights["weight"]]
                 if t.scheme in ("none", "sparse24") and t.dtype in (DType.F32, DType.F16, DType.BF16):
-                    return _TORCH_OF[t.dtype]
+                    return TORCH_DTYPES[t.dtype]
         return torch.bfloat16
 
     def _find_fusions(self) -> _Fusions:
@@ -223,7 +217,7 @@ class CUDABackend(Backend):
         for name, a in host.items():
             t = tensors[name]
             raw = arena[offsets[name] : offsets[name] + a.nbytes]
-            views[name] = raw.view(_TORCH_OF[t.dtype]).view(a.shape)
+            views[name] = raw.view(TORCH_DTYPES[t.dtype]).view(a.shape)
         return views, stats
 
     def _prepare(self, op: Op) -> None:
@@ -251,35 +245,31 @@ class CUDABackend(Backend):
         where = f"{op.kind} from {op.source or '?'}: weight {t.name}"
         if t.scheme not in SCHEME_IDS:
             raise UnsupportedModelError(f"{where} uses scheme {t.scheme!r}; the CUDA kernels read {', '.join(SCHEME_IDS)}")
-        dev = {r: self._dev[op.weights[r]] for r in _AUX_ROLES if r in op.weights}
-        w = self._dev[t.name]
-        if t.layout not in GPU_LAYOUTS:
-            w, dev = self._to_row_major(t, op, w, dev)
-        if t.scheme in ("none", "sparse24") and w.dtype != self.dtype:
-            w = w.to(self.dtype)
-        p = t.scheme_params
-        cols = int(p.get("cols", t.shape[1]))
+        aux = {r: tensors[op.weights[r]] for r in _AUX_ROLES if r in op.weights}
         try:
-            return GpuWeight(
-                t.scheme, t.shape[0], cols, w, scales=dev.get("scales"), zeros=dev.get("zeros"), meta=dev.get("meta"),
-                group_size=int(p.get("group_size", 0)), symmetric=bool(p.get("symmetric", True)),
-                layout=t.layout if t.layout in GPU_LAYOUTS else "row_major",
-            )  # fmt: skip
-        except ValueError as e:
+            if t.layout in GPU_LAYOUTS:  # read where the upload put it
+                arrays = {"weight": self._dev[t.name], **{r: self._dev[a.name] for r, a in aux.items()}}
+            else:  # unpacked on the host once (a layout for another target)
+                arrays = gpu_arrays(t, aux, self.device)
+            return gpu_weight(t, arrays, self.dtype)
+        except (ValueError, layout_registry.LayoutError) as e:
             raise UnsupportedModelError(f"{where}: {e}") from None
 
-    def _to_row_major(
-        self, t: Tensor, op: Op, w: torch.Tensor, aux: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A weight in a layout the GPU kernels do not read, unpacked to row_major (on the host, once)."""
-        try:
-            arrays = {"weight": t.data, **{r: self.graph.tensors[op.weights[r]].data for r in aux}}
-            rows = layout_registry.unpack(t.layout, arrays, t.scheme, t.scheme_params)
-        except layout_registry.LayoutError as e:
-            raise UnsupportedModelError(f"{op.kind} from {op.source or '?'}: {e}") from None
-        out = {r: torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for r, a in rows.items()}
-        out["weight"] = out["weight"].view(_TORCH_OF[t.dtype])
-        return out.pop("weight"), out
+    def use_tunings(self, autotune: dict[str, list[Any]]) -> str:
+        """Take the artifact's stored launch configurations for this GPU's architecture; never tunes.
+
+        Returns a line saying what was taken (the engine logs it)."""
+        if self.device.type != "cuda":
+            arch = "interpreter"
+        else:
+            major, minor = torch.cuda.get_device_capability(self.device)
+            arch = f"sm_{major}{minor}"
+        entries = autotune.get(arch)
+        if entries is None:
+            stored = ", ".join(sorted(autotune)) or "none"
+            return f"no stored tunings for {arch} (stored: {stored}); default launch configurations"
+        self.tunings = Tunings(entries)
+        return f"{len(self.tunings)} stored launch configurations for {arch}"
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         if num_state_slots:
@@ -452,12 +442,13 @@ class CUDABackend(Backend):
         return rms_norm(x, weight, eps, group=group)
 
     def linear(self, op: Op, x: Array) -> Array:
+        w, m = self._weights[id(op)], x.shape[0]
         silu = self._fuse.silu_after_linear.get(id(op))
         if silu is not None:
-            out = linear_silu_mul(x, self._weights[id(op)], self._bias[id(op)])
+            out = linear_silu_mul(x, w, self._bias[id(op)], config=self.tunings.config("linear_silu_mul", w, m))
             self._pending[id(silu)] = out
             return out
-        return linear(x, self._weights[id(op)], self._bias[id(op)])
+        return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, m))
 
     def split(self, op: Op, x: Array) -> list[Array]:
         return list(torch.split(x, [int(s) for s in op.attrs["sizes"]], dim=1))
@@ -510,10 +501,12 @@ class CUDABackend(Backend):
         return total
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
-        return linear(self._sampled(x), self._weights[id(op)], self._bias[id(op)])
+        x, w = self._sampled(x), self._weights[id(op)]
+        return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, x.shape[0]))
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
-        return lm_head_argmax(self._sampled(x), self._weights[id(op)], self._bias[id(op)])
+        x, w = self._sampled(x), self._weights[id(op)]
+        return lm_head_argmax(x, w, self._bias[id(op)], config=self.tunings.config("lm_head_argmax", w, x.shape[0]))
 
     def _sampled(self, x: Array) -> Array:
         st = self._cur

@@ -160,6 +160,8 @@ def generate(
         stop=stop,
     )
     click.echo(engine.cache_plan.describe(), err=True)
+    if engine.tuning_note:
+        click.echo(engine.tuning_note, err=True)
     result = None
     for event in events:
         if isinstance(event, GenerationResult):
@@ -308,6 +310,8 @@ def bench(
     )
     engine = Engine(_model_path(model), config=config, backend=_backend(backend, threads))
     click.echo(engine.cache_plan.describe(), err=True)
+    if engine.tuning_note:
+        click.echo(engine.tuning_note, err=True)
     report = run_bench(engine, workload)
     text = json.dumps(report, indent=2)
     if json_path == "-":
@@ -431,6 +435,8 @@ def serve(
     except ValueError as e:
         raise EngineError(str(e)) from None
     click.echo(engine.cache_plan.describe(), err=True)
+    if engine.tuning_note:
+        click.echo(engine.tuning_note, err=True)
     click.echo(f"serving {names[0]!r} on http://{host}:{port} (dashboard: /dashboard)", err=True)
     run_server(
         engine,

@@ -77,6 +77,7 @@ class Engine:
         self.defaults = source.generation
         self.config = config = config or EngineConfig()
         backend = create_backend(backend, self.graph) if isinstance(backend, str) else backend
+        self.tuning_note = backend.use_tunings(source.autotune)  # stored launch configurations (GPU)
         try:
             self.cache_plan: CachePlan = plan_cache(
                 config,

@@ -1,0 +1,70 @@
+"""Stored launch configurations: what the ``autotune`` pass chose per shape, looked up at run time.
+
+An entry is keyed by the kernel (``linear``, ``linear_silu_mul``, ``lm_head_argmax``), the weight's
+signature (scheme, layout, int4 group, N, K) and the number of activation rows M it was timed at. A
+step with M rows takes the entry tuned for the smallest tuned M >= M (the largest one beyond them);
+a shape that was never tuned gets the kernel's default configuration, and a one-row (GEMV) entry never
+serves several rows nor the reverse.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+from .linear import GEMM_CONFIGS, GEMV_CONFIGS, GEMV_MAX_M, GpuWeight, LinearConfig
+
+__all__ = ["Tunings", "weight_signature", "shape_key", "candidates"]
+
+
+def weight_signature(w: GpuWeight) -> str:
+    return f"scheme={w.scheme},layout={w.layout},group={w.group_size},N={w.n},K={w.k}"
+
+
+def shape_key(w: GpuWeight, m: int) -> str:
+    """The ``AutotuneEntry.shape_key`` of a weight at M rows."""
+    return f"{weight_signature(w)},M={m}"
+
+
+def candidates(m: int) -> list[LinearConfig]:
+    """The configurations the autotune pass times at M rows."""
+    return list(GEMV_CONFIGS if m <= GEMV_MAX_M else GEMM_CONFIGS)
+
+
+def config_dict(config: LinearConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+class Tunings:
+    """(kernel, weight signature) -> configurations by tuned M; built from stored entries."""
+
+    def __init__(self, entries: Iterable[Any] = ()) -> None:  # AutotuneEntry-like: kernel, shape_key, config
+        self._by: dict[tuple[str, str], tuple[list[int], list[LinearConfig]]] = {}
+        rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
+        for e in entries:
+            signature, _, m = e.shape_key.rpartition(",M=")
+            if not signature or not m.isdigit():
+                raise ValueError(f"autotune entry {e.kernel!r}: shape key {e.shape_key!r} has no M")
+            rows.setdefault((e.kernel, signature), {})[int(m)] = LinearConfig(**e.config)
+        for key, by_m in rows.items():
+            ms = sorted(by_m)
+            self._by[key] = (ms, [by_m[m] for m in ms])
+
+    def __len__(self) -> int:
+        return sum(len(ms) for ms, _ in self._by.values())
+
+    def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:
+        """The stored configuration for ``kernel`` on ``w`` at ``m`` rows, or None (use the default)."""
+        found = self._by.get((kernel, weight_signature(w)))
+        if found is None:
+            return None
+        ms, configs = found
+        # Only entries of the same regime: a one-row GEMV configuration never serves several rows.
+        lo = bisect.bisect_right(ms, GEMV_MAX_M) if m > GEMV_MAX_M else 0
+        hi = len(ms) if m > GEMV_MAX_M else bisect.bisect_right(ms, GEMV_MAX_M)
+        if lo == hi:
+            return None
+        i = bisect.bisect_left(ms, m, lo, hi)
+        return configs[min(i, hi - 1)]

@@ -1,0 +1,120 @@
+"""autotune: time the Triton linear kernels on the build GPU for this model's shapes; store the winners.
+
+For target ``cuda`` only, on a machine with a CUDA GPU (the build GPU: choices are stored per GPU
+architecture, ``sm_90`` for an H200, and a runtime on another architecture ignores them). For every
+distinct linear weight (scheme, layout, int4 group, N, K) and every row count in ``rows`` (decode
+batch buckets, and a prefill chunk), each candidate launch configuration of the kernel that op runs
+(``linear``, ``linear_silu_mul`` for the fused gate/up projection, ``lm_head_argmax`` for the LM head)
+is timed on random activations with the weight's real bytes, and the fastest is kept. The graph is
+not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
+the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mgx.formats import ir
+
+from ._base import PassContext, PassError, PassResult
+from ._common import options_dict, parse_options
+
+__all__ = ["AutotuneOptions", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class AutotuneOptions:
+    """model.yaml options of autotune."""
+
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048)  # activation rows M to tune for
+    dtype: str = "bf16"  # compute dtype the runtime will use: bf16, f16 or f32
+    repeats: int = 20  # timed launches per candidate (median; L2 flushed between launches)
+
+    def __post_init__(self) -> None:
+        if not self.rows or any(int(m) < 1 for m in self.rows):
+            raise PassError(f"autotune: rows must be positive row counts, got {list(self.rows)}")
+        if self.dtype not in ("bf16", "f16", "f32"):
+            raise PassError(f"autotune: dtype must be bf16, f16 or f32, got {self.dtype!r}")
+        if self.repeats < 1:
+            raise PassError(f"autotune: repeats must be >= 1, got {self.repeats}")
+
+
+def _device() -> Any:
+    """The build GPU (a torch device) and its architecture name; PassError without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PassError("autotune times kernels on the build GPU, and torch sees no CUDA device here; "
+                        "compile on a machine with the target GPU, or drop the pass")  # fmt: skip
+    major, minor = torch.cuda.get_device_capability()
+    return torch.device("cuda"), f"sm_{major}{minor}"
+
+
+def _time(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``fn`` on the GPU (triton.testing.do_bench flushes L2 before each launch)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=repeats, return_mode="median")) / 1e3
+
+
+def _kernel_of(graph: ir.Graph, op: ir.Op) -> str:
+    if op.kind == "lm_head":
+        return "lm_head_argmax"
+    users = [o for o in graph.ops if op.outputs[0] in o.inputs]
+    if len(users) == 1 and users[0].kind == "silu_mul" and len(users[0].inputs) == 1:
+        return "linear_silu_mul"  # what the CUDA backend fuses it into
+    return "linear"
+
+
+def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassResult:
+    """Tune every linear kernel shape of ``graph``; see the module docstring."""
+    opts = parse_options(AutotuneOptions, options, "autotune")
+    if context.target != "cuda":
+        raise PassError(f"autotune tunes the CUDA kernels; the build target is {context.target!r} (set target: cuda)")
+    import torch
+
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.linear import linear, linear_silu_mul
+    from mgx.kernels.triton.lm_head import lm_head_argmax
+    from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
+    from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
+
+    device, arch = _device()
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
+    launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
+    entries: dict[str, AutotuneEntry] = {}
+    timed = 0
+    for op in graph.ops:
+        if op.kind not in ("linear", "lm_head"):
+            continue
+        t = graph.tensor(op.weights["weight"])
+        aux = {r: graph.tensor(op.weights[r]) for r in ("scales", "zeros", "meta") if r in op.weights}
+        try:
+            w = gpu_weight(t, gpu_arrays(t, aux, device), dtype)
+        except ValueError as e:
+            raise PassError(f"autotune: {op.kind} {t.name}: {e}") from None
+        kernel = _kernel_of(graph, op)
+        for m in sorted({int(r) for r in opts.rows}):
+            key = (kernel, shape_key(w, m))
+            if key in entries:
+                continue
+            x = torch.randn(m, w.k, dtype=dtype, device=device)
+            best = None
+            for config in candidates(m):
+                try:
+                    seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats)
+                except Exception:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
+                    continue
+                timed += 1
+                if best is None or seconds < best[0]:
+                    best = (seconds, config)
+            if best is not None:
+                entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
+    found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
+    return PassResult(
+        f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}",
+        {"autotune": {arch: found}},
+        options_dict(opts),
+    )

@@ -1,0 +1,123 @@
+"""The autotune pass and the stored tunings, end to end without a GPU.
+
+The pass's two GPU-only pieces are replaced: the device (the CPU, architecture "interpreter") and
+the timer (a fake that ranks configurations by a formula, so the winner is known). Everything else
+is real: the shapes the pass finds in the graph, the kernels it assigns (the fused gate/up and the
+greedy LM head included), the entries' round trip through the artifact, and the CUDA backend (run
+under TRITON_INTERPRET=1) launching the stored configurations with the tokens unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mgx.formats.artifact import load_artifact, write_artifact
+from mgx.kernels.triton.linear import LinearConfig
+from mgx.kernels.triton.tuning import candidates
+from mgx.passes import PASSES, PassContext, PassError
+from mgx.passes import autotune as autotune_pass
+from mgx.runtime import backend_cuda
+from mgx.runtime.backend_cuda import CUDABackend
+from mgx.runtime.batch import SeqChunk
+from mgx.runtime.model_runner import ModelRunner
+
+from _backend_testing import compiled
+from _tiny_graph import tiny_contents
+
+
+def fake_seconds(config: LinearConfig) -> float:
+    """The fake timer's ranking: narrowest N tile, then the deepest K tile, wins."""
+    return config.block_n - config.block_k / 1e4
+
+
+@pytest.fixture
+def no_gpu_needed(monkeypatch):  # noqa: ANN001, ANN201
+    import torch
+
+    monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
+    seen = []
+
+    def timer(fn, repeats):  # noqa: ANN001, ANN202
+        config = fn.__defaults__[0]  # the candidate bound into the timed lambda
+        seen.append(config)
+        return fake_seconds(config)
+
+    monkeypatch.setattr(autotune_pass, "_time", timer)
+    return seen
+
+
+def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gpu_needed, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    contents = tiny_contents()
+    graph = contents.graph
+    for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
+        PASSES[name](graph, {}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    (arch,) = result.stats["autotune"]
+    entries = result.stats["autotune"][arch]
+    assert arch == "interpreter" and no_gpu_needed
+    assert {e.kernel for e in entries} == {"linear", "linear_silu_mul", "lm_head_argmax"}
+    for e in entries:  # the fastest of the candidates for its row count
+        m = int(e.shape_key.rsplit("M=", 1)[1])
+        assert m in (1, 4)
+        assert LinearConfig(**e.config) == min(candidates(m), key=fake_seconds), e
+    # Each distinct (kernel, weight shape) once per row count: q/k/v fused, o, down, gate/up, LM head.
+    signatures = {(e.kernel, e.shape_key.rsplit(",M=", 1)[0]) for e in entries}
+    assert len(entries) == 2 * len(signatures)
+
+    contents.autotune = result.stats["autotune"]
+    path = tmp_path / "tuned.mgx"
+    write_artifact(path, contents)
+    stored = load_artifact(path).contents
+    assert {a: [(e.kernel, e.shape_key, e.config) for e in es] for a, es in stored.autotune.items()} == {
+        arch: [(e.kernel, e.shape_key, e.config) for e in entries]
+    }
+
+    backend = CUDABackend(stored.graph, device="cpu", dtype="f32")
+    assert backend.use_tunings(stored.autotune) == f"{len(entries)} stored launch configurations for interpreter"
+    used = []
+    for name in ("linear", "linear_silu_mul", "lm_head_argmax"):
+        real = getattr(backend_cuda, name)
+        monkeypatch.setattr(
+            backend_cuda, name, lambda *a, _real=real, _n=name, **k: used.append((_n, k.get("config"))) or _real(*a, **k)
+        )
+    runner = ModelRunner(stored.graph, backend)
+    want = ModelRunner(stored.graph, "reference")
+    prompt = np.array([5, 6, 7, 8, 9])
+    got_ids = [runner.step_greedy([SeqChunk(0, prompt)])[0][0][-1]]
+    want_ids = [int(np.argmax(want.step([SeqChunk(0, prompt)])[0][-1]))]
+    for _ in range(2):  # decode: one row
+        got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
+        want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
+    assert [int(i) for i in got_ids] == want_ids
+    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax"}
+    assert all(c is not None for _, c in used)  # every launch took a stored configuration
+    assert {c.block_m for n, c in used if n == "linear"} == {1, 16}  # GEMV for decode, tiles for 5 rows
+
+
+def test_autotune_refuses_other_targets_and_hosts_without_a_gpu() -> None:
+    graph = compiled("gqa", "dense")
+    with pytest.raises(PassError, match="set target: cuda"):
+        PASSES["autotune"](graph, {}, PassContext(target="cpu"))
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(PassError, match="no CUDA device"):
+            PASSES["autotune"](graph, {}, PassContext(target="cuda"))
+    with pytest.raises(PassError, match="rows"):
+        PASSES["autotune"](graph, {"rows": [0]}, PassContext(target="cuda"))
+
+
+def test_tunings_pick_the_nearest_row_count_of_the_same_regime() -> None:
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.testing import make_weight
+    from mgx.kernels.triton.tuning import Tunings, config_dict, shape_key
+
+    w = make_weight("none", 64, 32)
+    gemv, small, big = LinearConfig(1, 8, 256, 4, 1), LinearConfig(16, 64, 128, 4, 4), LinearConfig(64, 64, 64, 4, 4)
+    t = Tunings([AutotuneEntry("linear", shape_key(w, m), config_dict(c)) for m, c in ((1, gemv), (8, small), (64, big))])
+    assert t.config("linear", w, 1) == gemv
+    assert t.config("linear", w, 2) == small and t.config("linear", w, 8) == small
+    assert t.config("linear", w, 9) == big and t.config("linear", w, 5000) == big
+    assert t.config("linear_silu_mul", w, 1) is None
+    assert t.config("linear", make_weight("none", 64, 48), 1) is None
