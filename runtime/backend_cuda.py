@@ -330,8 +330,8 @@ class CUDABackend(Backend):
             g = self._graphs[key] = self._capture(run_ops, batch, key[0])
         self._fill(g.step, batch)
         g.graph.replay()
-        if isinstance(g.out, tuple):
-            return tuple(_to_host(t[:s]) for t in g.out)
+        if isinstance(g.out, tuple):  # the greedy pair: ids stay integers
+            return _to_host(tuple(t[:s] for t in g.out))
         return _to_host(g.out[:s])
 
     def _static_step(self, bucket: int) -> _Step:

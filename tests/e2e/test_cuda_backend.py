@@ -171,3 +171,16 @@ def greedy_tokens(runner: ModelRunner, prompt: np.ndarray, n: int) -> list[int]:
         chunk = ids[-1:]
     runner.free(seq)
     return out
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_head_in_graphs_matches_eager() -> None:
+    graph = compiled("tied-bf16", "w8a16-tiled", target="cuda")
+    prompts = _prompts(graph)
+    runs = []
+    for graphs in (False, True):
+        runner = ModelRunner(graph, CUDABackend(graph, dtype="f32", graphs=graphs))
+        runs.append([greedy_tokens(runner, p, 6) for p in prompts])
+        if graphs:
+            assert (1, True) in runner.backend._graphs
+    assert runs[0] == runs[1]
