@@ -6,16 +6,12 @@ the small float vectors (norm weights, biases, ``inv_freq``) to float32. K/V liv
 ``PagedKVCache`` of float32 (``MGX_CPU_KV_DTYPE=bf16`` or ``f16`` halves it); the attention kernel
 writes each step's keys and values into their slots itself.
 
-Two steps of the graph are fused here, with results the same as running the ops one by one:
-an ``add`` whose output only feeds the next op, an ``rms_norm``, runs as one kernel (the norm is
-computed with the sum and handed out when the runner reaches it); and the cos/sin table of RoPE
-is computed once per step and shared by every layer.
-
 A step runs as a program built once from the graph: one closure per op that reads its inputs from
 and writes its outputs to a list of value slots, calls the kernel's entry point directly (shapes
 were checked when the program was built; the C side still checks memory safety), and drops the
-values no later op reads. The per-step metadata (positions, block tables, RoPE table) is converted
-once per step for all layers. A decode step of SmolLM2 runs ~360 ops, so this Python layer is kept
+values no later op reads. An ``add`` followed by the ``rms_norm`` of its output is one kernel
+writing both values (results as if run one by one). The per-step metadata (positions, block
+tables, the RoPE cos/sin table) is converted once per step for all layers. A decode step of SmolLM2 runs ~360 ops, so this Python layer is kept
 to a few microseconds an op.
 
 Threads: ``MGX_NUM_THREADS`` (``mgx-run --threads``) or ``mgx.kernels.cpu.set_num_threads``.
@@ -103,42 +99,7 @@ class CPUBackend(Backend):
             elif op.kind == "attention":
                 self._attention[id(op)] = AttentionAttrs.of(op)
         self._fused_norm = _fusible_add_norms(graph)  # id(add op) -> the rms_norm op it computes too
-        self._pending: dict[int, np.ndarray] = {}  # id(rms_norm op) -> its output, computed by the add
-        self._rope_cache: tuple[np.ndarray, _Rope, tuple[np.ndarray, np.ndarray]] | None = None
-        self._dispatch = {id(op): self._bind(op) for op in graph.ops}
         self._program, self._num_slots, self._output_slot = self._build_program()
-
-    def run_op(self, op: Op, args: list[np.ndarray], batch: StepBatch, kv: KVCache) -> list[np.ndarray]:
-        # One dict lookup per op instead of the base class's match on the kind: this runs ~360 times
-        # in a SmolLM2 step, where a decode step's kernels take a few milliseconds in all.
-        return self._dispatch[id(op)](args, batch, kv)
-
-    def _bind(self, op: Op) -> Callable[[list[np.ndarray], StepBatch, KVCache], list[np.ndarray]]:
-        """The call ``run_op`` makes for ``op``: the per-kind method with the op bound in."""
-        match op.kind:
-            case "embedding":
-                return lambda args, batch, kv: [self.embedding(op, args[0])]
-            case "rms_norm":
-                return lambda args, batch, kv: [self.rms_norm(op, args[0])]
-            case "linear":
-                weight = self._linear[id(op)]
-                return lambda args, batch, kv: [cpu.linear(args[0], weight)]
-            case "split":
-                return lambda args, batch, kv: self.split(op, args[0])
-            case "rope":
-                return lambda args, batch, kv: list(self.rope(op, args[0], args[1], batch.positions))
-            case "attention":
-                return lambda args, batch, kv: [self.attention(op, args[0], args[1], args[2], batch, kv)]
-            case "silu_mul":
-                return lambda args, batch, kv: [self.silu_mul(op, args[0], args[1] if len(args) > 1 else None)]
-            case "add":
-                return lambda args, batch, kv: [self.add(op, args[0], args[1])]
-            case "lm_head":
-                return lambda args, batch, kv: [
-                    self.greedy_head(op, args[0], batch.sample_rows) if batch.greedy
-                    else self.lm_head(op, args[0], batch.sample_rows)
-                ]  # fmt: skip
-        raise UnsupportedModelError(f"backend {self.name!r} has no kernel for op kind {op.kind!r}")
 
     # -- the step program ---------------------------------------------------------------------------
 
@@ -152,7 +113,7 @@ class CPUBackend(Backend):
 
     def _build_program(self) -> tuple[list[Callable[[list[Any], _StepMeta, KVCache], None]], int, int]:
         plan, num_slots, output_slot = value_plan(self.graph)
-        fused_into = {id(norm): add for add, norm in ((a, self._fused_norm[id(a)]) for a in self.graph.ops if id(a) in self._fused_norm)}
+        fused_into = {id(norm) for norm in self._fused_norm.values()}
         dead_of = {id(op): dead for op, _, _, dead in plan}
         out_of = {id(op): outs for op, _, outs, _ in plan}
         program = []
@@ -240,11 +201,10 @@ class CPUBackend(Backend):
                     raw.silu_mul(x[:, :half], x[:, half:], out)
                     for i in dead:
                         v[i] = None
-            case _:  # the rest (embedding, lm_head, add, two-input silu_mul) through the op's method
-                bound = self._dispatch[id(op)]
+            case _:  # the rest (embedding, lm_head, add, two-input silu_mul): one call a step, or few
 
                 def run(v: list[Any], step: _StepMeta, kv: KVCache) -> None:
-                    for slot, value in zip(outs, bound([v[i] for i in ins], step.batch, kv)):
+                    for slot, value in zip(outs, self.run_op(op, [v[i] for i in ins], step.batch, kv)):
                         v[slot] = value
                     for i in dead:
                         v[i] = None
@@ -294,15 +254,12 @@ class CPUBackend(Backend):
             values = self._vectors[name] = np.ascontiguousarray(to_f32(t.data, t.dtype), dtype=np.float32).reshape(-1)
         return values
 
-    # -- ops ------------------------------------------------------------------------------------
+    # -- ops, one at a time (the step program fuses; these serve its generic case and run_op) ----
 
     def embedding(self, op: Op, tokens: np.ndarray) -> np.ndarray:
         return cpu.embedding(tokens, self._linear[id(op)])
 
     def rms_norm(self, op: Op, x: np.ndarray) -> np.ndarray:
-        done = self._pending.pop(id(op), None)
-        if done is not None:
-            return done
         n = self._norm[id(op)]
         return cpu.rms_norm(x, n.weight, eps=n.eps, group=n.group)
 
@@ -319,26 +276,11 @@ class CPUBackend(Backend):
 
     def rope(self, op: Op, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         r = self._rope[id(op)]
-        cos, sin = self._rope_table(positions, r)
+        cos, sin = cpu.rope_table(positions, r.inv_freq, r.scaling)
         return (
             cpu.rope(q, cos, sin, head_dim=r.head_dim, rotary_dim=r.rotary_dim),
             cpu.rope(k, cos, sin, head_dim=r.head_dim, rotary_dim=r.rotary_dim),
         )
-
-    def _rope_table(self, positions: np.ndarray, r: _Rope) -> tuple[np.ndarray, np.ndarray]:
-        # Every layer of a step rotates at the same positions (one array object per step) by the same
-        # frequencies (one tensor, converted once): compute the table for the first layer, reuse it after.
-        cached = self._rope_cache
-        if (
-            cached is not None
-            and cached[0] is positions
-            and cached[1].inv_freq is r.inv_freq
-            and cached[1].scaling == r.scaling
-        ):
-            return cached[2]
-        table = cpu.rope_table(positions, r.inv_freq, r.scaling)
-        self._rope_cache = (positions, r, table)
-        return table
 
     def attention(self, op: Op, q: np.ndarray, k: np.ndarray, v: np.ndarray, batch: StepBatch, kv: KVCache) -> np.ndarray:
         a = self._attention[id(op)]
@@ -366,13 +308,7 @@ class CPUBackend(Backend):
         return cpu.silu_mul(gate, up)
 
     def add(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        norm_op = self._fused_norm.get(id(op))
-        if norm_op is None:
-            return a + b
-        n = self._norm[id(norm_op)]
-        normed, total = cpu.rms_norm(a, n.weight, eps=n.eps, group=n.group, residual=b)
-        self._pending[id(norm_op)] = normed
-        return total
+        return a + b
 
     def lm_head(self, op: Op, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return cpu.linear(x[rows], self._linear[id(op)])
