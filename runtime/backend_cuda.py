@@ -20,7 +20,7 @@ into the paged cache (the attention prologue).
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
 holds it; the rows past the real ones point at a scratch KV block that no sequence owns. A graph
-is captured the first time its bucket is needed (``warm_up`` captures them ahead of time); prefill
+is captured the first time its bucket is needed; prefill
 and mixed steps run eagerly. ``MGX_CUDA_GRAPHS=0`` turns graphs off.
 
 The same code runs on a CPU device under ``TRITON_INTERPRET=1`` (``device="cpu"``): that is how CI
@@ -396,19 +396,6 @@ class CUDABackend(Backend):
         finally:
             self._step = None
         return _Graph(graph, st, out)
-
-    def warm_up(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, max_batch: int, greedy: bool) -> list[int]:
-        """Capture the graphs of every bucket up to ``max_batch`` now; returns the buckets captured."""
-        done: list[int] = []
-        if not self.use_graphs:
-            return done
-        for b in GRAPH_BUCKETS:
-            if b > max(1, max_batch) and done:
-                break
-            if (b, greedy) not in self._graphs:
-                self._graphs[b, greedy] = self._capture(run_ops, batch, b)
-            done.append(b)
-        return done
 
     # -- ops ------------------------------------------------------------------------------------
 
