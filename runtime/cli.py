@@ -60,6 +60,43 @@ def _engine_config(kv_memory: str | None, **kw: Any) -> Any:
         raise EngineError(str(e)) from None
 
 
+def _scheduler_options(fn: F) -> F:
+    """The KV cache and scheduler options of the commands that serve many requests (bench, serve)."""
+    options = [
+        click.option("--kv-memory", help=_KV_MEMORY_HELP),
+        click.option(
+            "--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block."
+        ),
+        click.option(
+            "--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Most sequences per step."
+        ),
+        click.option(
+            "--max-tokens-per-step",
+            type=click.IntRange(min=1),
+            default=512,
+            show_default=True,
+            help="Token budget of a step.",
+        ),
+        click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off."),
+    ]
+    for option in reversed(options):  # the first listed ends up outermost, as with stacked decorators
+        fn = option(fn)
+    return fn
+
+
+def _scheduler_config(
+    kv_memory: str | None, block_size: int, max_num_seqs: int, max_tokens_per_step: int, no_prefix_cache: bool
+) -> Any:
+    """The engine configuration from ``_scheduler_options``' values."""
+    return _engine_config(
+        kv_memory,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_tokens_per_step=max_tokens_per_step,
+        prefix_caching=not no_prefix_cache,
+    )
+
+
 def _backend_options(fn: F) -> F:
     """``--backend`` and ``--threads``, shared by every command that runs a model."""
     fn = click.option(
@@ -239,25 +276,7 @@ def check(model: str, backend: str, threads: int | None) -> None:
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed of the random prompts and arrivals."
 )
-@click.option("--kv-memory", help=_KV_MEMORY_HELP)
-@click.option(
-    "--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block."
-)
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Most sequences per step.",
-)
-@click.option(
-    "--max-tokens-per-step",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="Token budget of a step.",
-)
-@click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off.")
+@_scheduler_options
 @click.option(
     "--json",
     "json_path",
@@ -301,13 +320,7 @@ def bench(
         )
     except ValueError as e:
         raise EngineError(str(e)) from None
-    config = _engine_config(
-        kv_memory,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_tokens_per_step=max_tokens_per_step,
-        prefix_caching=not no_prefix_cache,
-    )
+    config = _scheduler_config(kv_memory, block_size, max_num_seqs, max_tokens_per_step, no_prefix_cache)
     engine = Engine(_model_path(model), config=config, backend=_backend(backend, threads))
     click.echo(engine.cache_plan.describe(), err=True)
     if engine.tuning_note:
@@ -341,25 +354,7 @@ def bench(
     multiple=True,
     help="Model id clients name (repeatable). Default: the artifact's name, else the file name.",
 )
-@click.option("--kv-memory", help=_KV_MEMORY_HELP)
-@click.option(
-    "--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block."
-)
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Most sequences per step.",
-)
-@click.option(
-    "--max-tokens-per-step",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="Token budget of a step.",
-)
-@click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off.")
+@_scheduler_options
 @click.option(
     "--max-pending",
     type=click.IntRange(min=1),
@@ -419,13 +414,7 @@ def serve(
         ) from None
 
     path = _model_path(model)
-    config = _engine_config(
-        kv_memory,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_tokens_per_step=max_tokens_per_step,
-        prefix_caching=not no_prefix_cache,
-    )
+    config = _scheduler_config(kv_memory, block_size, max_num_seqs, max_tokens_per_step, no_prefix_cache)
     engine = Engine(path, config=config, backend=_backend(backend, threads))
     names = served_model_name or (
         engine.contents.metadata.get("name") or os.path.basename(path).removesuffix(".mgx"),
