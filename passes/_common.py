@@ -7,7 +7,7 @@ import fnmatch
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -350,3 +350,18 @@ def count_reasons(skipped: Mapping[str, str]) -> str:
     for reason in skipped.values():
         counts[reason] = counts.get(reason, 0) + 1
     return ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def fusion_skip_reason(graph: ir.Graph, parts: Sequence[ir.Op], skip: Skip, shared: set[str], what: str,
+                       pass_name: str) -> str | None:
+    """Why the linears ``parts`` stay unfused (a skip rule, or a weight another op shares), or None.
+
+    Raises PassError when they are already quantized (fusion runs before the quantization passes);
+    ``what`` names the group in that message, e.g. "attention layers.0.self_attn q/k/v".
+    """
+    reason = next((r for r in (skip.reason(p, graph.arch.num_layers) for p in parts) if r), None)
+    if reason is None and any(graph.tensor(p.weights["weight"]).scheme != "none" for p in parts):
+        raise PassError(f"{what} weights are already quantized; run {pass_name} before the quantization passes")
+    if reason is None and any(t in shared for p in parts for t in p.weights.values()):
+        reason = "shared weight"
+    return reason

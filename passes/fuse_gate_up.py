@@ -18,6 +18,7 @@ from ._common import (
     consumers,
     count_reasons,
     fuse_linears,
+    fusion_skip_reason,
     options_dict,
     parse_options,
     producers,
@@ -60,12 +61,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         parts = _gate_up(op, made_by, readers)
         if parts is None:
             continue
-        reason = next((r for r in (opts.skip.reason(p, graph.arch.num_layers) for p in parts) if r), None)
-        if reason is None and any(graph.tensor(p.weights["weight"]).scheme != "none" for p in parts):
-            raise PassError(f"MLP {op.source}: gate/up weights are already quantized; run fuse_gate_up "
-                            "before the quantization passes")
-        if reason is None and any(t in shared for p in parts for t in p.weights.values()):
-            reason = "shared weight"
+        reason = fusion_skip_reason(graph, parts, opts.skip, shared, f"MLP {op.source}: gate/up", "fuse_gate_up")
         if reason:
             skipped[op.source] = reason
         else:

@@ -14,7 +14,16 @@ from typing import Any
 from mgx.formats import ir
 
 from ._base import PassContext, PassError, PassResult
-from ._common import Skip, count_reasons, fuse_linears, options_dict, parse_options, producers, shared_tensors
+from ._common import (
+    Skip,
+    count_reasons,
+    fuse_linears,
+    fusion_skip_reason,
+    options_dict,
+    parse_options,
+    producers,
+    shared_tensors,
+)
 
 __all__ = ["FuseQKVOptions", "run"]
 
@@ -56,12 +65,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         parts = _qkv(graph, op, made_by)
         if parts is None:
             continue
-        reason = next((r for r in (opts.skip.reason(p, graph.arch.num_layers) for p in parts) if r), None)
-        if reason is None and any(graph.tensor(p.weights["weight"]).scheme != "none" for p in parts):
-            raise PassError(f"attention {op.source}: q/k/v weights are already quantized; run fuse_qkv "
-                            "before the quantization passes")
-        if reason is None and any(t in shared for p in parts for t in p.weights.values()):
-            reason = "shared weight"
+        reason = fusion_skip_reason(graph, parts, opts.skip, shared, f"attention {op.source}: q/k/v", "fuse_qkv")
         if reason:
             skipped[op.source] = reason
         else:
