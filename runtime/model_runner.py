@@ -76,7 +76,7 @@ class ModelRunner:
         if batch.greedy:
             ids, top = out
         else:
-            ids = np.argmax(out, axis=1) if out.shape[0] else np.zeros(0, np.int64)
+            ids = np.argmax(out, axis=1)
             top = out[np.arange(ids.size), ids]
         ids, top = np.asarray(ids, dtype=np.int64), np.asarray(top, dtype=np.float32)
         return [(ids[batch.sampled(i)], top[batch.sampled(i)]) for i in range(len(chunks))]
