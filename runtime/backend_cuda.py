@@ -149,10 +149,13 @@ class CUDABackend(Backend):
         if graphs is None:
             graphs = os.environ.get("MGX_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(graphs) and self.device.type == "cuda"
-        self._users = _users(graph)
         self._fuse = self._find_fusions()
+        # Tensors in a layout the kernels do not read (cpu_tile16) are unpacked and uploaded by
+        # _gpu_weight instead; everything else goes up as stored.
         names = sorted({name for op in graph.ops for name in op.weights.values()})
-        self._dev, self.upload_stats = self._upload({name: graph.tensors[name] for name in names})
+        self._dev, self.upload_stats = self._upload(
+            {name: graph.tensors[name] for name in names if graph.tensors[name].layout in GPU_LAYOUTS}
+        )
         self._weights: dict[int, GpuWeight] = {}
         self._bias: dict[int, torch.Tensor | None] = {}
         self._norm: dict[int, tuple[torch.Tensor | None, float, int]] = {}
@@ -162,7 +165,7 @@ class CUDABackend(Backend):
             self._prepare(op)
         self._pending: dict[int, Array] = {}  # id(op) -> output computed by the op fused before it
         self._step: _Step | None = None
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
@@ -184,9 +187,9 @@ class CUDABackend(Backend):
 
     def _find_fusions(self) -> _Fusions:
         f = _Fusions()
-        ops = self.graph.ops
+        ops, users = self.graph.ops, _users(self.graph)
         for op, nxt in zip(ops, ops[1:]):
-            only_next = all(self._users.get(o) == [nxt] for o in op.outputs)
+            only_next = all(users.get(o) == [nxt] for o in op.outputs)
             if op.kind == "add" and nxt.kind == "rms_norm" and nxt.inputs == op.outputs:
                 f.norm_after_add[id(op)] = nxt
             elif op.kind == "linear" and nxt.kind == "silu_mul" and nxt.inputs == op.outputs and only_next:
