@@ -36,8 +36,11 @@ class ServeProcess:
         self.port = sock.getsockname()[1]
         sock.close()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The numpy reference backend: these tests need streams that last seconds on the tiny model,
+        # which the C++ kernels (mgx-run's default) finish in a fraction of one.
         cmd = [sys.executable, "-c", "from mgx.runtime.cli import main; main()", "serve", str(artifact),
-               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args]  # fmt: skip
+               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+               "--backend", "reference", *args]  # fmt: skip
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 60
