@@ -10,7 +10,7 @@ from typing import Any
 from . import ir
 
 FORMAT_MAJOR: int = 1  # bumped by a change an older reader would misread
-FORMAT_MINOR: int = 0  # bumped when a table grows a field; older readers skip it
+FORMAT_MINOR: int = 1  # bumped when a table grows a field; older readers skip it
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 
 
@@ -128,4 +128,5 @@ class ArtifactContents:
     golden: GoldenSet | None = None  # reference outputs; None when none were recorded
     metadata: dict[str, str] = field(default_factory=dict)  # free-form key/values (license, source, ...)
     autotune: dict[str, list[AutotuneEntry]] = field(default_factory=dict)  # GPU arch ("sm_90") -> configs
+    cuda_kernels: dict[str, bytes] = field(default_factory=dict)  # GPU arch ("sm_90a") -> cubin
     producer: str = field(default_factory=_default_producer)  # what wrote the file, e.g. "mgx 0.1.0"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .fbs import (
     Attr,
     AttrKind,
     AutotuneTable,
+    CudaKernelImage,
     DType,
     Generation,
     KeyValue,
@@ -81,6 +83,7 @@ _ARCH_SCALARS = (
 )
 _GENERATION_SCALARS = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty")
 _FINGERPRINT_FIELDS = ("source_hash", "tokenizer_hash", "dtype", "quantization", "target", "format_version")
+_GPU_ARCH = re.compile(r"sm_\d+[af]?")  # nvcc's names of real GPU architectures: "sm_90a", "sm_80"
 
 
 def _camel(snake: str) -> str:
@@ -133,6 +136,7 @@ def _encode_model(contents: ArtifactContents, slots: list[TensorSlot], tokenizer
             b, [_encode_autotune(b, arch, entries) for arch, entries in contents.autotune.items()]
         ),
         "metadata": _vector(b, [_key_value(b, k, v) for k, v in contents.metadata.items()]),
+        "cuda_kernels": _encode_cuda_kernels(b, contents.cuda_kernels),
     }
     b.Finish(_table(b, Model, fields), file_identifier=FILE_IDENTIFIER)
     return bytes(b.Output())
@@ -377,6 +381,30 @@ def _encode_autotune(b: flatbuffers.Builder, gpu_arch: str, entries: list[Autotu
     return _table(b, AutotuneTable, {"gpu_arch": b.CreateString(gpu_arch), "entries": _vector(b, encoded)})
 
 
+def _check_cuda_image(gpu_arch: Any, code: Any) -> None:
+    """What writer and reader both demand of a CudaKernelImage: an nvcc architecture name, some code."""
+    if not isinstance(gpu_arch, str) or _GPU_ARCH.fullmatch(gpu_arch) is None:
+        raise ArtifactError(
+            f"cuda_kernels: architecture {gpu_arch!r} is not of the form sm_<number>[a|f], e.g. sm_90a"
+        )
+    if not isinstance(code, bytes):
+        raise ArtifactError(f"cuda_kernels: the image for {gpu_arch} is a {type(code).__name__}, not bytes")
+    if not code:
+        raise ArtifactError(f"cuda_kernels: the image for {gpu_arch} is empty")
+
+
+def _encode_cuda_kernels(b: flatbuffers.Builder, images: dict[str, bytes]) -> int | None:
+    """The images as a vector, or None (the field left out, as a 1.0 writer did) when there are none."""
+    if not images:
+        return None
+    encoded = []
+    for gpu_arch, code in images.items():
+        _check_cuda_image(gpu_arch, code)
+        fields = {"gpu_arch": b.CreateString(gpu_arch), "code": b.CreateByteVector(code)}
+        encoded.append(_table(b, CudaKernelImage, fields))
+    return _vector(b, encoded)
+
+
 # ---------------------------------------------------------------------------------------------
 # Decoding
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +462,7 @@ def _decode_model(m: Table) -> Decoded:
         golden=None if golden is None else _decode_golden(golden),
         metadata={_required(kv, "key"): _required(kv, "value") for kv in m.tables("metadata", KeyValue)},
         autotune=dict(_decode_autotune(t) for t in m.tables("autotune", AutotuneTable)),
+        cuda_kernels=_decode_cuda_kernels(m.tables("cuda_kernels", CudaKernelImage)),
         producer=m.string("producer") or "",
     )
     version = (m.scalar("format_major"), m.scalar("format_minor"))
@@ -582,3 +611,14 @@ def _decode_autotune(t: Table) -> tuple[str, list[AutotuneEntry]]:
         for e in t.tables("entries", FbAutotuneEntry)
     ]
     return _required(t, "gpu_arch"), entries
+
+
+def _decode_cuda_kernels(images: list[Table]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for t in images:
+        arch, code = _required(t, "gpu_arch"), bytes(t.bytes("code"))
+        _check_cuda_image(arch, code)
+        if arch in out:
+            raise ArtifactError(f"cuda_kernels: two images for {arch}")
+        out[arch] = code
+    return out

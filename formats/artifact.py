@@ -396,6 +396,7 @@ def describe_artifact(loaded: LoadedArtifact) -> dict[str, Any]:
         "golden_cases": 0 if c.golden is None else len(c.golden.cases),
         "generation": asdict(c.generation),
         "autotune_entries": {arch: len(entries) for arch, entries in c.autotune.items()},
+        "cuda_kernel_bytes": {arch: len(code) for arch, code in c.cuda_kernels.items()},
         "metadata": dict(c.metadata),
         "load_seconds": loaded.load_seconds,
     }

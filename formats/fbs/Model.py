@@ -218,8 +218,33 @@ class Model(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
         return o == 0
 
+    # Model
+    def CudaKernels(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            from mgx.formats.fbs.CudaKernelImage import CudaKernelImage
+            obj = CudaKernelImage()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Model
+    def CudaKernelsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Model
+    def CudaKernelsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        return o == 0
+
 def Start(builder):
-    builder.StartObject(14)
+    builder.StartObject(15)
 
 def AddFormatMajor(builder, formatMajor):
     builder.PrependUint16Slot(0, formatMajor, 0)
@@ -273,6 +298,12 @@ def AddMetadata(builder, metadata):
     builder.PrependUOffsetTRelativeSlot(13, flatbuffers.number_types.UOffsetTFlags.py_type(metadata), 0)
 
 def StartMetadataVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def AddCudaKernels(builder, cudaKernels):
+    builder.PrependUOffsetTRelativeSlot(14, flatbuffers.number_types.UOffsetTFlags.py_type(cudaKernels), 0)
+
+def StartCudaKernelsVector(builder, numElems):
     return builder.StartVector(4, numElems, 4)
 
 def End(builder):

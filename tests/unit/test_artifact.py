@@ -30,7 +30,7 @@ from mgx.formats.artifact import (
     verify_artifact,
     write_artifact,
 )
-from mgx.formats.fbs import Generation
+from mgx.formats.fbs import CudaKernelImage, Generation, Model
 
 ALIGN = _layout.DATA_ALIGN
 
@@ -124,6 +124,7 @@ def make_contents(seed: int = 0) -> ArtifactContents:
         golden=golden,
         metadata={"license": "apache-2.0", "source": "hf://tiny"},
         autotune={"sm_90": [AutotuneEntry("matmul_w8", "M=1,N=5,K=5", {"BLOCK_M": 16, "num_warps": 4})]},
+        cuda_kernels={"sm_90a": b"\x7fELF" + bytes(range(256)) * 3, "sm_80": b"\x00cubin"},
     )
 
 
@@ -211,15 +212,18 @@ def test_round_trip_keeps_everything(artifact: Path) -> None:
 def test_round_trip_of_optional_fields_left_empty(tmp_path: Path) -> None:
     contents = make_contents()
     contents.chat_template, contents.golden, contents.tokenizer_json = None, None, ""
-    contents.generation, contents.passes, contents.metadata, contents.autotune = (
+    contents.generation, contents.passes, contents.metadata, contents.autotune, contents.cuda_kernels = (
         GenerationDefaults(),
         [],
+        {},
         {},
         {},
     )
     write_artifact(tmp_path / "m.mgx", contents)
     with load_artifact(tmp_path / "m.mgx") as loaded:
         assert_same_contents(loaded.contents, contents)
+    raw, h = (tmp_path / "m.mgx").read_bytes(), _header(tmp_path / "m.mgx")
+    assert Model.Model.GetRootAs(raw[h.fb_offset : h.fb_end], 0).CudaKernelsIsNone()  # as a 1.0 file: absent
 
 
 def test_schema_defaults_match_dataclass_defaults() -> None:
@@ -290,7 +294,12 @@ def test_describe(artifact: Path) -> None:
     with load_artifact(artifact) as loaded:
         d = describe_artifact(loaded)
     contents = make_contents()
-    assert d["tensor_count"] == 7 and d["golden_cases"] == 2 and d["format_version"] == "1.0"
+    assert (
+        d["tensor_count"] == 7
+        and d["golden_cases"] == 2
+        and d["format_version"] == f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+    )
+    assert d["cuda_kernel_bytes"] == {"sm_90a": 772, "sm_80": 6}
     assert d["bytes_by_dtype"]["u8"] == 4097 and d["bytes_by_scheme"]["int8_rowwise"] == 1000
     assert d["tensor_bytes"] == contents.graph.weight_bytes()
     assert d["fingerprint"]["digest"] == contents.fingerprint.digest()
@@ -360,6 +369,15 @@ def test_longer_header_of_a_newer_minor_version_is_readable(
         (lambda c: c.graph.ops[2].attrs.update(bad=1 << 64), "attribute 'bad': .* does not fit in 64 bits"),
         (lambda c: c.graph.arch.extra.update(bad=object()), "cannot encode arch.extra as JSON"),
         (lambda c: c.metadata.update(bad=3), "metadata 'bad': keys and values must be str"),
+        (lambda c: c.cuda_kernels.update(sm_90=b""), "cuda_kernels: the image for sm_90 is empty"),
+        (
+            lambda c: c.cuda_kernels.update(hopper=b"x"),
+            "cuda_kernels: architecture 'hopper' is not of the form",
+        ),
+        (
+            lambda c: c.cuda_kernels.update(sm_86="code"),
+            "cuda_kernels: the image for sm_86 is a str, not bytes",
+        ),
     ],
 )
 def test_writer_rejects_bad_contents(tmp_path: Path, mutate: Callable, message: str) -> None:
@@ -457,6 +475,53 @@ def test_newer_major_version_is_refused(artifact: Path, tmp_path: Path) -> None:
     for check in (load_artifact, verify_artifact):
         with pytest.raises(ArtifactError, match=message):
             check(path)
+
+
+def _with_cuda_images(
+    src: Path, dst: Path, images: list[tuple[str | None, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Copy ``src`` with Model.cuda_kernels built from ``images`` past the writer's checks (an arch of
+    None leaves the required gpu_arch out); digests made to match."""
+
+    def encode_images(b: flatbuffers.Builder, _: dict[str, bytes]) -> int:
+        encoded = []
+        for arch, code in images:
+            fields = {
+                "gpu_arch": None if arch is None else b.CreateString(arch),
+                "code": b.CreateByteVector(code),
+            }
+            encoded.append(_fbcodec._table(b, CudaKernelImage, fields))
+        return _fbcodec._vector(b, encoded)
+
+    def mutate(fb: bytes) -> bytes:
+        decoded = _fbcodec.decode_model(fb)
+        with monkeypatch.context() as m:
+            m.setattr(_fbcodec, "_encode_cuda_kernels", encode_images)
+            tokenizer = _fbcodec.compress_tokenizer(decoded.contents.tokenizer_json)
+            return _fbcodec.encode_model(decoded.contents, decoded.slots, tokenizer)
+
+    return _with_new_flatbuffer(src, dst, mutate)
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        ([("sm_90a", b"")], "cuda_kernels: the image for sm_90a is empty"),
+        ([("gfx942", b"code")], "cuda_kernels: architecture 'gfx942' is not of the form sm_<number>"),
+        ([("sm_90a", b"a"), ("sm_90a", b"b")], "cuda_kernels: two images for sm_90a"),
+        ([(None, b"code")], "CudaKernelImage.gpu_arch is missing"),
+    ],
+)
+def test_malformed_cuda_kernel_image_is_refused(
+    artifact: Path,
+    tmp_path: Path,
+    images: list[tuple[str | None, bytes]],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = _with_cuda_images(artifact, tmp_path / "bad.mgx", images, monkeypatch)
+    with pytest.raises(ArtifactError, match=f"bad.mgx: corrupt FlatBuffer: {message}"):
+        load_artifact(path)
 
 
 def test_tensor_offset_past_the_end(artifact: Path, tmp_path: Path) -> None:
