@@ -40,6 +40,8 @@ __all__ = [
     "default_config",
     "GEMV_CONFIGS",
     "GEMM_CONFIGS",
+    "SPLIT_MAX_M",
+    "split_workspace",
 ]
 
 SCHEME_IDS = {"none": 0, "w8a16": 1, "int4": 2, "sparse24": 3, "sparse24_int4": 4}
@@ -199,11 +201,11 @@ def _x_pairs(xrow, c0, K, HALF: tl.constexpr, EVEN: tl.constexpr):
 
 @triton.jit
 def _gemv_row(
-    xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K,
+    xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """fp32 [1, BLOCK_N]: one activation row (xrow) times W[rn]^T, on the CUDA cores.
+    """fp32 [1, BLOCK_N]: one activation row (xrow) times W[rn]^T over columns k_lo..k_hi, on the CUDA cores.
 
     EVEN (N and K are multiples of the tile) drops the bounds checks, which cost as many integer
     instructions as the dequantization itself.
@@ -218,7 +220,7 @@ def _gemv_row(
         # high nibbles against the even and odd columns of x, so the codes are never reshaped.
         acc2 = tl.zeros([BLOCK_N, GROUP // 2], tl.float32)
         ngroups = tl.cdiv(K, GROUP)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             for gi in tl.static_range(BLOCK_K // GROUP):
                 c0 = k0 + gi * GROUP
                 b = c0 // 2 + tl.arange(0, GROUP // 2)
@@ -245,7 +247,7 @@ def _gemv_row(
         acc = tl.sum(acc2, axis=1)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             # x is loaded in the weight tile's shape (row stride 0, so L1 serves the repeats): it then
             # shares the tile's register layout, and needs no shuffle through shared memory.
@@ -274,22 +276,22 @@ def _gemv_row(
 
 @triton.jit
 def _mm_tile(
-    x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K,
+    x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """fp32 [BLOCK_M, BLOCK_N] tile of x[rm] @ W[rn]^T, w8a16 scales applied.
+    """fp32 [BLOCK_M, BLOCK_N] tile of x[rm] @ W[rn]^T over columns k_lo..k_hi, w8a16 scales applied.
 
     Without USE_DOT, BLOCK_M is 1 (one activation row per program: the GEMV).
     """
     if not USE_DOT:
         xrow = x_ptr + tl.max(rm, axis=0).to(tl.int64) * stride_xm
-        return _gemv_row(xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K,
+        return _gemv_row(xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
                          SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(xrow + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
@@ -301,33 +303,74 @@ def _mm_tile(
 
 
 @triton.jit
-def _linear_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr,
-    M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
-    # m varies fastest across programs, so the programs that share a weight tile run together.
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < N
-    acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                   rn, n_mask, K, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+def _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS: tl.constexpr,
+              SILU_MUL: tl.constexpr):  # fmt: skip
+    """Bias, the SiLU product and the store of a finished [BLOCK_M, BLOCK_N] tile."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                      rn + N, n_mask, K, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc = acc * tl.sigmoid(acc) * up
     dst = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
+    # m varies fastest across programs, so the programs that share a weight tile run together.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:  # this program's share of K: whole BLOCK_K tiles, so EVEN still holds per share
+        span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = tl.program_id(2) * span
+        k_hi = tl.minimum(K, k_lo + span)
+    acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                   rn, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    up = acc
+    if SILU_MUL:
+        up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                      rn + N, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    if SPLIT_K == 1:
+        _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS, SILU_MUL)
+    else:
+        # Split K: every share adds its partial sums into an fp32 workspace [M, N] (gate, then up:
+        # [M, 2N]); the share that arrives last at the tile's counter reads the sums back, resets
+        # workspace and counter to zero for the next launch, and finishes the tile.
+        width = 2 * N if SILU_MUL else N
+        mask = m_mask[:, None] & n_mask[None, :]
+        ws = ws_ptr + rm.to(tl.int64)[:, None] * width + rn[None, :]
+        tl.atomic_add(ws, acc, mask=mask, sem="relaxed")
+        if SILU_MUL:
+            tl.atomic_add(ws + N, up, mask=mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds are issued before the release below
+        tile = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            # Atomic reads (adding zero) come from L2, where the other shares' adds landed.
+            acc = tl.atomic_add(ws, tl.zeros_like(acc), mask=mask, sem="relaxed")
+            tl.store(ws, tl.zeros_like(acc), mask=mask)
+            if SILU_MUL:
+                up = tl.atomic_add(ws + N, tl.zeros_like(up), mask=mask, sem="relaxed")
+                tl.store(ws + N, tl.zeros_like(up), mask=mask)
+            tl.store(tile, 0)
+            _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS, SILU_MUL)
 
 
 @triton.jit
@@ -349,31 +392,69 @@ class LinearConfig:
     block_k: int
     num_warps: int
     num_stages: int = 2
+    split_k: int = 1  # programs sharing one output tile along K (see SPLIT_MAX_M)
 
 
 # Candidates for the autotune pass and the benchmark. The GEMV takes one activation row per program.
 GEMV_CONFIGS = [
-    LinearConfig(1, bn, bk, w, s)
-    for bn, bk, w, s in [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (16, 256, 4, 1), (16, 512, 8, 1),
-                         (32, 128, 4, 1), (32, 256, 8, 1), (32, 512, 4, 1), (64, 128, 8, 1), (64, 256, 8, 1),
-                         (16, 1024, 8, 1), (128, 128, 8, 1)]
+    LinearConfig(1, bn, bk, w, s, sk)
+    for bn, bk, w, s, sk in [(4, 512, 4, 1, 1), (8, 256, 4, 1, 1), (8, 512, 4, 1, 1), (16, 256, 4, 1, 1),
+                             (16, 512, 8, 1, 1), (32, 128, 4, 1, 1), (32, 256, 8, 1, 1), (32, 512, 4, 1, 1),
+                             (64, 128, 8, 1, 1), (64, 256, 8, 1, 1), (16, 1024, 8, 1, 1), (128, 128, 8, 1, 1),
+                             (8, 512, 4, 1, 2), (16, 512, 4, 1, 4), (32, 256, 4, 1, 4), (32, 512, 8, 1, 8),
+                             (64, 256, 8, 1, 8)]
 ]  # fmt: skip
 GEMM_CONFIGS = [
-    LinearConfig(bm, bn, bk, w, s)
-    for bm, bn, bk, w, s in [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-                             (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)]
+    LinearConfig(bm, bn, bk, w, s, sk)
+    for bm, bn, bk, w, s, sk in [(16, 64, 128, 4, 4, 1), (32, 64, 128, 4, 4, 1), (64, 64, 64, 4, 4, 1),
+                                 (64, 128, 64, 4, 4, 1), (128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1),
+                                 (128, 128, 128, 8, 3, 1), (16, 64, 128, 4, 4, 2), (16, 64, 128, 4, 4, 4),
+                                 (16, 64, 256, 4, 3, 8), (32, 64, 128, 4, 4, 4), (64, 64, 64, 4, 4, 4)]
 ]  # fmt: skip
+# Split K only while the fp32 workspace stays small (decode batches, not prefill chunks).
+SPLIT_MAX_M = 256
+_TARGET_PROGRAMS = 256  # about two waves of programs on an H200's 132 SMs
 
 
 def default_config(m: int, n: int, k: int, scheme: str = "none") -> LinearConfig:
-    """A good guess without tuning (the autotune pass stores better ones per shape)."""
+    """A good guess without tuning (the autotune pass stores better ones per shape).
+
+    Small decode batches on narrow weights make too few output tiles to fill the GPU: K is then
+    split until there are about ``_TARGET_PROGRAMS`` programs, each keeping two K tiles or more.
+    """
     if m <= GEMV_MAX_M:
         return LinearConfig(1, 8, 512, 4, 1)
     if m <= 32:
-        return LinearConfig(max(16, next_pow2(m)), 64, 128, 4, 4)  # small decode batches: W read once
-    if m <= 64:
-        return LinearConfig(64, 64, 64, 4, 4)
-    return LinearConfig(128, 128, 64, 8, 3)
+        tile = LinearConfig(max(16, next_pow2(m)), 64, 128, 4, 4)  # small decode batches: W read once
+    elif m <= 64:
+        tile = LinearConfig(64, 64, 64, 4, 4)
+    else:
+        return LinearConfig(128, 128, 64, 8, 3)
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    split, k_tiles = 1, -(-k // tile.block_k)
+    while tiles * split * 2 <= _TARGET_PROGRAMS and k_tiles // (split * 2) >= 2:
+        split *= 2
+    return LinearConfig(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages, split)
+
+
+_workspaces: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def split_workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed fp32 partial sums (>= numel) and int32 tile counters (>= tiles) for split-K launches.
+
+    One pair per device and stream, grown by allocating a larger pair; earlier pairs stay alive,
+    because a captured CUDA graph keeps using the one it was captured with. The kernel leaves both
+    zeroed after each launch, so they are zeroed only when made.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    pairs = _workspaces.setdefault((str(device), stream), [])
+    if not pairs or pairs[-1][0].numel() < numel or pairs[-1][1].numel() < tiles:
+        have = pairs[-1] if pairs else (torch.empty(0), torch.empty(0))
+        numel, tiles = max(numel, have[0].numel()), max(tiles, have[1].numel())
+        pairs.append((torch.zeros(numel, dtype=torch.float32, device=device),
+                      torch.zeros(tiles, dtype=torch.int32, device=device)))  # fmt: skip
+    return pairs[-1]
 
 
 def min_block_k(w: GpuWeight) -> int:
@@ -404,18 +485,23 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool):
         # A K tile widened for whole int4 groups must still fit shared memory at this depth.
         tile_bytes = (block_m + cfg.block_n) * block_k * x.element_size()
         num_stages = max(1, min(num_stages, (160 * 1024) // tile_bytes))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))
+    split_k = cfg.split_k if m <= SPLIT_MAX_M else 1
+    split_k = max(1, min(split_k, triton.cdiv(w.k, block_k)))  # no share without a K tile
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), split_k)
+    ws = cnt = out
+    if split_k > 1:
+        ws, cnt = split_workspace(x.device, m * (2 * n if silu_mul else n), grid[0] * grid[1])
     s, z, meta = w.scales, w.zeros, w.meta
     _linear_kernel[grid](
         x, w.weight, s if s is not None else x, z if z is not None else x, meta if meta is not None else x,
-        bias if bias is not None else x, out,
+        bias if bias is not None else x, out, ws, cnt,
         m, n, w.k, x.stride(0), w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
         meta.stride(0) if meta is not None else 0, out.stride(0),
         SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
         META_PACKED=w.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and w.k % block_k == 0,
-        num_warps=cfg.num_warps, num_stages=num_stages,
+        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -154,3 +154,45 @@ def test_weight_validation_names_the_problem() -> None:
         lin.GpuWeight("w8a16", 4, 8, torch.zeros(4, 8, dtype=torch.int8), scales=torch.zeros(3))
     with pytest.raises(ValueError, match="group_size"):
         lin.GpuWeight("int4", 4, 64, torch.zeros(4, 32, dtype=torch.uint8), scales=torch.zeros(4, 2), group_size=48)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+@pytest.mark.parametrize("m, split", [(1, 3), (5, 4)])
+def test_split_k_sums_every_share(name: str, m: int, split: int) -> None:
+    """K split over programs that add into the fp32 workspace: same result, workspace left zeroed.
+
+    Split 3 over 4 K tiles leaves the last share empty; it must still count towards the tile."""
+    scheme, kw = WEIGHTS[name]
+    g = torch.Generator().manual_seed(10 + m)
+    w = make_weight(scheme, 40, 512, dtype=torch.float32, device=DEVICE, generator=g, **kw)
+    x = torch.randn(m, 512, generator=g).to(DEVICE)
+    bias = torch.randn(40, generator=g).to(DEVICE)
+    block_k = max(128, lin.min_block_k(w))
+    cfg = lin.LinearConfig(1, 8, block_k, 4, 1, split) if m == 1 else lin.LinearConfig(16, 16, block_k, 4, 2, split)
+    want = lin.linear_ref(x, w, bias)
+    for _ in range(2):  # the second launch reuses the workspace the first one left
+        torch.testing.assert_close(lin.linear(x, w, bias, config=cfg), want, atol=1e-5, rtol=1e-5)
+    ws, cnt = lin.split_workspace(x.device, 0, 0)
+    assert ws.numel() >= m * 40 and not ws.any() and not cnt.any()
+
+
+@pytest.mark.parametrize("name", ["dense", "int4-g64-sym"])
+def test_split_k_silu_mul(name: str) -> None:
+    scheme, kw = WEIGHTS[name]
+    g = torch.Generator().manual_seed(12)
+    w = make_weight(scheme, 2 * 24, 512, dtype=torch.float32, device=DEVICE, generator=g, **kw)
+    x = torch.randn(3, 512, generator=g).to(DEVICE)
+    bias = torch.randn(48, generator=g).to(DEVICE)
+    want = lin.linear_silu_mul_ref(x, w, bias)
+    for cfg in (lin.LinearConfig(1, 8, 128, 4, 1, 4), lin.LinearConfig(16, 16, 128, 4, 2, 2)):
+        torch.testing.assert_close(lin.linear_silu_mul(x, w, bias, config=cfg), want, atol=1e-5, rtol=1e-5)
+    ws, cnt = lin.split_workspace(x.device, 0, 0)
+    assert not ws.any() and not cnt.any()
+
+
+def test_default_config_splits_narrow_decode_shapes() -> None:
+    assert lin.default_config(1, 4096, 4096).split_k == 1  # the GEMV: one row per program
+    assert lin.default_config(8, 64, 4096).split_k == 16  # one output tile, 32 K tiles: 16 shares of 2
+    assert lin.default_config(32, 28672, 4096).split_k == 1  # 448 tiles already fill the GPU
+    assert lin.default_config(512, 64, 4096).split_k == 1  # prefill: no split
+    assert lin.LinearConfig(16, 64, 128, 4).split_k == 1
