@@ -15,6 +15,12 @@ written as a ``.mgx`` file and loaded by ``Engine(path, backend="cuda")``. Measu
 - prefill of a 2,048-token prompt: tokens/s and model FLOPs as a fraction of the measured bf16
   matrix rate.
 
+``--autotune 1,32,...`` runs the autotune pass on the build GPU for those row counts and stores its
+choices (its time is reported); ``--cold-start`` then times ``mgx-run generate`` from process start to
+its first token, for the first scheme with and without the stored tunings, each with Triton's kernel
+cache cold and warm. Each batch-1 row also reports the GPU time of one replayed decode graph, which
+separates the GPU's share of a step from the host's.
+
 The same model in transformers runs eager and with a static cache under ``torch.compile``
 (``--hf eager,compile``) on the same prompts. ``--smoke`` runs a tiny shape on the CPU under
 TRITON_INTERPRET=1 to check the script.
@@ -54,6 +60,7 @@ SCHEME_PASSES = {
 }
 DEVICE = "cpu" if SMOKE else "cuda"
 ROWS: list[dict] = []
+TIMES: dict[str, float] = {}  # compile-side timings (autotune)
 
 
 def log(msg: str) -> None:
@@ -113,7 +120,11 @@ def tokenizer_json(vocab: int) -> str:
     return tok.to_str()
 
 
-def build_artifacts(model, schemes: list[str], out_dir: Path) -> dict[str, Path]:  # noqa: ANN001
+def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: list[int],
+                    untuned_twin: bool) -> dict[str, Path]:  # noqa: ANN001
+    """One artifact per scheme (target cuda). With ``autotune_rows`` the autotune pass runs last and
+    its choices are stored; ``untuned_twin`` also writes the first scheme without them
+    (``<scheme>-untuned``) for the cold-start comparison."""
     from mgx.compiler.lower import lower_model, trace_model
     from mgx.compiler.pipeline import convert_tensors
     from mgx.formats import ir
@@ -131,17 +142,30 @@ def build_artifacts(model, schemes: list[str], out_dir: Path) -> dict[str, Path]
     for scheme in schemes:
         t0 = time.perf_counter()
         graph = copy.deepcopy(base) if scheme != schemes[-1] else base
-        records = []
-        for name, opts in [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]:
+        records, tunings = [], {}
+        steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]
+        if autotune_rows:
+            steps.append(("autotune", {"rows": autotune_rows}))
+        for name, opts in steps:
+            t1 = time.perf_counter()
             result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
             ir.verify(graph)
             records.append(PassRecord(name, dict(opts), result.summary))
-        path = out_dir / f"{scheme}.mgx"
+            for arch, entries in result.stats.get("autotune", {}).items():
+                tunings.setdefault(arch, []).extend(entries)
+            if name == "autotune":
+                log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
+                TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
         fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
-        write_artifact(path, ArtifactContents(graph=graph, tokenizer_json=tokenizer_json(vocab), fingerprint=fp,
-                                              passes=records))  # fmt: skip
+        variants = [(scheme, tunings)]
+        if untuned_twin and scheme == schemes[0] and tunings:
+            variants.append((f"{scheme}-untuned", {}))
+        for label, stored in variants:
+            path = out_dir / f"{label}.mgx"
+            write_artifact(path, ArtifactContents(graph=graph, tokenizer_json=tokenizer_json(vocab), fingerprint=fp,
+                                                  passes=records, autotune=stored))  # fmt: skip
+            paths[label] = path
         log(f"{scheme}: passes and write {time.perf_counter() - t0:.1f}s, {path.stat().st_size / 1e9:.2f} GB")
-        paths[scheme] = path
         del graph
     return paths
 
@@ -196,13 +220,21 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     load_s = time.perf_counter() - t0
     up = engine.runner.backend.upload_stats
     row = {"engine": f"mgx {scheme}", "load_s": load_s, "upload_gb_s": up.gb_per_s, "weight_bytes": up.bytes}
-    # Warm up: compile the kernels and capture the decode graphs (outside the clocks).
-    run_steps(engine, [rng.integers(3, vocab_hi, 32).tolist() for _ in range(biggest)], 3)
+    row["tunings"] = engine.tuning_note
+    # Warm up: compile the kernels and capture every decode graph the runs below replay (outside
+    # the clocks; a capture inside a timed run costs seconds).
+    for b in sorted({1, *args.batches}):
+        run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], 3)
     run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], 4)
     per_token = weight_bytes_per_token(engine)
     _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], args.new)
     row["decode_b1_tok_s"] = n / dt
     row["decode_b1_bw_frac"] = per_token * n / dt / bw
+    gpu_ms = replay_ms(engine, 1)
+    if gpu_ms is not None:  # the step's GPU time alone: the rest of a step's wall time is the host's
+        row["graph_b1_ms"] = gpu_ms
+        row["graph_b1_bw_frac"] = per_token / (gpu_ms / 1e3) / bw
+        row["step_b1_ms"] = dt / n * 1e3
     for b in args.batches:
         _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], args.batch_new)
         row[f"decode_b{b}_tok_s"] = n / dt
@@ -215,6 +247,53 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     del engine
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
+    """Milliseconds per replay of the captured greedy decode graph of ``bucket`` (back to back)."""
+    graphs = getattr(engine.runner.backend, "_graphs", {})
+    g = graphs.get((bucket, True)) or graphs.get((bucket, False))
+    if g is None or DEVICE != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.graph.replay()
+    start.record()
+    for _ in range(50):
+        g.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 50
+
+
+def cold_start(path: Path, cache_dir: Path) -> float:
+    """Seconds from starting ``mgx-run generate`` to its first output byte (one token), in a new process."""
+    import subprocess
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-c", "from mgx.runtime.cli import main; main()", "generate", str(path), "--backend", "cuda", "--prompt",
+           "t5 t6 t7 t8", "--max-tokens", "1", "--kv-memory", "1GiB"]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(1)
+    took = time.perf_counter() - t0
+    _, err = proc.communicate(timeout=600)
+    if not first or proc.returncode != 0:
+        raise RuntimeError(f"mgx-run generate failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return took
+
+
+def bench_cold_start(paths: dict[str, Path], scheme: str, work: Path) -> None:
+    """Process start to first token, with and without stored tunings, Triton's cache cold and warm."""
+    row = {"engine": f"mgx {scheme} cold start"}
+    for label in (scheme, f"{scheme}-untuned"):
+        if label not in paths:
+            continue
+        cache = work / f"triton-cache-{label}"
+        kind = "tuned" if label == scheme and f"{scheme}-untuned" in paths else "untuned"
+        row[f"{kind}_cold_cache_s"] = cold_start(paths[label], cache)
+        row[f"{kind}_warm_cache_s"] = cold_start(paths[label], cache)
+    log(json.dumps(row))
+    ROWS.append(row)
 
 
 def hf_decode(model, batch: int, prompt: int, new: int, rng) -> float:  # noqa: ANN001
@@ -267,11 +346,14 @@ def main() -> None:
     parser.add_argument("--batch-new", type=int, default=64)
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--kv-memory", default="16GiB")
+    parser.add_argument("--autotune", default="", help="row counts to tune for, e.g. 1,32,64,128,2048 ('' none)")
+    parser.add_argument("--cold-start", action="store_true", help="also time process start to first token")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    args.autotune = [int(r) for r in args.autotune.split(",") if r]
     if SMOKE:
         args.shape, args.prompt, args.new, args.batches, args.hf_batches = "tiny", 16, 4, [2], [2]
         args.batch_new, args.prefill, args.kv_memory, args.batch_prompt = 3, 32, "64MiB", 16
@@ -280,12 +362,15 @@ def main() -> None:
     model = build_hf(args.shape, max(args.prompt + args.new, args.prefill) + 64)
     n_params = sum(p.numel() for p in model.model.layers.parameters()) + model.lm_head.weight.numel()
     with tempfile.TemporaryDirectory() as tmp:
-        paths = build_artifacts(model, args.schemes.split(","), Path(tmp))
-        for scheme, path in paths.items():
-            bench_mgx(path, scheme, args, bw, flops, n_params)
+        schemes = args.schemes.split(",")
+        paths = build_artifacts(model, schemes, Path(tmp), args.autotune, args.cold_start)
+        for scheme in schemes:
+            bench_mgx(paths[scheme], scheme, args, bw, flops, n_params)
+        if args.cold_start:
+            bench_cold_start(paths, schemes[0], Path(tmp))
     for mode in [m for m in args.hf.split(",") if m]:
         bench_hf(model, args, bw, n_params, mode)
-    out = {"shape": args.shape, "copy_gb_s": bw / 1e9, "bf16_tflops": flops / 1e12, "rows": ROWS,
+    out = {"shape": args.shape, "copy_gb_s": bw / 1e9, "bf16_tflops": flops / 1e12, "rows": ROWS, "compile": TIMES,
            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}  # fmt: skip
     print(json.dumps(out, indent=1))
     if args.json:
