@@ -78,11 +78,13 @@ def convert_tensors(graph: ir.Graph, dtype: ir.DType) -> None:
 
 
 def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any = None,
-               tokenizer: Any = None, tunings: dict[str, list[Any]] | None = None) -> list[PassRecord]:
+               tokenizer: Any = None, tunings: dict[str, list[Any]] | None = None,
+               cuda_kernels: dict[str, bytes] | None = None) -> list[PassRecord]:
     """Run the spec's passes in order, verifying the IR after each.
 
     Launch configurations a pass chose (``autotune``: ``stats["autotune"]``, {GPU arch: entries}) are
-    added to ``tunings``, which the artifact stores.
+    added to ``tunings``, and native kernel images a pass built (``cuda_kernels``:
+    ``stats["cuda_kernels"]``, {GPU arch: cubin}) to ``cuda_kernels``; the artifact stores both.
 
     ``model`` and ``tokenizer`` (the source model, which this may overwrite with the graph's weights)
     are needed only by passes whose options name a calibration text.
@@ -118,6 +120,8 @@ def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any 
         if tunings is not None:
             for arch, entries in result.stats.get("autotune", {}).items():
                 tunings.setdefault(arch, []).extend(entries)
+        if cuda_kernels is not None:
+            cuda_kernels.update(result.stats.get("cuda_kernels", {}))
         recorded = dict(result.options if result.options is not None else options)
         if calibration is not None:
             recorded["calibration"] = calibration.record()
@@ -159,7 +163,8 @@ def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path 
     # With passes, the reference model is a copy that takes the graph's effective weights.
     reference = copy.deepcopy(src.model) if spec.passes else src.model
     tunings: dict[str, list[Any]] = {}
-    passes = run_passes(graph, spec, progress, reference, src.tokenizer, tunings)
+    cuda_kernels: dict[str, bytes] = {}
+    passes = run_passes(graph, spec, progress, reference, src.tokenizer, tunings, cuda_kernels)
     if spec.passes and spec.golden.prompts:
         with progress.step("write effective weights back to the reference model"):
             try:
@@ -198,6 +203,7 @@ def compile_model(spec: ModelSpec, output: Path | None = None, golden_dir: Path 
         golden=golden,
         metadata={"name": spec.name, "source": spec.source.description, "producer": "mgxc"},
         autotune=tunings,
+        cuda_kernels=cuda_kernels,
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with progress.step(f"write {out_path.name}"):

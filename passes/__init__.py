@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import (
     autotune,
+    cuda_kernels,
     fold_norm,
     fuse_gate_up,
     fuse_qkv,
@@ -44,6 +45,7 @@ PASSES: dict[str, PassFn] = {
     "quantize_int4": quantize_int4.run,
     "reorder_weights": reorder_weights.run,
     "autotune": autotune.run,
+    "cuda_kernels": cuda_kernels.run,
 }
 
 

@@ -1,0 +1,104 @@
+"""cuda_kernels: build the native CUDA kernels (``kernels/cuda/*.cu``, the RMSNorm) with nvcc for the artifact.
+
+For target ``cuda`` only. For each architecture in ``archs`` (default: the build GPU's, ``sm_90a`` on
+an sm_90 GPU such as the H100/H200, ``sm_XY`` on others), nvcc compiles every kernel source into one
+cubin. The graph is not changed; the images travel in the pass result's ``stats["cuda_kernels"]``
+({arch: bytes}), which the compiler stores in the artifact (``Model.cuda_kernels``). The CUDA backend
+loads the image whose code runs on its GPU; with none it runs the Triton kernels and says so once.
+The build host needs nvcc (``$NVCC``, ``$CUDA_HOME/bin`` or PATH); a GPU only when ``archs`` is not given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mgx.formats import ir
+
+from ._base import PassContext, PassError, PassResult
+from ._common import fmt_bytes, options_dict, parse_options
+
+__all__ = ["CudaKernelsOptions", "run"]
+
+_ARCH = re.compile(r"sm_\d+[af]?")  # what nvcc's -gencode accepts for real code (build.gencode)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaKernelsOptions:
+    """model.yaml options of cuda_kernels."""
+
+    archs: tuple[str, ...] = ()  # as nvcc names them ("sm_90a", "sm_80"); empty: the build GPU's
+
+    def __post_init__(self) -> None:
+        for arch in self.archs:
+            if _ARCH.fullmatch(arch) is None:
+                raise PassError(
+                    f"cuda_kernels: archs: {arch!r} is not of the form sm_<number>[a|f], e.g. sm_90a"
+                )
+        if len(set(self.archs)) != len(self.archs):
+            raise PassError(f"cuda_kernels: archs lists an architecture twice: {list(self.archs)}")
+
+
+def _device_arch() -> str | None:
+    """The build GPU's architecture ("sm_90a" on sm_90, else "sm_XY"), or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    # sm_90a: machine code for exactly that chip (the native kernels are tuned on the H200).
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def _build(arch: str) -> bytes:
+    """nvcc's cubin of every kernel source for ``arch`` (tests replace this)."""
+    from mgx.kernels.cuda.build import build_cuda_kernels
+
+    return build_cuda_kernels(arch)
+
+
+def _sources_digest() -> str:
+    """Which sources the images come from: file names and a short digest of their bytes (the pass log)."""
+    from mgx.kernels.cuda.build import HERE, SOURCES
+
+    h = hashlib.blake2b(digest_size=8)
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (HERE / name).read_bytes())
+    return f"{', '.join(SOURCES)} (blake2b-64 {h.hexdigest()})"
+
+
+def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassResult:
+    """Build the native kernels for each architecture; see the module docstring."""
+    opts = parse_options(CudaKernelsOptions, options, "cuda_kernels")
+    if context.target != "cuda":
+        raise PassError(
+            f"cuda_kernels builds native CUDA code; the build target is {context.target!r} (set target: cuda)"
+        )
+    archs = opts.archs
+    if not archs:
+        device = _device_arch()
+        if device is None:
+            raise PassError("cuda_kernels: torch sees no CUDA device to take the architecture from; "
+                            "name the deployment GPUs' architectures (archs: [sm_90a]), or drop the pass")  # fmt: skip
+        archs = (device,)
+    from mgx.kernels.cuda.build import CudaBuildError
+
+    images: dict[str, bytes] = {}
+    for arch in archs:
+        try:
+            images[arch] = _build(arch)
+        except CudaBuildError as e:
+            raise PassError(
+                f"cuda_kernels: {arch}: {e}; or drop the pass (the runtime then runs the Triton kernels)"
+            ) from None
+        if not images[arch]:
+            raise PassError(f"cuda_kernels: {arch}: nvcc produced an empty image")
+    built = ", ".join(f"{arch} {fmt_bytes(len(code))}" for arch, code in images.items())
+    return PassResult(
+        f"built {_sources_digest()} for {built}",
+        {"cuda_kernels": images},
+        options_dict(dataclasses.replace(opts, archs=tuple(archs))),
+    )
