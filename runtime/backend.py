@@ -95,6 +95,11 @@ class Backend(ABC):
         the log, or None when this backend has nothing to tune."""
         return None
 
+    def use_cuda_kernels(self, images: dict[str, bytes]) -> str | None:
+        """Take the artifact's native GPU code (GPU arch -> cubin); returns a line for the log, or None
+        when this backend runs no native GPU code."""
+        return None
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes over all attention layers, in this backend's cache dtype."""
         return kv_bytes_per_block(self.graph.states, block_size, self.kv_itemsize)

@@ -40,6 +40,7 @@ import torch
 
 from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
+from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton.attention import (
     decode_splits,
     paged_attention_decode,
@@ -49,7 +50,6 @@ from mgx.kernels.triton.attention import (
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
 from mgx.kernels.triton.linear import SCHEME_IDS, GpuWeight, dequantize_ref, linear, linear_silu_mul, silu_mul
 from mgx.kernels.triton.lm_head import lm_head_argmax
-from mgx.kernels.triton.rmsnorm import rms_norm
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import Tunings
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
@@ -170,6 +170,7 @@ class CUDABackend(Backend):
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
         self.tunings = Tunings()  # stored autotune choices for this GPU (use_tunings); empty: defaults
+        self.cuda_kernels: CudaKernels | None = None  # native RMSNorm (use_cuda_kernels); None: Triton's
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -273,6 +274,25 @@ class CUDABackend(Backend):
             return f"no stored tunings for {arch} (stored: {stored}); default launch configurations"
         self.tunings = Tunings(entries)
         return f"{len(self.tunings)} stored launch configurations for {arch}"
+
+    def use_cuda_kernels(self, images: dict[str, bytes]) -> str:
+        """Load the artifact's native kernels (the RMSNorm) from the image whose code runs on this GPU.
+
+        Without one (none stored, all for other GPUs, refused by the driver) the Triton kernels run and
+        ``load_cuda_kernels`` warns once. Returns a line saying which (the engine logs it)."""
+        if self.device.type != "cuda":
+            return "native CUDA kernels are not used on this device (Triton RMSNorm)"
+        major, minor = torch.cuda.get_device_capability(self.device)
+        sm = 10 * major + minor
+        runs = [a for a in images if arch_runs_on(a, sm)]  # all of this GPU's major version
+        # Code for exactly this chip (sm_90a) first, then the newest sm_XY; with none that runs, a stored
+        # image all the same, so that the warning names what is there.
+        arch = max(runs, key=lambda a: (a[-1] in "af", a)) if runs else min(images, default=None)
+        self.cuda_kernels = load_cuda_kernels(images.get(arch) if arch else None, arch, self.device.index)
+        if self.cuda_kernels is None:
+            stored = ", ".join(sorted(images)) or "none"
+            return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
+        return f"native CUDA kernels for {arch} (RMSNorm)"
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         if num_state_slots:
@@ -429,7 +449,7 @@ class CUDABackend(Backend):
         weight, eps, group = self._norm[id(op)]
         if group != x.shape[1] and x.stride(0) != x.shape[1]:
             x = x.contiguous()  # q/k norm of a split view: groups need whole rows
-        return rms_norm(x, weight, eps, group=group)
+        return rms_norm(x, weight, eps, group=group, kernels=self.cuda_kernels)
 
     def linear(self, op: Op, x: Array) -> Array:
         w, m = self._weights[id(op)], x.shape[0]
@@ -486,7 +506,7 @@ class CUDABackend(Backend):
         if norm_op is None:
             return a + b
         weight, eps, group = self._norm[id(norm_op)]
-        normed, total = rms_norm(a, weight, eps, group=group, residual=b)
+        normed, total = rms_norm(a, weight, eps, group=group, residual=b, kernels=self.cuda_kernels)
         self._pending[id(norm_op)] = normed
         return total
 

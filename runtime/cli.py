@@ -197,8 +197,9 @@ def generate(
         stop=stop,
     )
     click.echo(engine.cache_plan.describe(), err=True)
-    if engine.tuning_note:
-        click.echo(engine.tuning_note, err=True)
+    for note in (engine.tuning_note, engine.kernels_note):
+        if note:
+            click.echo(note, err=True)
     result = None
     for event in events:
         if isinstance(event, GenerationResult):
@@ -323,8 +324,9 @@ def bench(
     config = _scheduler_config(kv_memory, block_size, max_num_seqs, max_tokens_per_step, no_prefix_cache)
     engine = Engine(_model_path(model), config=config, backend=_backend(backend, threads))
     click.echo(engine.cache_plan.describe(), err=True)
-    if engine.tuning_note:
-        click.echo(engine.tuning_note, err=True)
+    for note in (engine.tuning_note, engine.kernels_note):
+        if note:
+            click.echo(note, err=True)
     report = run_bench(engine, workload)
     text = json.dumps(report, indent=2)
     if json_path == "-":
@@ -424,8 +426,9 @@ def serve(
     except ValueError as e:
         raise EngineError(str(e)) from None
     click.echo(engine.cache_plan.describe(), err=True)
-    if engine.tuning_note:
-        click.echo(engine.tuning_note, err=True)
+    for note in (engine.tuning_note, engine.kernels_note):
+        if note:
+            click.echo(note, err=True)
     click.echo(f"serving {names[0]!r} on http://{host}:{port} (dashboard: /dashboard)", err=True)
     run_server(
         engine,

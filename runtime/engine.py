@@ -78,6 +78,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         backend = create_backend(backend, self.graph) if isinstance(backend, str) else backend
         self.tuning_note = backend.use_tunings(source.autotune)  # stored launch configurations (GPU)
+        self.kernels_note = backend.use_cuda_kernels(source.cuda_kernels)  # stored native GPU code
         try:
             self.cache_plan: CachePlan = plan_cache(
                 config,

@@ -16,7 +16,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/env.txt" 2>&1 && echo "installed mgx" >> "$OUT/env.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TESTS_T:-300}" $PY -m pytest -q -x -p no:cacheprovider -m "gpu and not slow" ${TEST_ARGS:-tests/e2e/test_cuda_backend.py} \
+  timeout "${TESTS_T:-300}" $PY -m pytest -q -x -p no:cacheprovider -m "gpu and not slow" ${TEST_ARGS:-tests/e2e/test_cuda_backend.py tests/e2e/test_cuda_kernels.py} \
     > "$OUT/backend_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/backend_tests.log"
   tail -5 "$OUT/backend_tests.log"

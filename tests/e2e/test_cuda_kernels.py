@@ -1,0 +1,254 @@
+"""The native CUDA kernels: built by the ``cuda_kernels`` pass, stored in the artifact, loaded by the backend.
+
+Without a GPU, nvcc is replaced by a fake builder and the CUDA backend runs on CPU tensors under
+``TRITON_INTERPRET=1``: the pass, its errors, the images' trip through the pipeline and the artifact,
+and a backend that holds images but runs on the CPU (Triton kernels, no driver call). On a GPU (tests
+marked ``gpu``) a tiny Qwen3 model is compiled with the pass by the real nvcc: the backend
+loads the image for its GPU and gives the tokens of the Triton kernels, and an image built for
+another GPU falls back with exactly one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mgx.compiler._progress import Progress
+from mgx.compiler.pipeline import run_passes
+from mgx.compiler.spec import ModelSpec, PassSpec, SourceSpec
+from mgx.formats import ir
+from mgx.formats.artifact import describe_artifact, load_artifact, write_artifact
+from mgx.kernels.cuda import build
+from mgx.passes import PASSES, PassContext, PassError
+from mgx.passes import cuda_kernels as cuda_kernels_pass
+
+from _backend_testing import compiled
+from _tiny_graph import tiny_contents
+
+
+def fake_cubin(arch: str) -> bytes:
+    return b"\x7fELF fake cubin for " + arch.encode()
+
+
+@pytest.fixture
+def fake_nvcc(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """nvcc replaced: each build returns a recognisable image; the archs built are listed."""
+    built: list[str] = []
+    monkeypatch.setattr(cuda_kernels_pass, "_build", lambda arch: built.append(arch) or fake_cubin(arch))
+    return built
+
+
+def _snapshot(graph: ir.Graph) -> tuple:
+    return (graph.ops, list(graph.tensors), [t.data.tobytes() for t in graph.tensors.values()])
+
+
+def test_pass_builds_each_arch_and_leaves_the_graph_alone(fake_nvcc: list[str]) -> None:
+    graph = compiled("gqa", "dense", target="cuda")
+    before = _snapshot(graph)
+    result = PASSES["cuda_kernels"](graph, {"archs": ["sm_90a", "sm_80"]}, PassContext(target="cuda"))
+    assert fake_nvcc == ["sm_90a", "sm_80"]
+    assert result.stats["cuda_kernels"] == {"sm_90a": fake_cubin("sm_90a"), "sm_80": fake_cubin("sm_80")}
+    assert result.options == {"archs": ["sm_90a", "sm_80"]}
+    assert "rmsnorm.cu" in result.summary and "sm_90a" in result.summary and "sm_80" in result.summary
+    assert _snapshot(graph) == before
+
+
+def test_default_arch_is_the_build_gpus(fake_nvcc: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    graph = compiled("gqa", "dense")
+    monkeypatch.setattr(cuda_kernels_pass, "_device_arch", lambda: "sm_90a")
+    result = PASSES["cuda_kernels"](graph, {}, PassContext(target="cuda"))
+    assert list(result.stats["cuda_kernels"]) == ["sm_90a"] and result.options == {"archs": ["sm_90a"]}
+    monkeypatch.setattr(cuda_kernels_pass, "_device_arch", lambda: None)
+    with pytest.raises(PassError, match=r"no CUDA device .*archs: \[sm_90a\].*or drop the pass"):
+        PASSES["cuda_kernels"](graph, {}, PassContext(target="cuda"))
+
+
+def test_pipeline_stores_the_images_and_they_survive_the_artifact(
+    fake_nvcc: list[str], tmp_path: Path
+) -> None:
+    contents = tiny_contents()
+    spec = ModelSpec(
+        name="tiny",
+        source=SourceSpec("hf_dir", tmp_path, "test"),
+        target="cuda",
+        passes=(PassSpec("fuse_qkv"), PassSpec("cuda_kernels", {"archs": ["sm_90a", "sm_86"]})),
+    )
+    images: dict[str, bytes] = {}
+    records = run_passes(contents.graph, spec, Progress(enabled=False), cuda_kernels=images)
+    assert images == {"sm_90a": fake_cubin("sm_90a"), "sm_86": fake_cubin("sm_86")}
+    assert records[-1].name == "cuda_kernels" and records[-1].options == {"archs": ["sm_90a", "sm_86"]}
+    contents.cuda_kernels, contents.passes = images, records
+    write_artifact(tmp_path / "m.mgx", contents)
+    with load_artifact(tmp_path / "m.mgx") as loaded:
+        assert loaded.contents.cuda_kernels == images
+        assert describe_artifact(loaded)["cuda_kernel_bytes"] == {a: len(c) for a, c in images.items()}
+
+
+def test_missing_nvcc_is_a_pass_error_that_says_how_to_fix_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)  # the real builder runs, and finds no nvcc
+    with pytest.raises(
+        PassError, match=r"sm_90a: nvcc not found \(set NVCC or CUDA_HOME.*\); or drop the pass"
+    ):
+        PASSES["cuda_kernels"](compiled("gqa", "dense"), {"archs": ["sm_90a"]}, PassContext(target="cuda"))
+
+
+@pytest.mark.parametrize(
+    ("target", "options", "message"),
+    [
+        ("cpu", {"archs": ["sm_90a"]}, "build target is 'cpu' \\(set target: cuda\\)"),
+        ("cuda", {"archs": ["hopper"]}, "'hopper' is not of the form sm_<number>"),
+        ("cuda", {"archs": ["sm_80", "sm_80"]}, "lists an architecture twice"),
+        ("cuda", {"archs": "sm_80"}, "archs: expected a list"),
+        ("cuda", {"arch": ["sm_80"]}, "unknown option 'arch'; allowed: archs"),
+    ],
+)
+def test_bad_target_or_options_are_pass_errors(
+    fake_nvcc: list[str], target: str, options: dict, message: str
+) -> None:
+    with pytest.raises(PassError, match=message):
+        PASSES["cuda_kernels"](compiled("gqa", "dense"), options, PassContext(target=target))
+    assert not fake_nvcc
+
+
+def test_interpreted_backend_with_images_runs_triton_and_never_calls_the_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mgx.kernels.cuda import driver
+    from mgx.runtime import Engine, backend_cuda
+    from mgx.runtime.backend_cuda import CUDABackend
+
+    def no_driver(*_: object) -> None:
+        raise AssertionError("the CUDA driver was called on a CPU device")
+
+    monkeypatch.setattr(driver, "_driver", no_driver)
+    monkeypatch.setattr(backend_cuda, "load_cuda_kernels", no_driver)
+    contents = tiny_contents()
+    contents.cuda_kernels = {"sm_90a": fake_cubin("sm_90a")}
+    reference = Engine.from_contents(contents)
+    assert reference.kernels_note is None  # backends without native GPU code say nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either: nothing was tried
+        engine = Engine.from_contents(
+            contents, backend=CUDABackend(contents.graph, device="cpu", dtype="f32")
+        )
+    assert engine.kernels_note == "native CUDA kernels are not used on this device (Triton RMSNorm)"
+    assert engine.runner.backend.cuda_kernels is None
+    prompt = list(np.random.default_rng(3).integers(2, contents.graph.arch.vocab_size, 9))
+    assert engine.greedy_with_logits(prompt, 4)[0] == reference.greedy_with_logits(prompt, 4)[0]
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Native:
+    here: str  # this GPU's architecture
+    other: str  # another GPU's
+    artifacts: dict[str, Any]  # CompileResult: kernels for "here", for "other", and "none"
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Native:
+    """A tiny qwen3 compiled for target cuda three times: kernels for this GPU, for another GPU, none."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
+    import torch
+
+    from mgx.compiler.pipeline import compile_model
+    from mgx.compiler.spec import load_spec
+
+    from _tiny_hf import build_model_dir, write_spec
+
+    major, minor = torch.cuda.get_device_capability()
+    here = "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"  # the pass's default
+    other = "sm_80" if major != 8 else "sm_90a"
+    base = tmp_path_factory.mktemp("native")
+    folder = build_model_dir(base / "qwen3", "qwen3")  # q/k norms: grouped rows too
+    artifacts = {}
+    for name, passes in (
+        ("here", "  - cuda_kernels\n"),
+        ("other", f"  - cuda_kernels: {{archs: [{other}]}}\n"),
+        ("none", ""),
+    ):
+        extra = "target: cuda\n" + (f"passes:\n{passes}" if passes else "")
+        spec_path = write_spec(
+            folder, "qwen3", "fp32", ["Hello world", "The quick brown fox"], 24, extra=extra
+        )
+        artifacts[name] = compile_model(
+            load_spec(spec_path), base / f"{name}.mgx", None, Progress(enabled=False)
+        )
+    return Native(here, other, artifacts)
+
+
+def _tokens(engine: Any, result: Any) -> list[list[int]]:
+    return [
+        engine.greedy_with_logits(list(c.prompt_ids), len(c.expected_ids))[0] for c in result.golden.cases
+    ]
+
+
+def _golden(result: Any) -> list[list[int]]:
+    return [list(c.expected_ids) for c in result.golden.cases]
+
+
+@pytest.mark.gpu
+def test_gpu_native_rmsnorm_is_loaded_and_gives_the_triton_tokens(
+    native: Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mgx.kernels.cuda import rmsnorm as crms
+    from mgx.runtime import Engine
+
+    monkeypatch.setenv("MGX_CUDA_DTYPE", "f32")
+    built, plain = native.artifacts["here"], native.artifacts["none"]
+    assert set(load_artifact(built.output).contents.cuda_kernels) == {native.here}
+    engine = Engine(built.output, backend="cuda")
+    kernels = engine.runner.backend.cuda_kernels
+    assert kernels is not None and kernels.arch == native.here
+    assert engine.kernels_note == f"native CUDA kernels for {native.here} (RMSNorm)"
+    launches: list[str] = []
+    launch = kernels.module.launch
+    monkeypatch.setattr(
+        kernels.module, "launch", lambda name, *a, **k: launches.append(name) or launch(name, *a, **k)
+    )
+    tokens = _tokens(engine, built)
+    assert launches and set(launches) == {"mgx_rms_norm_f32"}  # the native kernel ran
+    crms.reset_fallback_warning()
+    with warnings.catch_warnings(record=True):  # "the artifact holds no native CUDA kernels"
+        warnings.simplefilter("always")
+        triton_engine = Engine(plain.output, backend="cuda")
+    assert triton_engine.runner.backend.cuda_kernels is None
+    assert tokens == _tokens(triton_engine, plain) == _golden(plain) == _golden(built)
+
+
+@pytest.mark.gpu
+def test_gpu_image_for_another_gpu_falls_back_with_one_warning(
+    native: Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mgx.kernels.cuda import rmsnorm as crms
+    from mgx.runtime import Engine
+
+    monkeypatch.setenv("MGX_CUDA_DTYPE", "f32")
+    built = native.artifacts["other"]
+    assert set(load_artifact(built.output).contents.cuda_kernels) == {native.other}
+    crms.reset_fallback_warning()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine = Engine(built.output, backend="cuda")
+        again = Engine(built.output, backend="cuda")  # a second load says nothing more
+        tokens = _tokens(engine, built)
+    messages = [
+        str(w.message)
+        for w in seen
+        if issubclass(w.category, RuntimeWarning) and "Triton RMSNorm" in str(w.message)
+    ]
+    assert len(messages) == 1 and native.other in messages[0], messages
+    assert engine.runner.backend.cuda_kernels is None and again.runner.backend.cuda_kernels is None
+    assert (
+        engine.kernels_note.startswith("no native CUDA kernels for sm_")
+        and native.other in engine.kernels_note
+    )
+    assert tokens == _golden(built)
