@@ -283,6 +283,34 @@ def _gate_up_case(x, w, label: str, configs, copy_gbps: float) -> None:  # noqa:
     row["frac_copy_bw"] = row["GB/s"] / copy_gbps
 
 
+def bench_batch(copy_gbps: float) -> None:
+    """Decode-batch linears (M rows) of Llama-3.2-1B and -3.1-8B shapes: cuBLAS, MGX's default
+    configuration, and the best configuration without and with split K."""
+    from mgx.kernels.triton import linear as lin
+    from mgx.kernels.triton.testing import make_weight
+
+    shapes = [(3072, 2048), (2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336)] if DEVICE == "cuda" else [(64, 256)]
+    rows = (1, 8, 32, 128) if DEVICE == "cuda" else (1, 4)
+    for n, k in shapes:
+        w = make_weight("none", n, k, device=DEVICE)
+        for m in rows:
+            x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+            case, nbytes = f"N={n} K={k} M={m}", w.nbytes + x.nbytes + 2 * n * m
+            record("batch", case, "bf16 torch F.linear (cuBLAS)",
+                   bench(lambda x=x, w=w: torch.nn.functional.linear(x, w.weight)), nbytes)  # fmt: skip
+            cfg = lin.default_config(m, n, k)
+            record("batch", case, "MGX default", bench(lambda x=x, w=w: lin.linear(x, w)), nbytes, config=str(cfg))
+            configs = lin.GEMV_CONFIGS if m <= lin.GEMV_MAX_M else lin.GEMM_CONFIGS
+            if DEVICE != "cuda":
+                configs = configs[:1] + [c for c in configs if c.split_k > 1][:1]
+            for label, pick in (("best unsplit", [c for c in configs if c.split_k == 1]),
+                                ("best split-K", [c for c in configs if c.split_k > 1])):  # fmt: skip
+                ms, best = best_of(pick, lambda c, x=x, w=w: lambda: lin.linear(x, w, config=c))
+                if best is not None:
+                    row = record("batch", case, f"MGX {label}", ms, nbytes, config=str(best))
+                    row["frac_copy_bw"] = row["GB/s"] / copy_gbps
+
+
 # --- attention --------------------------------------------------------------------------------------
 
 HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}  # Llama-3.1-8B, 16-token blocks
@@ -409,7 +437,7 @@ def _lm_head_case(w, rows: int, label: str, copy_gbps: float) -> None:  # noqa: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="rmsnorm,gemv,decode,prefill,lm_head")
+    parser.add_argument("--only", default="rmsnorm,gemv,batch,decode,prefill,lm_head")
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--cubin", default=None, help="a prebuilt cubin for the CUDA RMSNorm (default: build now)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
@@ -433,6 +461,7 @@ def main() -> None:
     sections = [
         ("rmsnorm", lambda: bench_rmsnorm(ceil["copy_GBps"], kernels)),
         ("gemv", lambda: bench_gemv(ceil["copy_GBps"])),
+        ("batch", lambda: bench_batch(ceil["copy_GBps"])),
         ("decode", lambda: bench_decode(ceil["copy_GBps"])),
         ("prefill", lambda: bench_prefill(ceil["bf16_TFLOPs"])),
         ("lm_head", lambda: bench_lm_head(ceil["copy_GBps"])),

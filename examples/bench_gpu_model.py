@@ -224,6 +224,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     # Warm up: compile the kernels and capture every decode graph the runs below replay (outside
     # the clocks; a capture inside a timed run costs seconds).
     for b in sorted({1, *args.batches}):
+        log(f"  warm-up at batch {b}")
         run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], 3)
     run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], 4)
     per_token = weight_bytes_per_token(engine)
@@ -238,6 +239,10 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     for b in args.batches:
         _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], args.batch_new)
         row[f"decode_b{b}_tok_s"] = n / dt
+        row[f"step_b{b}_ms"] = dt / (n / b) * 1e3
+        gpu_ms = replay_ms(engine, b)
+        if gpu_ms is not None:
+            row[f"graph_b{b}_ms"] = gpu_ms
     run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)  # warm the prefill shapes
     pf, _, _ = run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
     row["prefill_tok_s"] = args.prefill / pf
@@ -365,7 +370,13 @@ def main() -> None:
         schemes = args.schemes.split(",")
         paths = build_artifacts(model, schemes, Path(tmp), args.autotune, args.cold_start)
         for scheme in schemes:
-            bench_mgx(paths[scheme], scheme, args, bw, flops, n_params)
+            try:
+                bench_mgx(paths[scheme], scheme, args, bw, flops, n_params)
+            except Exception as e:  # noqa: BLE001 - report it and measure the other schemes
+                import traceback
+
+                traceback.print_exc()
+                ROWS.append({"engine": f"mgx {scheme}", "error": f"{type(e).__name__}: {e}"})
         if args.cold_start:
             bench_cold_start(paths, schemes[0], Path(tmp))
     for mode in [m for m in args.hf.split(",") if m]:

@@ -47,6 +47,7 @@ def no_gpu_needed(monkeypatch):  # noqa: ANN001, ANN201
     return seen
 
 
+@pytest.mark.interpreted
 def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gpu_needed, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     contents = tiny_contents()
     graph = contents.graph

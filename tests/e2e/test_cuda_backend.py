@@ -50,12 +50,14 @@ def _check(graph, backend: CUDABackend, steps: int = 6) -> None:  # noqa: ANN001
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize(("model", "pipeline"), CPU_CASES)
 def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) -> None:
     graph = compiled(model, pipeline)
     _check(graph, CUDABackend(graph, device="cpu", dtype="f32"), steps=3)
 
 
+@pytest.mark.interpreted
 def test_gpu_layout_is_read_and_upload_counts_every_byte() -> None:
     graph = compiled("gqa", "sparse24-tiled", target="cuda")
     weights = [graph.tensors[op.weights["weight"]] for op in graph.ops if op.kind == "linear"]
@@ -147,6 +149,7 @@ def test_gpu_smollm2_fp32_reproduces_the_golden_tokens(smollm2, monkeypatch) -> 
         assert ids == list(case.expected_ids), case.prompt
 
 
+@pytest.mark.interpreted
 def test_interpreted_engine_greedy_uses_the_fused_head() -> None:
     """The engine's greedy path (LM head fused with the argmax) gives the reference backend's tokens."""
     graph = compiled("gqa", "int4-tiled")

@@ -115,6 +115,7 @@ def test_bad_target_or_options_are_pass_errors(
     assert not fake_nvcc
 
 
+@pytest.mark.interpreted
 def test_interpreted_backend_with_images_runs_triton_and_never_calls_the_driver(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

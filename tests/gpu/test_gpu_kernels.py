@@ -192,6 +192,25 @@ def test_decode_long_context(splits) -> None:
     assert rel_err(out, want) < 1e-2
 
 
+@pytest.mark.parametrize("scheme", ["none", "w8a16", "int4"])
+@pytest.mark.parametrize("m", [1, 8, 32, 64, 128])
+def test_decode_batch_linears_llama_1b(scheme: str, m: int) -> None:
+    """The decode-batch shapes of Llama-3.2-1B (split K below SPLIT_MAX_M), all three kernels."""
+    kw = {"group_size": 128} if scheme == "int4" else {}
+    for n, k in [(3072, 2048), (2048, 8192)]:
+        w = make_weight(scheme, n, k, device="cuda", **kw)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        assert rel_err(lin.linear(x, w), lin.linear_ref(x, w)) < 1e-2, (n, k)
+    w = make_weight(scheme, 2 * 8192, 2048, device="cuda", **kw)
+    x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
+    assert rel_err(lin.linear_silu_mul(x, w), lin.linear_silu_mul_ref(x, w)) < 1e-2
+    w = make_weight(scheme, 128256, 2048, device="cuda", **kw)
+    ids, vals = lm_head.lm_head_argmax(x, w)
+    want_ids, want_vals = lm_head.lm_head_argmax_ref(x, w)
+    assert int(ids.max()) < 128256 and not torch.isnan(vals).any()
+    torch.testing.assert_close(vals, want_vals, atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_lm_head_argmax_llama_vocab(rows: int) -> None:
     w = make_weight("none", 128256, 4096, device="cuda")
