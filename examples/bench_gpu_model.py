@@ -243,6 +243,9 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         gpu_ms = replay_ms(engine, b)
         if gpu_ms is not None:
             row[f"graph_b{b}_ms"] = gpu_ms
+    if args.profile:
+        profile_steps(engine, args.profile, [rng.integers(3, vocab_hi, args.batch_prompt).tolist()
+                                             for _ in range(args.profile)])  # fmt: skip
     run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)  # warm the prefill shapes
     pf, _, _ = run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
     row["prefill_tok_s"] = args.prefill / pf
@@ -252,6 +255,29 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     del engine
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa: ANN001
+    """torch.profiler over 5 decode steps at ``batch``: where the GPU and the host spend a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mgx.runtime.sampler import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    seen: set[str] = set()
+    while len(seen) < len(prompts):
+        seen.update(o.request_id for o in engine.step())
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        sync()
+    while engine.has_unfinished():
+        engine.step()
+    log(f"profile of 5 decode steps at batch {batch}:")
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
 
 
 def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
@@ -353,6 +379,7 @@ def main() -> None:
     parser.add_argument("--kv-memory", default="16GiB")
     parser.add_argument("--autotune", default="", help="row counts to tune for, e.g. 1,32,64,128,2048 ('' none)")
     parser.add_argument("--cold-start", action="store_true", help="also time process start to first token")
+    parser.add_argument("--profile", type=int, default=0, help="profile 5 decode steps at this batch (0: no)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -76,7 +76,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     import torch
 
     from mgx.formats.artifact import AutotuneEntry
-    from mgx.kernels.triton.linear import linear, linear_silu_mul
+    from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
     from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
@@ -98,8 +98,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         kernel = _kernel_of(graph, op)
         for m in sorted({int(r) for r in opts.rows}):
             key = (kernel, shape_key(w, m))
-            if key in entries:
-                continue
+            if key in entries or (w.scheme == "none" and kernel != "lm_head_argmax" and m > GEMV_MAX_M):
+                continue  # dense weights with several rows run on cuBLAS in the CUDA backend
             x = torch.randn(m, w.k, dtype=dtype, device=device)
             best = None
             for config in candidates(m):

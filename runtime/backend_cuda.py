@@ -47,8 +47,16 @@ from mgx.kernels.triton.attention import (
     paged_attention_prefill,
     write_kv,
 )
+from mgx.kernels.triton.linear import (
+    GEMV_MAX_M,
+    SCHEME_IDS,
+    GpuWeight,
+    dequantize_ref,
+    linear,
+    linear_silu_mul,
+    silu_mul,
+)
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
-from mgx.kernels.triton.linear import SCHEME_IDS, GpuWeight, dequantize_ref, linear, linear_silu_mul, silu_mul
 from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import Tunings
@@ -104,7 +112,7 @@ class CudaKVCache(KVCache):
 class _Step:
     """One step's metadata on the device (static buffers when the step runs as a graph)."""
 
-    token_ids: torch.Tensor  # [T] int64
+    token_ids: torch.Tensor  # [T] int64 (int32 in a graph's packed buffer)
     positions: torch.Tensor  # [T] int32
     block_tables: torch.Tensor  # [S, W] int32
     context_lens: torch.Tensor  # [S] int32
@@ -113,6 +121,10 @@ class _Step:
     max_query_len: int
     max_context_len: int
     decode_splits: int | None = None  # fixed in graphs; None: chosen from max_context_len
+    # Graphs only: token ids, positions, context lengths and block tables are views of one device
+    # buffer, filled from one pinned host buffer by a single copy per step.
+    packed: torch.Tensor | None = None
+    host: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -232,7 +244,9 @@ class CUDABackend(Backend):
             self._bias[id(op)] = None if b is None else self._dev[b].to(self.dtype)
         elif op.kind == "rms_norm":
             w = op.weights.get("weight")
-            self._norm[id(op)] = (None if w is None else self._dev[w].float(), float(a["eps"]), int(a["group"]))
+            # In the compute dtype: the native kernel reads weight and x alike (Triton's takes any).
+            weight = None if w is None else self._dev[w].to(self.dtype).contiguous()
+            self._norm[id(op)] = (weight, float(a["eps"]), int(a["group"]))
         elif op.kind == "rope":
             self._inv_freq[id(op)] = (
                 self._dev[op.weights["inv_freq"]].float().reshape(-1),
@@ -359,42 +373,47 @@ class CUDABackend(Backend):
 
     def _static_step(self, bucket: int) -> _Step:
         assert self._kv is not None, "the KV cache is made before the first step"
-        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
         width = max(1, self._max_blocks)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
+        # [token ids | positions | context lengths | block tables], all int32
+        packed = torch.zeros(bucket * (3 + width), dtype=torch.int32, device=self.device)
         return _Step(
-            token_ids=z(bucket, dt=torch.int64),
-            positions=z(bucket),
-            block_tables=z(bucket, width),
-            context_lens=z(bucket),
+            token_ids=packed[:bucket],
+            positions=packed[bucket : 2 * bucket],
+            context_lens=packed[2 * bucket : 3 * bucket],
+            block_tables=packed[3 * bucket :].view(bucket, width),
             query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=self.device),
             sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
             max_query_len=1,
             max_context_len=self.graph.arch.max_position,
             decode_splits=decode_splits(bucket, hk, self.graph.arch.max_position, sms),
+            packed=packed,
+            host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=True),
         )
 
     def _fill(self, st: _Step, batch: StepBatch | None) -> None:
-        """Write a decode batch into a graph's static buffers; rows past it decode into the scratch block."""
+        """Write a decode batch into a graph's static buffers; rows past it decode into the scratch block.
+
+        The pinned host buffer is free again here: the previous replay's results were read back
+        (a synchronizing copy) before this step began."""
+        assert st.packed is not None and st.host is not None
         bucket = st.token_ids.shape[0]
         s = 0 if batch is None else len(batch.seq_ids)
         width = st.block_tables.shape[1]
-        tables = np.full((bucket, width), -1, np.int32)
+        host = st.host.numpy()
+        tok, pos, ctx = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket : 3 * bucket]
+        tables = host[3 * bucket :].reshape(bucket, width)
+        tables.fill(-1)
         tables[s:, 0] = self._kv.scratch_block
-        ctx = np.ones(bucket, np.int32)
-        pos = np.zeros(bucket, np.int32)
-        tok = np.zeros(bucket, np.int64)
+        ctx[s:], pos[s:], tok[s:] = 1, 0, 0
         if batch is not None:
             bt = batch.paged.block_tables
             tables[:s, : bt.shape[1]] = bt[:, :width]
             ctx[:s] = batch.paged.context_lens
             pos[:s] = batch.positions
             tok[:s] = batch.token_ids
-        st.block_tables.copy_(torch.from_numpy(tables), non_blocking=True)
-        st.context_lens.copy_(torch.from_numpy(ctx), non_blocking=True)
-        st.positions.copy_(torch.from_numpy(pos), non_blocking=True)
-        st.token_ids.copy_(torch.from_numpy(tok), non_blocking=True)
+        st.packed.copy_(st.host, non_blocking=True)
 
     def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> _Graph:
         st = self._static_step(bucket)
@@ -454,6 +473,14 @@ class CUDABackend(Backend):
     def linear(self, op: Op, x: Array) -> Array:
         w, m = self._weights[id(op)], x.shape[0]
         silu = self._fuse.silu_after_linear.get(id(op))
+        if w.scheme == "none" and m > GEMV_MAX_M:
+            # Dense weights and several rows: cuBLAS (the Triton GEMM has nothing to dequantize and
+            # is slower); a fused gate/up then takes the SiLU product in a second, small kernel.
+            out = torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
+            if silu is not None:
+                out = silu_mul(out)
+                self._pending[id(silu)] = out
+            return out
         if silu is not None:
             out = linear_silu_mul(x, w, self._bias[id(op)], config=self.tunings.config("linear_silu_mul", w, m))
             self._pending[id(silu)] = out
@@ -512,6 +539,8 @@ class CUDABackend(Backend):
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
         x, w = self._sampled(x), self._weights[id(op)]
+        if w.scheme == "none" and x.shape[0] > GEMV_MAX_M:
+            return torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
         return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, x.shape[0]))
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:

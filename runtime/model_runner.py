@@ -143,6 +143,11 @@ class ModelRunner:
         ids = batch.token_ids
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise ValueError(f"token ids must be in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
+        # Row r of sequence i must sit at position starts[i] + (r - cu[i]): one vectorized check.
+        cu = batch.cu_seqlens
+        expected = np.repeat(np.asarray(starts, dtype=np.int64) - cu[:-1], np.diff(cu)) + np.arange(ids.size)
+        if np.array_equal(batch.positions, expected):
+            return
         for i, (seq_id, start) in enumerate(zip(batch.seq_ids, starts, strict=True)):
             pos = batch.positions[batch.rows(i)]
             if pos[0] != start or np.any(np.diff(pos) != 1):

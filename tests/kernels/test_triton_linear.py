@@ -195,4 +195,5 @@ def test_default_config_splits_narrow_decode_shapes() -> None:
     assert lin.default_config(8, 64, 4096).split_k == 16  # one output tile, 32 K tiles: 16 shares of 2
     assert lin.default_config(32, 28672, 4096).split_k == 1  # 448 tiles already fill the GPU
     assert lin.default_config(512, 64, 4096).split_k == 1  # prefill: no split
+    assert lin.default_config(128, 2048, 8192).split_k == 4  # 64 tiles of 64 x 64
     assert lin.LinearConfig(16, 64, 128, 4).split_k == 1
