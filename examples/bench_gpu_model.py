@@ -407,7 +407,13 @@ def main() -> None:
         if args.cold_start:
             bench_cold_start(paths, schemes[0], Path(tmp))
     for mode in [m for m in args.hf.split(",") if m]:
-        bench_hf(model, args, bw, n_params, mode)
+        try:
+            bench_hf(model, args, bw, n_params, mode)
+        except Exception as e:  # noqa: BLE001 - keep the rows measured so far
+            import traceback
+
+            traceback.print_exc()
+            ROWS.append({"engine": f"transformers {mode}", "error": f"{type(e).__name__}: {e}"})
     out = {"shape": args.shape, "copy_gb_s": bw / 1e9, "bf16_tflops": flops / 1e12, "rows": ROWS, "compile": TIMES,
            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}  # fmt: skip
     print(json.dumps(out, indent=1))
