@@ -60,11 +60,19 @@ SCHEME_PASSES = {
 }
 DEVICE = "cpu" if SMOKE else "cuda"
 ROWS: list[dict] = []
+RESULT: dict = {}  # what --json holds, rewritten after every row (a run cut short keeps its rows)
 TIMES: dict[str, float] = {}  # compile-side timings (autotune)
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def add_row(row: dict) -> None:
+    log(json.dumps(row))
+    ROWS.append(row)
+    if RESULT.get("path"):
+        Path(RESULT["path"]).write_text(json.dumps({**RESULT["head"], "rows": ROWS, "compile": TIMES}, indent=1) + "\n")
 
 
 def sync() -> None:
@@ -223,9 +231,11 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     row["tunings"] = engine.tuning_note
     # Warm up: compile the kernels and capture every decode graph the runs below replay (outside
     # the clocks; a capture inside a timed run costs seconds).
-    for b in sorted({1, *args.batches}):
+    # A batch's run is warmed by the same workload: its requests reach decode at different steps and
+    # finish in waves, and every batch bucket met on the way has its graph captured there.
+    for b in args.batches:
         log(f"  warm-up at batch {b}")
-        run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], 3)
+        run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], args.batch_new)
     run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], 4)
     per_token = weight_bytes_per_token(engine)
     _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], args.new)
@@ -250,8 +260,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     pf, _, _ = run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
     row["prefill_tok_s"] = args.prefill / pf
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
-    log(json.dumps(row))
-    ROWS.append(row)
+    add_row(row)
     del engine
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -323,8 +332,7 @@ def bench_cold_start(paths: dict[str, Path], scheme: str, work: Path) -> None:
         kind = "tuned" if label == scheme and f"{scheme}-untuned" in paths else "untuned"
         row[f"{kind}_cold_cache_s"] = cold_start(paths[label], cache)
         row[f"{kind}_warm_cache_s"] = cold_start(paths[label], cache)
-    log(json.dumps(row))
-    ROWS.append(row)
+    add_row(row)
 
 
 def hf_decode(model, batch: int, prompt: int, new: int, rng) -> float:  # noqa: ANN001
@@ -350,18 +358,22 @@ def hf_decode(model, batch: int, prompt: int, new: int, rng) -> float:  # noqa: 
 
 def bench_hf(model, args, bw: float, n_params: int, mode: str) -> None:  # noqa: ANN001
     rng = np.random.default_rng(0)
-    if mode == "compile":
-        model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     row = {"engine": f"transformers {mode}"}
+    if mode == "compile":
+        # A static cache makes generate() compile the forward itself (its CompileConfig; wrapping
+        # forward in torch.compile by hand breaks on CUDA-graph outputs reused across steps).
+        model.generation_config.cache_implementation = "static"
+        row["compile_config"] = repr(model.generation_config.compile_config)
     t0 = time.perf_counter()
-    row["decode_b1_tok_s"] = hf_decode(model, 1, args.prompt, args.new, rng)
-    row["decode_b1_bw_frac"] = row["decode_b1_tok_s"] * 2 * n_params / bw
     for b in args.hf_batches:
-        row[f"decode_b{b}_tok_s"] = hf_decode(model, b, args.batch_prompt, args.batch_new, rng)
+        if b == 1:
+            row["decode_b1_tok_s"] = hf_decode(model, 1, args.prompt, args.new, rng)
+            row["decode_b1_bw_frac"] = row["decode_b1_tok_s"] * 2 * n_params / bw
+        else:
+            row[f"decode_b{b}_tok_s"] = hf_decode(model, b, args.batch_prompt, args.batch_new, rng)
+        log(f"  {mode} batch {b}: {time.perf_counter() - t0:.0f}s so far")
     row["seconds"] = time.perf_counter() - t0
-    log(json.dumps(row))
-    ROWS.append(row)
+    add_row(row)
 
 
 def main() -> None:
@@ -372,7 +384,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--batches", default="32,64,128")
-    parser.add_argument("--hf-batches", default="128")
+    parser.add_argument("--hf-batches", default="1,128", help="batch sizes for transformers (1: the 512-token case)")
     parser.add_argument("--batch-prompt", type=int, default=128)
     parser.add_argument("--batch-new", type=int, default=64)
     parser.add_argument("--prefill", type=int, default=2048)
@@ -387,10 +399,14 @@ def main() -> None:
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     args.autotune = [int(r) for r in args.autotune.split(",") if r]
     if SMOKE:
-        args.shape, args.prompt, args.new, args.batches, args.hf_batches = "tiny", 16, 4, [2], [2]
+        args.shape, args.prompt, args.new, args.batches, args.hf_batches = "tiny", 16, 4, [2], [1, 2]
         args.batch_new, args.prefill, args.kv_memory, args.batch_prompt = 3, 32, "64MiB", 16
     bw, flops = copy_bandwidth(), matmul_rate()
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    if args.json:
+        RESULT["path"] = args.json
+        RESULT["head"] = {"shape": args.shape, "copy_gb_s": bw / 1e9, "bf16_tflops": flops / 1e12,
+                          "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}  # fmt: skip
     model = build_hf(args.shape, max(args.prompt + args.new, args.prefill) + 64)
     n_params = sum(p.numel() for p in model.model.layers.parameters()) + model.lm_head.weight.numel()
     with tempfile.TemporaryDirectory() as tmp:
@@ -403,7 +419,7 @@ def main() -> None:
                 import traceback
 
                 traceback.print_exc()
-                ROWS.append({"engine": f"mgx {scheme}", "error": f"{type(e).__name__}: {e}"})
+                add_row({"engine": f"mgx {scheme}", "error": f"{type(e).__name__}: {e}"})
         if args.cold_start:
             bench_cold_start(paths, schemes[0], Path(tmp))
     for mode in [m for m in args.hf.split(",") if m]:
@@ -413,7 +429,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            ROWS.append({"engine": f"transformers {mode}", "error": f"{type(e).__name__}: {e}"})
+            add_row({"engine": f"transformers {mode}", "error": f"{type(e).__name__}: {e}"})
     out = {"shape": args.shape, "copy_gb_s": bw / 1e9, "bf16_tflops": flops / 1e12, "rows": ROWS, "compile": TIMES,
            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}  # fmt: skip
     print(json.dumps(out, indent=1))
