@@ -219,7 +219,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
 
     rng = np.random.default_rng(0)
     vocab_hi = 500 if SMOKE else 100000
-    biggest = max(args.batches)
+    biggest = max(args.batches, default=1)
     sync()
     t0 = time.perf_counter()
     engine = Engine(path, backend="cuda", config=EngineConfig(max_num_seqs=biggest, max_tokens_per_step=args.prefill,
