@@ -29,6 +29,7 @@ checks this backend's plumbing without a GPU (no pinned memory, no graphs there)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -50,10 +51,13 @@ from mgx.kernels.triton.attention import (
 from mgx.kernels.triton.linear import (
     GEMV_MAX_M,
     SCHEME_IDS,
+    SPLIT_MAX_M,
     GpuWeight,
+    default_config,
     dequantize_ref,
     linear,
     linear_silu_mul,
+    new_split_workspace,
     silu_mul,
 )
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
@@ -175,6 +179,10 @@ class CUDABackend(Backend):
         self._inv_freq: dict[int, tuple[torch.Tensor, int, int, float]] = {}
         for op in graph.ops:
             self._prepare(op)
+        # The split-K workspace of every linear launch, zeroed now: a graph captured later must
+        # find it zeroed on its first replay (zeros written during a capture come only then).
+        widest = max((self._weights[id(op)].n for op in graph.ops if op.kind == "linear"), default=1)
+        self._split_ws = new_split_workspace(self.device, SPLIT_MAX_M * widest, SPLIT_MAX_M * widest // 4)
         self._pending: dict[int, Array] = {}  # id(op) -> output computed by the op fused before it
         self._step: _Step | None = None
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
@@ -482,10 +490,11 @@ class CUDABackend(Backend):
                 self._pending[id(silu)] = out
             return out
         if silu is not None:
-            out = linear_silu_mul(x, w, self._bias[id(op)], config=self.tunings.config("linear_silu_mul", w, m))
+            out = linear_silu_mul(x, w, self._bias[id(op)], config=self.tunings.config("linear_silu_mul", w, m),
+                                  workspace=self._split_ws)  # fmt: skip
             self._pending[id(silu)] = out
             return out
-        return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, m))
+        return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, m), workspace=self._split_ws)
 
     def split(self, op: Op, x: Array) -> list[Array]:
         return list(torch.split(x, [int(s) for s in op.attrs["sizes"]], dim=1))
@@ -541,7 +550,10 @@ class CUDABackend(Backend):
         x, w = self._sampled(x), self._weights[id(op)]
         if w.scheme == "none" and x.shape[0] > GEMV_MAX_M:
             return torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
-        return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, x.shape[0]))
+        # A vocabulary is wide enough to fill the GPU without splitting K (and the workspace is sized
+        # for the linear ops).
+        config = self.tunings.config("linear", w, x.shape[0]) or default_config(x.shape[0], w.n, w.k, w.scheme)
+        return linear(x, w, self._bias[id(op)], config=dataclasses.replace(config, split_k=1))
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
         x, w = self._sampled(x), self._weights[id(op)]

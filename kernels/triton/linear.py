@@ -41,6 +41,8 @@ __all__ = [
     "GEMV_CONFIGS",
     "GEMM_CONFIGS",
     "SPLIT_MAX_M",
+    "SplitWorkspace",
+    "new_split_workspace",
     "split_workspace",
 ]
 
@@ -439,23 +441,39 @@ def default_config(m: int, n: int, k: int, scheme: str = "none") -> LinearConfig
     return LinearConfig(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages, split)
 
 
-_workspaces: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+SplitWorkspace = tuple[torch.Tensor, torch.Tensor]  # (fp32 partial sums, int32 tile counters), both zeroed
+_workspaces: dict[str, list[SplitWorkspace]] = {}
 
 
-def split_workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed fp32 partial sums (>= numel) and int32 tile counters (>= tiles) for split-K launches.
+def new_split_workspace(device: torch.device | str, numel: int, tiles: int) -> SplitWorkspace:
+    """A zeroed split-K workspace: ``numel`` fp32 partial sums and ``tiles`` int32 counters.
 
-    One pair per device and stream, grown by allocating a larger pair; earlier pairs stay alive,
-    because a captured CUDA graph keeps using the one it was captured with. The kernel leaves both
-    zeroed after each launch, so they are zeroed only when made.
+    Split-K launches leave it zeroed again, so one workspace serves every launch on its device that
+    runs after the previous one finished (one stream, or streams ordered by events). A CUDA graph
+    that will replay split-K launches needs one made before its capture: zeros written while
+    capturing only appear once the graph first replays.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    pairs = _workspaces.setdefault((str(device), stream), [])
+    return (torch.zeros(max(1, numel), dtype=torch.float32, device=device),
+            torch.zeros(max(1, tiles), dtype=torch.int32, device=device))  # fmt: skip
+
+
+def split_workspace(device: torch.device, numel: int, tiles: int) -> SplitWorkspace:
+    """The module's shared workspace for ``device``, grown to hold ``numel`` sums and ``tiles`` counters.
+
+    For callers that pass none (tests, the autotune pass, benchmarks): launches on one device must
+    not overlap. A larger workspace is a new allocation, and the earlier ones stay alive because a
+    captured CUDA graph may still use them. It is never allocated while a CUDA graph is being
+    captured (see ``new_split_workspace``): run the launch once before capturing it.
+    """
+    pairs = _workspaces.setdefault(str(device), [])
     if not pairs or pairs[-1][0].numel() < numel or pairs[-1][1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "split-K linear: no workspace large enough exists and none can be zeroed while a CUDA graph "
+                "is being captured; run the launch once before capturing, or pass workspace="
+            )
         have = pairs[-1] if pairs else (torch.empty(0), torch.empty(0))
-        numel, tiles = max(numel, have[0].numel()), max(tiles, have[1].numel())
-        pairs.append((torch.zeros(numel, dtype=torch.float32, device=device),
-                      torch.zeros(tiles, dtype=torch.int32, device=device)))  # fmt: skip
+        pairs.append(new_split_workspace(device, max(numel, have[0].numel()), max(tiles, have[1].numel())))
     return pairs[-1]
 
 
@@ -464,7 +482,7 @@ def min_block_k(w: GpuWeight) -> int:
     return {"int4": w.group_size, "sparse24_int4": max(16, 2 * w.group_size)}.get(w.scheme, 16)
 
 
-def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool):
+def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: SplitWorkspace | None = None):
     check_float("x", x)
     x = rows_of("x", x, w.k)
     m = x.shape[0]
@@ -492,7 +510,14 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool):
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), split_k)
     ws = cnt = out
     if split_k > 1:
-        ws, cnt = split_workspace(x.device, m * (2 * n if silu_mul else n), grid[0] * grid[1])
+        numel, tiles = m * (2 * n if silu_mul else n), grid[0] * grid[1]
+        if workspace is None:
+            ws, cnt = split_workspace(x.device, numel, tiles)
+        else:
+            ws, cnt = workspace
+            if ws.numel() < numel or cnt.numel() < tiles or ws.dtype != torch.float32 or cnt.dtype != torch.int32:
+                raise ValueError(f"split-K workspace holds {ws.numel()} {ws.dtype} sums and {cnt.numel()} "
+                                 f"{cnt.dtype} counters; this launch needs {numel} float32 and {tiles} int32")  # fmt: skip
     s, z, meta = w.scales, w.zeros, w.meta
     _linear_kernel[grid](
         x, w.weight, s if s is not None else x, z if z is not None else x, meta if meta is not None else x,
@@ -515,9 +540,13 @@ def linear(
     *,
     out: torch.Tensor | None = None,
     config: LinearConfig | None = None,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for any scheme ``GpuWeight`` holds."""
-    return _launch(x, weight, bias, out, config, silu_mul=False)
+    """x [M, K] @ W[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for any scheme ``GpuWeight`` holds.
+
+    ``workspace`` (``new_split_workspace``) serves split-K launches; without one the module's
+    shared workspace for the device is used."""
+    return _launch(x, weight, bias, out, config, silu_mul=False, workspace=workspace)
 
 
 def linear_silu_mul(
@@ -527,9 +556,10 @@ def linear_silu_mul(
     *,
     out: torch.Tensor | None = None,
     config: LinearConfig | None = None,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
     """The fused gate/up projection and SiLU-mul: W [2F, K] is gate rows then up rows -> [M, F]."""
-    return _launch(x, weight, bias, out, config, silu_mul=True)
+    return _launch(x, weight, bias, out, config, silu_mul=True, workspace=workspace)
 
 
 def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -211,6 +211,29 @@ def test_decode_batch_linears_llama_1b(scheme: str, m: int) -> None:
     torch.testing.assert_close(vals, want_vals, atol=2e-2, rtol=1e-2)
 
 
+def test_split_k_linears_replay_in_cuda_graphs_in_any_order() -> None:
+    """Graphs sharing one split-K workspace, replayed in another order than captured: each replay
+    must find it zeroed (a workspace first zeroed inside a capture failed this)."""
+    w = make_weight("int4", 2048, 8192, device="cuda", group_size=128)
+    xs = [torch.randn(m, 8192, device="cuda").to(torch.bfloat16) for m in (8, 32)]
+    ws = lin.new_split_workspace("cuda", 32 * 2048, 32 * 2048 // 4)
+    cfg = lin.LinearConfig(16, 64, 128, 4, 4, 4)
+    graphs, outs = [], []
+    for x in xs:
+        lin.linear(x, w, config=cfg, workspace=ws)  # compiles the kernel outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(lin.linear(x, w, config=cfg, workspace=ws))
+        graphs.append(g)
+    for g in [*reversed(graphs), *graphs]:
+        g.replay()
+    torch.cuda.synchronize()
+    for x, out in zip(xs, outs, strict=True):
+        assert rel_err(out, lin.linear_ref(x, w)) < 1e-2
+    assert not ws[0].any() and not ws[1].any()
+
+
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_lm_head_argmax_llama_vocab(rows: int) -> None:
     w = make_weight("none", 128256, 4096, device="cuda")

@@ -197,3 +197,23 @@ def test_default_config_splits_narrow_decode_shapes() -> None:
     assert lin.default_config(512, 64, 4096).split_k == 1  # prefill: no split
     assert lin.default_config(128, 2048, 8192).split_k == 4  # 64 tiles of 64 x 64
     assert lin.LinearConfig(16, 64, 128, 4).split_k == 1
+
+
+def test_split_k_uses_the_given_workspace_and_refuses_a_small_one() -> None:
+    g = torch.Generator().manual_seed(13)
+    w = make_weight("w8a16", 24, 512, dtype=torch.float32, device=DEVICE, generator=g)
+    x = torch.randn(3, 512, generator=g).to(DEVICE)
+    cfg = lin.LinearConfig(16, 16, 128, 4, 2, 4)
+    ws = lin.new_split_workspace(DEVICE, 3 * 24, 2)
+    torch.testing.assert_close(lin.linear(x, w, config=cfg, workspace=ws), lin.linear_ref(x, w), atol=1e-5, rtol=1e-5)
+    assert not ws[0].any() and not ws[1].any()
+    with pytest.raises(ValueError, match="needs 72 float32 and 2 int32"):
+        lin.linear(x, w, config=cfg, workspace=lin.new_split_workspace(DEVICE, 10, 2))
+
+
+def test_shared_workspace_is_never_zeroed_inside_a_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zeros written while capturing land only at the first replay: growing must fail loudly then."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(lin, "_workspaces", {})
+    with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"):
+        lin.split_workspace(torch.device("cuda", 0), 10, 1)
