@@ -58,6 +58,25 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize("scheme", ["quantize_w8a16", "quantize_int4"])
+def test_interpreted_split_k_decode_matches_the_reference(scheme: str) -> None:
+    """A down projection with K = 512: decode batches split it over K (default_config), through the
+    backend's own workspace."""
+    from mgx.kernels.triton.linear import default_config
+    from mgx.passes import PASSES, PassContext
+
+    from _tiny_graph import build_tiny_graph
+
+    graph, _ = build_tiny_graph(hidden_size=64, intermediate_size=512, num_layers=1, fused=True)
+    PASSES[scheme](graph, {"group_size": 32} if scheme == "quantize_int4" else {}, PassContext(target="cuda"))
+    assert default_config(2, 64, 512, "w8a16").split_k > 1
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    _check(graph, backend, steps=3)
+    ws, counters = backend._split_ws
+    assert not ws.any() and not counters.any()
+
+
+@pytest.mark.interpreted
 def test_gpu_layout_is_read_and_upload_counts_every_byte() -> None:
     graph = compiled("gqa", "sparse24-tiled", target="cuda")
     weights = [graph.tensors[op.weights["weight"]] for op in graph.ops if op.kind == "linear"]
