@@ -61,23 +61,32 @@ class StepBatch:
         lengths = np.array([c.token_ids.size for c in chunks], dtype=np.int64)
         cu = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
-        positions = [
-            c.positions if c.positions is not None else np.arange(s, s + c.token_ids.size, dtype=np.int64)
-            for c, s in zip(chunks, start_positions, strict=True)
-        ]
-        rows = [
-            np.arange(cu[i], cu[i + 1]) if c.all_logits else (cu[i + 1 : i + 2] - 1 if c.sample else cu[:0])
-            for i, c in enumerate(chunks)
-        ]
-        n_rows = np.array([r.size for r in rows], dtype=np.int64)
+        starts = np.asarray(start_positions, dtype=np.int64)
+        if len(starts) != len(chunks):
+            raise ValueError(f"{len(starts)} start positions for {len(chunks)} chunks")
+        # Each row's position continues its sequence: start + (row - first row of the sequence).
+        positions = np.repeat(starts - cu[:-1], lengths) + np.arange(cu[-1], dtype=np.int64)
+        for i, c in enumerate(chunks):
+            if c.positions is not None:
+                positions[cu[i] : cu[i + 1]] = c.positions
+        if any(c.all_logits for c in chunks):
+            rows = np.concatenate([
+                np.arange(cu[i], cu[i + 1]) if c.all_logits else (cu[i + 1 : i + 2] - 1 if c.sample else cu[:0])
+                for i, c in enumerate(chunks)
+            ]).astype(np.int64)  # fmt: skip
+            n_rows = np.diff(np.searchsorted(rows, cu, side="left"))
+        else:  # the common step: each sampling sequence's last row
+            samples = np.fromiter((c.sample for c in chunks), dtype=bool, count=len(chunks))
+            rows = cu[1:][samples] - 1
+            n_rows = samples.astype(np.int64)
         cu_rows = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(n_rows, out=cu_rows[1:])
         return cls(
             seq_ids=seq_ids,
             token_ids=np.concatenate([c.token_ids for c in chunks]),
-            positions=np.concatenate(positions),
+            positions=positions,
             cu_seqlens=cu,
-            sample_rows=np.concatenate(rows).astype(np.int64),
+            sample_rows=rows,
             cu_sample_rows=cu_rows,
         )
 
@@ -128,9 +137,7 @@ class PagedStep:
         for i, table in enumerate(tables):
             block_tables[i, : len(table)] = table
         lengths = np.diff(batch.cu_seqlens)
-        context_lens = np.array(
-            [int(batch.positions[batch.rows(i)][-1]) + 1 for i in range(b)], dtype=np.int32
-        )
+        context_lens = (batch.positions[batch.cu_seqlens[1:] - 1] + 1).astype(np.int32)  # chunks are never empty
         seq_of_row = np.repeat(np.arange(b), lengths)
         pos = batch.positions
         slot_mapping = (

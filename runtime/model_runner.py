@@ -79,7 +79,8 @@ class ModelRunner:
             ids = np.argmax(out, axis=1)
             top = out[np.arange(ids.size), ids]
         ids, top = np.asarray(ids, dtype=np.int64), np.asarray(top, dtype=np.float32)
-        return [(ids[batch.sampled(i)], top[batch.sampled(i)]) for i in range(len(chunks))]
+        cu = batch.cu_sample_rows.tolist()
+        return [(ids[a:b], top[a:b]) for a, b in zip(cu, cu[1:])]
 
     def _run(self, chunks: Sequence[SeqChunk], greedy: bool) -> tuple[StepBatch, Any]:
         starts = [self.blocks.num_computed(c.seq_id) for c in chunks]
