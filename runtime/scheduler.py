@@ -94,8 +94,14 @@ class Scheduler:
         budget = self.config.max_tokens_per_step
         plan: dict[int, ScheduledChunk] = {}
         preempted: list[Sequence] = []
-        decoding = [s for s in self.running if self._remaining(s) == 1]
-        prefilling = [s for s in self.running if self._remaining(s) > 1]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:
+            left = self._remaining(s)
+            if left == 1:
+                decoding.append(s)
+            elif left > 1:
+                prefilling.append(s)
         for seq in decoding + prefilling:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this step, or the budget is spent
