@@ -98,9 +98,10 @@ class StepBatch:
         """The rows of sequence ``i`` (its index in this batch, not its id)."""
         return slice(int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1]))
 
-    def sampled(self, i: int) -> slice:
-        """Sequence ``i``'s rows in the lm_head output."""
-        return slice(int(self.cu_sample_rows[i]), int(self.cu_sample_rows[i + 1]))
+    def sampled_slices(self) -> list[slice]:
+        """Each sequence's rows in the lm_head output, in packing order."""
+        cu = self.cu_sample_rows.tolist()
+        return [slice(a, b) for a, b in zip(cu, cu[1:])]
 
 
 @dataclass(slots=True)

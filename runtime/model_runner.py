@@ -64,7 +64,7 @@ class ModelRunner:
     def step(self, chunks: Sequence[SeqChunk]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its logits [R_i, V] (R_i = 1, all rows, or 0 if not sampled)."""
         batch, logits = self._run(chunks, greedy=False)
-        return [logits[batch.sampled(i)] for i in range(len(chunks))]
+        return [logits[rows] for rows in batch.sampled_slices()]
 
     def step_greedy(self, chunks: Sequence[SeqChunk]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Run one step for greedy decoding; per chunk (argmax ids [R_i] int64, their logits [R_i] float32).
@@ -79,8 +79,7 @@ class ModelRunner:
             ids = np.argmax(out, axis=1)
             top = out[np.arange(ids.size), ids]
         ids, top = np.asarray(ids, dtype=np.int64), np.asarray(top, dtype=np.float32)
-        cu = batch.cu_sample_rows.tolist()
-        return [(ids[a:b], top[a:b]) for a, b in zip(cu, cu[1:])]
+        return [(ids[rows], top[rows]) for rows in batch.sampled_slices()]
 
     def _run(self, chunks: Sequence[SeqChunk], greedy: bool) -> tuple[StepBatch, Any]:
         starts = [self.blocks.num_computed(c.seq_id) for c in chunks]
