@@ -33,7 +33,7 @@ from .calibrate import CalibrationError, collect_hessians, parse_calibration
 from .spec import ModelSpec
 from .writeback import WriteBackError, write_back
 
-__all__ = ["CompileError", "CompileResult", "compile_model", "run_passes", "to_storage", "STORAGE_DTYPES"]
+__all__ = ["CompileError", "CompileResult", "collect_pass_stats", "compile_model", "run_passes", "to_storage", "STORAGE_DTYPES"]
 
 STORAGE_DTYPES = {"fp32": ir.DType.F32, "bf16": ir.DType.BF16, "fp16": ir.DType.F16}
 # Tensors kept in fp32 whatever the storage dtype: tiny, and precision matters.
@@ -77,6 +77,17 @@ def convert_tensors(graph: ir.Graph, dtype: ir.DType) -> None:
                                         t.layout)
 
 
+def collect_pass_stats(stats: dict[str, Any], tunings: dict[str, list[Any]] | None,
+                       cuda_kernels: dict[str, bytes] | None) -> None:
+    """Add what a pass produced for the artifact (``stats["autotune"]``: {GPU arch: entries},
+    ``stats["cuda_kernels"]``: {GPU arch: cubin}) to ``tunings`` and ``cuda_kernels`` (None: ignored)."""
+    if tunings is not None:
+        for arch, entries in stats.get("autotune", {}).items():
+            tunings.setdefault(arch, []).extend(entries)
+    if cuda_kernels is not None:
+        cuda_kernels.update(stats.get("cuda_kernels", {}))
+
+
 def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any = None,
                tokenizer: Any = None, tunings: dict[str, list[Any]] | None = None,
                cuda_kernels: dict[str, bytes] | None = None) -> list[PassRecord]:
@@ -117,11 +128,7 @@ def run_passes(graph: ir.Graph, spec: ModelSpec, progress: Progress, model: Any 
             except (ValueError, ir.IRError) as exc:
                 raise CompileError(f"pass {p.name!r} failed: {exc}") from None
         progress._write(f"    {p.name}: {result.summary}\n")
-        if tunings is not None:
-            for arch, entries in result.stats.get("autotune", {}).items():
-                tunings.setdefault(arch, []).extend(entries)
-        if cuda_kernels is not None:
-            cuda_kernels.update(result.stats.get("cuda_kernels", {}))
+        collect_pass_stats(result.stats, tunings, cuda_kernels)
         recorded = dict(result.options if result.options is not None else options)
         if calibration is not None:
             recorded["calibration"] = calibration.record()

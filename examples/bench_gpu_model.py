@@ -134,7 +134,7 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
     its choices are stored; ``untuned_twin`` also writes the first scheme without them
     (``<scheme>-untuned``) for the cold-start comparison."""
     from mgx.compiler.lower import lower_model, trace_model
-    from mgx.compiler.pipeline import convert_tensors
+    from mgx.compiler.pipeline import collect_pass_stats, convert_tensors
     from mgx.formats import ir
     from mgx.formats.artifact import ArtifactContents, Fingerprint, PassRecord, write_artifact
     from mgx.passes import PASSES, PassContext
@@ -159,8 +159,7 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
             result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
             ir.verify(graph)
             records.append(PassRecord(name, dict(opts), result.summary))
-            for arch, entries in result.stats.get("autotune", {}).items():
-                tunings.setdefault(arch, []).extend(entries)
+            collect_pass_stats(result.stats, tunings, None)
             if name == "autotune":
                 log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
                 TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
