@@ -311,6 +311,65 @@ def bench_batch(copy_gbps: float) -> None:
                     row["frac_copy_bw"] = row["GB/s"] / copy_gbps
 
 
+def bench_swap(copy_gbps: float) -> None:
+    """Few-row linears of Llama-3.2-1B and -3.1-8B shapes, bf16 activations: the CUDA-core GEMV (one
+    row) or ``tl.dot`` tiles (more rows) against the transposed tensor-core path (``swap``)."""
+    from mgx.kernels.triton import linear as lin
+    from mgx.kernels.triton.testing import make_weight
+
+    cuda = DEVICE == "cuda"
+    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (6144, 4096), (4096, 4096),
+              (28672, 4096), (4096, 14336)] if cuda else [(64, 256)]  # fmt: skip
+    schemes = [("bf16", "none", {})] + GEMV_SCHEMES[:3]
+    swaps = lin.SWAP_CONFIGS if cuda else lin.SWAP_CONFIGS[:2]
+    for n, k in shapes:
+        for label, scheme, kw in schemes:
+            w = make_weight(scheme, n, k, device=DEVICE, **kw)
+            for m in (1, 16) if cuda else (1, 3):
+                x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+                case, nbytes = f"N={n} K={k} M={m}", w.nbytes + x.nbytes + 2 * n * m
+                want = lin.linear_ref(x, w).float()
+                rows = [("default", [None])]
+                if cuda and m <= lin.GEMV_MAX_M:
+                    rows.append(("best plain", lin.GEMV_CONFIGS))
+                rows.append(("best swap", swaps))
+                for variant, configs in rows:
+                    ms, cfg = best_of(configs, lambda c, x=x, w=w: lambda: lin.linear(x, w, config=c))
+                    if math.isinf(ms):
+                        continue
+                    got = lin.linear(x, w, config=cfg).float()
+                    err = float((got - want).norm() / want.norm())
+                    row = record("swap", case, f"{label} {variant}", ms, nbytes, config=str(cfg), rel_err=f"{err:.1e}")
+                    row["frac_copy_bw"] = row["GB/s"] / copy_gbps
+
+
+def bench_dequant(tflops: float) -> None:
+    """Prefill-sized products on quantized weights: ``tl.dot`` tiles that dequantize in registers
+    against ``dequantize`` into a bf16 buffer followed by cuBLAS (what the CUDA backend runs from
+    ``DEQUANTIZE_MIN_M`` rows on)."""
+    from mgx.kernels.triton import linear as lin
+    from mgx.kernels.triton.testing import make_weight
+
+    cuda = DEVICE == "cuda"
+    shapes = [(6144, 4096), (28672, 4096), (4096, 14336)] if cuda else [(64, 256)]
+    for n, k in shapes:
+        buf = torch.empty(n * k, dtype=torch.bfloat16, device=DEVICE)
+        for label, scheme, kw in GEMV_SCHEMES[:3]:
+            w = make_weight(scheme, n, k, device=DEVICE, **kw)
+            record("dequant", f"N={n} K={k}", f"{label} dequantize only",
+                   bench(lambda w=w, buf=buf: lin.dequantize(w, torch.bfloat16, out=buf)), w.nbytes + 2 * n * k)  # fmt: skip
+            for m in (64, 128, 256, 512, 2048) if cuda else (32,):
+                x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+                case, flops = f"N={n} K={k} M={m}", 2.0 * m * n * k
+                for variant, fn in (
+                    ("tl.dot tiles (default)", lambda x=x, w=w: lin.linear(x, w)),
+                    ("dequantize + cuBLAS", lambda x=x, w=w, buf=buf: torch.nn.functional.linear(
+                        x, lin.dequantize(w, torch.bfloat16, out=buf))),
+                ):  # fmt: skip
+                    row = record("dequant", case, f"{label} {variant}", bench(fn), flops=flops)
+                    row["frac_matmul_rate"] = row["TFLOP/s"] / tflops
+
+
 # --- attention --------------------------------------------------------------------------------------
 
 HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}  # Llama-3.1-8B, 16-token blocks
@@ -462,6 +521,8 @@ def main() -> None:
         ("rmsnorm", lambda: bench_rmsnorm(ceil["copy_GBps"], kernels)),
         ("gemv", lambda: bench_gemv(ceil["copy_GBps"])),
         ("batch", lambda: bench_batch(ceil["copy_GBps"])),
+        ("swap", lambda: bench_swap(ceil["copy_GBps"])),
+        ("dequant", lambda: bench_dequant(ceil["bf16_TFLOPs"])),
         ("decode", lambda: bench_decode(ceil["copy_GBps"])),
         ("prefill", lambda: bench_prefill(ceil["bf16_TFLOPs"])),
         ("lm_head", lambda: bench_lm_head(ceil["copy_GBps"])),

@@ -49,11 +49,13 @@ from mgx.kernels.triton.attention import (
     write_kv,
 )
 from mgx.kernels.triton.linear import (
+    DEQUANTIZE_MIN_M,
     GEMV_MAX_M,
     SCHEME_IDS,
     SPLIT_MAX_M,
     GpuWeight,
     default_config,
+    dequantize,
     dequantize_ref,
     linear,
     linear_silu_mul,
@@ -183,6 +185,9 @@ class CUDABackend(Backend):
         # find it zeroed on its first replay (zeros written during a capture come only then).
         widest = max((self._weights[id(op)].n for op in graph.ops if op.kind == "linear"), default=1)
         self._split_ws = new_split_workspace(self.device, SPLIT_MAX_M * widest, SPLIT_MAX_M * widest // 4)
+        # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
+        quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
+        self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
         self._pending: dict[int, Array] = {}  # id(op) -> output computed by the op fused before it
         self._step: _Step | None = None
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
@@ -481,10 +486,12 @@ class CUDABackend(Backend):
     def linear(self, op: Op, x: Array) -> Array:
         w, m = self._weights[id(op)], x.shape[0]
         silu = self._fuse.silu_after_linear.get(id(op))
-        if w.scheme == "none" and m > GEMV_MAX_M:
+        if (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
             # Dense weights and several rows: cuBLAS (the Triton GEMM has nothing to dequantize and
-            # is slower); a fused gate/up then takes the SiLU product in a second, small kernel.
-            out = torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
+            # is slower); quantized weights and a long prefill: dequantize once, then cuBLAS. A fused
+            # gate/up then takes the SiLU product in a second, small kernel.
+            dense = w.weight if w.scheme == "none" else dequantize(w, self.dtype, out=self._dequant_buf)
+            out = torch.nn.functional.linear(x, dense, self._bias[id(op)])
             if silu is not None:
                 out = silu_mul(out)
                 self._pending[id(silu)] = out

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, dot_precision, next_pow2, rows_of
+from ._common import check_float, dot_precision, interpreting, next_pow2, rows_of
 
 __all__ = [
     "GpuWeight",
@@ -33,6 +33,7 @@ __all__ = [
     "linear",
     "linear_silu_mul",
     "silu_mul",
+    "dequantize",
     "dequantize_ref",
     "linear_ref",
     "linear_silu_mul_ref",
@@ -41,9 +42,12 @@ __all__ = [
     "GEMV_CONFIGS",
     "GEMM_CONFIGS",
     "SPLIT_MAX_M",
+    "DEQUANTIZE_MIN_M",
+    "SWAP_CONFIGS",
     "SplitWorkspace",
     "new_split_workspace",
     "split_workspace",
+    "swap_applies",
 ]
 
 SCHEME_IDS = {"none": 0, "w8a16": 1, "int4": 2, "sparse24": 3, "sparse24_int4": 4}
@@ -277,6 +281,114 @@ def _gemv_row(
 
 
 @triton.jit
+def _nibbles_bf16(p, FLIP_HIGH: tl.constexpr, FAST_CVT: tl.constexpr):
+    """(128 + low nibble, 128 + high nibble) of the bytes p as two bf16 tensors shaped like p.
+
+    FLIP_HIGH flips the top bit of the high nibble (int8 q -> q + 128 = 16 h + l). Every value is an
+    integer in [128, 143], exact in bf16. FAST_CVT converts four bytes per asm block: two byte
+    permutes put bytes 0 and 1 (2 and 3) in the two halves of a register, and one LOP3 per pair of
+    nibbles masks them into the mantissa of 128.0 (0x4300) -- no integer-to-float conversions.
+    """
+    if FAST_CVT:
+        high_op = "0x43084308, 0x6A" if FLIP_HIGH else "0x43004300, 0xEA"  # (a & b) ^ c, or (a & b) | c
+        lo, hi = tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 t0, t0, 4;
+            shr.u32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, {high_op};
+            lop3.b32 $3, t1, 0x000F000F, {high_op};
+            }}""",
+            constraints="=r,=r,=r,=r,r",
+            args=[p],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        b = p.to(tl.int32) & 0xFF
+        lo = ((b & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
+        hi = (((b >> 4) ^ (8 if FLIP_HIGH else 0)) + 128).to(tl.float32).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _swap_tile(
+    x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn, n_mask, K, k_lo, k_hi,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, FAST_CVT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N] like ``_mm_tile``, computed transposed on the tensor cores: W^T x^T.
+
+    For a few activation rows (bf16) the weight tile is the wide operand of the dot and x^T the
+    16-column one, so a 1-row GEMV still runs as MMAs and the CUDA cores only unpack weights.
+    Quantized codes enter the dot as exact small integers (``_nibbles_bf16``); zero points and the
+    int8 offset come off afterwards through sums of x, scales multiply the fp32 results:
+    - int4, per group: sum((q - z) x) = dot(128 + q, x) - (128 + z) sum(x);
+    - int8: q + 128 = 16 h + l, so sum(q x) = 16 dot(128 + h, x) + dot(128 + l, x) - 2304 sum(x).
+    """
+    row = rn.to(tl.int64)[:, None]
+    nm = n_mask[:, None]
+    xcol = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # x^T: rows along K, one column per activation row
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if SCHEME == 2:
+        ngroups = tl.cdiv(K, GROUP)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for gi in tl.static_range(BLOCK_K // GROUP):
+                c0 = k0 + gi * GROUP
+                b = c0 // 2 + tl.arange(0, GROUP // 2)
+                j = c0 + 2 * tl.arange(0, GROUP // 2)
+                g = c0 // GROUP
+                if EVEN:
+                    p = tl.load(w_ptr + row * stride_w + b[None, :])
+                    s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g)
+                else:
+                    p = tl.load(w_ptr + row * stride_w + b[None, :], mask=nm & (b < K // 2)[None, :], other=0)
+                    s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0.0)
+                if SYMMETRIC:
+                    zb = tl.full([BLOCK_N], 136.0, tl.float32)
+                else:
+                    zb = tl.load(z_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0)
+                    zb = zb.to(tl.float32) + 128.0
+                xe = tl.load(xcol + j[:, None], mask=m_mask[None, :] & (j < K)[:, None], other=0.0)
+                xo = tl.load(xcol + j[:, None] + 1, mask=m_mask[None, :] & (j + 1 < K)[:, None], other=0.0)
+                lo, hi = _nibbles_bf16(p, False, FAST_CVT)
+                d = tl.dot(lo, xe)
+                d = tl.dot(hi, xo, d)
+                xs = tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0)
+                acc += (d - zb[:, None] * xs[None, :]) * s[:, None]
+    elif SCHEME == 1:
+        acc_l = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        xs = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                q = tl.load(w_ptr + row * stride_w + k[None, :])
+            else:
+                q = tl.load(w_ptr + row * stride_w + k[None, :], mask=nm & (k < K)[None, :], other=0)
+            xt = tl.load(xcol + k[:, None], mask=m_mask[None, :] & (k < K)[:, None], other=0.0)
+            lo, hi = _nibbles_bf16(q, True, FAST_CVT)
+            acc = tl.dot(hi, xt, acc)
+            acc_l = tl.dot(lo, xt, acc_l)
+            xs += tl.sum(xt.to(tl.float32), axis=0)
+        acc = (16.0 * acc + acc_l - 2304.0 * xs[None, :]) * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                w = tl.load(w_ptr + row * stride_w + k[None, :])
+            else:
+                w = tl.load(w_ptr + row * stride_w + k[None, :], mask=nm & (k < K)[None, :], other=0.0)
+            xt = tl.load(xcol + k[:, None], mask=m_mask[None, :] & (k < K)[:, None], other=0.0)
+            acc = tl.dot(w, xt, acc)
+    return tl.trans(acc)
+
+
+@triton.jit
 def _mm_tile(
     x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
@@ -325,7 +437,7 @@ def _linear_kernel(
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP: tl.constexpr, FAST_CVT: tl.constexpr,
 ):  # fmt: skip
     # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
     # m varies fastest across programs, so the programs that share a weight tile run together.
@@ -342,14 +454,22 @@ def _linear_kernel(
         span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = tl.program_id(2) * span
         k_hi = tl.minimum(K, k_lo + span)
-    acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                   rn, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    if SWAP:
+        acc = _swap_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn, n_mask, K,
+                         k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+    else:
+        acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                       rn, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
     up = acc
     if SILU_MUL:
-        up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                      rn + N, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+        if SWAP:
+            up = _swap_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn + N, n_mask, K,
+                            k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+        else:
+            up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
+                          rn + N, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
     if SPLIT_K == 1:
         _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS, SILU_MUL)
     else:
@@ -376,6 +496,24 @@ def _linear_kernel(
 
 
 @triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, z_ptr, meta_ptr, out_ptr, N, K, stride_w, stride_s, stride_m, stride_o,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_mask = rn < N
+    w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
+                SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
+    if SCHEME == 1:
+        w = w * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    dst = out_ptr + rn.to(tl.int64)[:, None] * stride_o + k[None, :]
+    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (k < K)[None, :])
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -395,6 +533,7 @@ class LinearConfig:
     num_warps: int
     num_stages: int = 2
     split_k: int = 1  # programs sharing one output tile along K (see SPLIT_MAX_M)
+    swap: bool = False  # W^T x^T on the tensor cores for a few bf16 rows (``swap_applies``); block_m >= 16
 
 
 # Candidates for the autotune pass and the benchmark. The GEMV takes one activation row per program.
@@ -413,6 +552,16 @@ GEMM_CONFIGS = [
                                  (128, 128, 128, 8, 3, 1), (16, 64, 128, 4, 4, 2), (16, 64, 128, 4, 4, 4),
                                  (16, 64, 256, 4, 3, 8), (32, 64, 128, 4, 4, 4), (64, 64, 64, 4, 4, 4)]
 ]  # fmt: skip
+# The transposed tensor-core path for a few bf16 rows (``swap_applies``): W tiles of block_n rows.
+SWAP_CONFIGS = [
+    LinearConfig(16, bn, bk, w, s, sk, swap=True)
+    for bn, bk, w, s, sk in [(32, 128, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 4, 3, 1), (128, 128, 4, 3, 1),
+                             (128, 128, 8, 3, 1), (128, 256, 8, 3, 1), (64, 128, 4, 4, 1), (32, 256, 4, 4, 1),
+                             (32, 128, 4, 3, 2), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (128, 128, 8, 3, 4),
+                             (32, 256, 4, 3, 4), (64, 256, 4, 3, 8)]
+]  # fmt: skip
+# From this many rows on, a quantized weight is dequantized (``dequantize``) for a dense product.
+DEQUANTIZE_MIN_M = 256
 # Split K only while the fp32 workspace stays small (decode batches, not prefill chunks).
 SPLIT_MAX_M = 256
 _TARGET_PROGRAMS = 256  # about two waves of programs on an H200's 132 SMs
@@ -497,8 +646,9 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
     if m == 0:
         return out
     cfg = config or default_config(m, n, w.k, w.scheme)
-    use_dot = m > GEMV_MAX_M if config is None else cfg.block_m >= 16
-    block_m = cfg.block_m if use_dot else 1  # the GEMV takes one row per program
+    swap = cfg.swap and swap_applies(w, x.dtype)
+    use_dot = swap or (m > GEMV_MAX_M if config is None else cfg.block_m >= 16)
+    block_m = max(16, cfg.block_m) if swap else cfg.block_m if use_dot else 1  # the GEMV takes one row per program
     block_k = max(min(cfg.block_k, next_pow2(w.k)), min_block_k(w))
     num_stages = cfg.num_stages
     if use_dot:
@@ -528,9 +678,16 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         META_PACKED=w.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and w.k % block_k == 0,
-        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=num_stages,
+        SPLIT_K=split_k, SWAP=swap, FAST_CVT=not interpreting(), num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def swap_applies(w: GpuWeight, dtype: torch.dtype) -> bool:
+    """Whether the transposed tensor-core path (``LinearConfig.swap``) runs ``w`` for activations of ``dtype``:
+    bf16 activations, dense bf16, w8a16 or int4 weights, int4 groups of 32 or more (the dot's K is
+    half a group). Otherwise a swap configuration runs as a ``tl.dot`` tile."""
+    return dtype == torch.bfloat16 and (w.scheme in ("none", "w8a16") or (w.scheme == "int4" and w.group_size >= 32))
 
 
 def linear(
@@ -560,6 +717,34 @@ def linear_silu_mul(
 ) -> torch.Tensor:
     """The fused gate/up projection and SiLU-mul: W [2F, K] is gate rows then up rows -> [M, F]."""
     return _launch(x, weight, bias, out, config, silu_mul=True, workspace=workspace)
+
+
+def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in ``dtype`` (rounded once from the fp32 value ``dequantize_ref`` defines), written
+    into ``out`` when given (a buffer of at least N * K elements; the first N * K are used).
+
+    Long prefills on quantized weights dequantize once and run the dense matrix product: at
+    thousands of rows the weight is read once either way, and the dense product runs at the
+    tensor cores' rate."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dequantize to {dtype}: expected a float dtype")
+    if out is None:
+        out = torch.empty((w.n, w.k), dtype=dtype, device=w.weight.device)
+    else:
+        if out.dtype != dtype or not out.is_contiguous() or out.numel() < w.n * w.k:
+            raise ValueError(f"dequantize buffer: {out.dtype} of {out.numel()} elements; need {dtype}, "
+                             f"contiguous, >= {w.n * w.k}")  # fmt: skip
+        out = out.view(-1)[: w.n * w.k].view(w.n, w.k)
+    block_n, block_k = 32, max(128, min_block_k(w))
+    s, z, meta = w.scales, w.zeros, w.meta
+    _dequantize_kernel[(triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))](
+        w.weight, s if s is not None else out, z if z is not None else out, meta if meta is not None else out, out,
+        w.n, w.k, w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
+        meta.stride(0) if meta is not None else 0, out.stride(0),
+        SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
+        META_PACKED=w.layout == "sparse24_nibble_meta", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

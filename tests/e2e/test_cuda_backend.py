@@ -165,40 +165,74 @@ BF16_TOKENS = 32
 BF16_NEAR_TIE = 0.05  # at a parting step: HF logit of MGX's token >= HF top logit - this * max(1, |top|)
 
 
+def _bf16_agreement(name: str, engine, hf, prompts: list[list[int]]) -> int:  # noqa: ANN001
+    """Greedy 32 tokens from MGX and transformers (both bf16) per prompt: asserts that wherever they
+    part, MGX's token is a near-tie in transformers' logits at that step; returns how many agree."""
+    agree = 0
+    for prompt in prompts:
+        ours, _ = engine.greedy_with_logits(prompt, BF16_TOKENS)
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=BF16_TOKENS, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        theirs = out.sequences[0, len(prompt) :].tolist()
+        if ours == theirs:
+            agree += 1
+            continue
+        step = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        logits = out.logits[step][0].float()
+        top = float(logits.max())
+        assert float(logits[ours[step]]) >= top - BF16_NEAR_TIE * max(1.0, abs(top)), (
+            f"{name}: token {step} is {ours[step]} (HF logit {float(logits[ours[step]]):.3f}), "
+            f"transformers chose {theirs[step]} ({top:.3f})"
+        )
+    print(f"bf16 {name}: {agree} of {len(prompts)} prompts agree with transformers on {BF16_TOKENS} tokens")
+    return agree
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_greedy_matches_transformers_for_32_tokens(tiny_models, monkeypatch, record_property) -> None:  # noqa: ANN001
+    """Tiny random models (flat logits, so near-ties are common): partings must be near-ties;
+    agreement is reported, not asserted (SmolLM2 below asserts it)."""
     from transformers import AutoModelForCausalLM
 
     from mgx.runtime import Engine
 
     monkeypatch.setenv("MGX_CUDA_DTYPE", "bf16")
-    agree, cases = 0, []
+    agree, cases = 0, 0
     for family, built in tiny_models.items():
         engine = Engine(built.artifact, backend="cuda")
         hf = AutoModelForCausalLM.from_pretrained(built.folder, torch_dtype=torch.bfloat16).to("cuda").eval()
         rng = np.random.default_rng(1)
         prompts = [list(c.prompt_ids) for c in built.result.golden.cases]
         prompts += [rng.integers(3, engine.graph.arch.vocab_size, 12).tolist() for _ in range(2)]
-        for prompt in prompts:
-            ours, _ = engine.greedy_with_logits(prompt, BF16_TOKENS)
-            ids = torch.tensor([prompt], device="cuda")
-            with torch.no_grad():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=BF16_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-            theirs = out.sequences[0, len(prompt) :].tolist()
-            cases.append((family, len(prompt)))
-            if ours == theirs:
-                agree += 1
-                continue
-            step = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
-            logits = out.logits[step][0].float()
-            top = float(logits.max())
-            assert float(logits[ours[step]]) >= top - BF16_NEAR_TIE * max(1.0, abs(top)), (
-                f"{family}: token {step} is {ours[step]} (HF logit {float(logits[ours[step]]):.3f}), "
-                f"transformers chose {theirs[step]} ({top:.3f})"
-            )
-    record_property("bf16_cases_agreeing_on_32_tokens", f"{agree} of {len(cases)}")
-    print(f"bf16: {agree} of {len(cases)} (model, prompt) cases agree with transformers on {BF16_TOKENS} tokens")
+        agree += _bf16_agreement(family, engine, hf, prompts)
+        cases += len(prompts)
+    record_property("bf16_cases_agreeing_on_32_tokens", f"{agree} of {cases}")
+
+
+SMOLLM2_BF16_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                        "The three primary colors are", "import numpy as np\n", "The largest planet in our solar system",
+                        "Water boils at", "My favourite book is", "1, 2, 3, 4,", "In 1492, Columbus"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_smollm2_bf16_matches_transformers_on_most_prompts(smollm2, monkeypatch, record_property) -> None:  # noqa: ANN001
+    """The rule for real weights: on more than half of the prompts MGX and transformers (both bf16 on
+    the GPU) give the same 32 greedy tokens, and every parting is a near-tie."""
+    import copy
+
+    from mgx.runtime import Engine
+
+    monkeypatch.setenv("MGX_CUDA_DTYPE", "bf16")
+    engine = Engine(smollm2.artifact, backend="cuda")
+    hf = copy.deepcopy(smollm2.source.model).to(torch.bfloat16).to("cuda").eval()
+    tok = smollm2.source.tokenizer
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in SMOLLM2_BF16_PROMPTS]
+    agree = _bf16_agreement("smollm2", engine, hf, prompts)
+    record_property("smollm2_bf16_prompts_agreeing_on_32_tokens", f"{agree} of {len(prompts)}")
+    assert agree > len(prompts) // 2, f"only {agree} of {len(prompts)} prompts agree on {BF16_TOKENS} tokens"
 
 
 @pytest.mark.gpu

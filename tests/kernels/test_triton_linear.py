@@ -217,3 +217,58 @@ def test_shared_workspace_is_never_zeroed_inside_a_graph_capture(monkeypatch: py
     monkeypatch.setattr(lin, "_workspaces", {})
     with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"):
         lin.split_workspace(torch.device("cuda", 0), 10, 1)
+
+
+@pytest.mark.parametrize("name", ["dense", "w8a16", "int4-g32", "int4-g64-sym"])
+@pytest.mark.parametrize("m, split, silu", [(1, 1, False), (5, 3, False), (16, 1, True), (20, 2, True)])
+def test_swapped_tensor_core_path(name: str, m: int, split: int, silu: bool) -> None:
+    """``LinearConfig.swap`` (W^T x^T, codes entering the dot as 128 + nibble, offsets removed through
+    sums of x) against the fp32 reference, on bf16 activations. N and K are not multiples of the
+    tile, so the masked loads run too; int8 codes include both extremes (-128 and 127)."""
+    scheme, kw = WEIGHTS[name]
+    g = torch.Generator().manual_seed(20 + m)
+    n, k = 2 * 40 if silu else 72, 320
+    w = make_weight(scheme, n, k, dtype=torch.bfloat16, device=DEVICE, generator=g, **kw)
+    if scheme == "w8a16":
+        w.weight[:, 0], w.weight[:, 1] = -128, 127
+    assert lin.swap_applies(w, torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = lin.LinearConfig(16, 32, 128, 4, 2, split, swap=True)
+    got = (lin.linear_silu_mul if silu else lin.linear)(x, w, bias, config=cfg).float()
+    want = (lin.linear_silu_mul_ref if silu else lin.linear_ref)(x.float(), w, bias.float()).float()
+    err = (got - want).abs()
+    # fp32 sums in another order, then one bf16 rounding of the output: within one bf16 step (2^-7
+    # relative), as Triton's interpreter truncates to bf16 where the GPU rounds to nearest.
+    assert (err <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all(), err.max()
+    ws, cnt = lin.split_workspace(x.device, 0, 0)
+    assert not ws.any() and not cnt.any()
+
+
+def test_swap_falls_back_where_it_does_not_apply() -> None:
+    """fp32 activations, 2:4 weights and int4 groups of 16 run a swap configuration as a plain tile."""
+    g = torch.Generator().manual_seed(30)
+    cfg = lin.LinearConfig(16, 16, 64, 4, 2, swap=True)
+    for scheme, kw, dtype in (("none", {}, torch.float32), ("sparse24", {}, torch.bfloat16),
+                              ("int4", {"group_size": 16}, torch.bfloat16)):  # fmt: skip
+        w = make_weight(scheme, 32, 128, dtype=dtype, device=DEVICE, generator=g, **kw)
+        assert not lin.swap_applies(w, dtype)
+        x = torch.randn(3, 128, generator=g).to(dtype).to(DEVICE)
+        got, want = lin.linear(x, w, config=cfg).float(), lin.linear_ref(x.float(), w).float()
+        assert ((got - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_dequantize_kernel_matches_the_reference(name: str) -> None:
+    """The Triton dequantization (long prefills: dequantize, then a dense product) equals
+    ``dequantize_ref`` rounded once; a shared buffer larger than W serves too, a wrong one is refused."""
+    scheme, kw = WEIGHTS[name]
+    w = make_weight(scheme, 40, 384, dtype=torch.float32, device=DEVICE, generator=torch.Generator().manual_seed(31), **kw)
+    want = lin.dequantize_ref(w)
+    torch.testing.assert_close(lin.dequantize(w, torch.float32), want, atol=0, rtol=0)
+    buf = torch.full((50 * 384,), float("nan"), dtype=torch.float32, device=DEVICE)
+    got = lin.dequantize(w, torch.float32, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="dequantize buffer"):
+        lin.dequantize(w, torch.float32, out=buf[: 40 * 383])
