@@ -26,7 +26,10 @@ class SeqChunk:
     sample: bool = True  # False: no logits at all (a prefill chunk that does not end the prompt)
 
     def __post_init__(self) -> None:
-        self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
+        t = self.token_ids
+        # An int64 vector is kept as is: a decode step makes one chunk per sequence.
+        if not (type(t) is np.ndarray and t.ndim == 1 and t.dtype == np.int64):
+            self.token_ids = np.asarray(t, dtype=np.int64).reshape(-1)
         if self.token_ids.size == 0:
             raise ValueError(f"sequence {self.seq_id}: a step needs at least one token")
         if self.positions is not None:

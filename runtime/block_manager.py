@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockManager", "BlockPool", "SlotPool", "block_hash"]
+__all__ = ["BlockManager", "BlockPool", "SlotPool", "StepBlocks", "block_hash"]
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -127,6 +127,15 @@ class SlotPool:
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
+
+
+@dataclass(slots=True)
+class StepBlocks:
+    """Where the sequences of one step stand (``BlockManager.prepare_step``), one entry per sequence."""
+
+    starts: list[int]  # tokens already cached: the position of the first new token
+    tables: list[list[int]]  # block tables (the manager's own lists: do not modify)
+    state_slots: list[int | None]  # recurrent-state slots
 
 
 @dataclass(slots=True)
@@ -240,6 +249,26 @@ class BlockManager:
         if take_slot:
             seq.slot = self.slots.allocate()  # type: ignore[union-attr]
         return True
+
+    def prepare_step(self, seq_ids: Sequence[int], num_new: Sequence[int]) -> StepBlocks | None:
+        """Room for each sequence's ``num_new`` next tokens, and where its K/V lives, in one pass.
+
+        What the scheduler already allocated is only looked at (one comparison per sequence). None
+        when a sequence cannot get its blocks; the sequences before it keep what they got.
+        """
+        bs, has_slots = self.block_size, self.slots is not None
+        out = StepBlocks([], [], [])
+        for seq_id, n in zip(seq_ids, num_new, strict=True):
+            seq = self._seqs.get(seq_id)
+            start = len(seq.tokens) if seq is not None else 0
+            if seq is None or len(seq.table) * bs < start + n or (has_slots and seq.slot is None):
+                if not self.allocate(seq_id, start + n):
+                    return None
+                seq = self._seqs[seq_id]
+            out.starts.append(start)
+            out.tables.append(seq.table)
+            out.state_slots.append(seq.slot)
+        return out
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Record that the K/V of ``token_ids`` (the next tokens of ``seq_id``) is written; cache full blocks."""

@@ -234,26 +234,30 @@ class Engine:
                 raise EngineError("the scheduler found nothing to run although requests are waiting")
             return []
         start, kv_used = time.perf_counter(), self.blocks.num_used_blocks
-        reqs = [self._by_seq[c.seq.seq_id] for c in plan.chunks]
-        chunks = [SeqChunk(c.seq.seq_id, c.token_ids, sample=c.samples) for c in plan.chunks]
-        sampling = [r for c, r in zip(plan.chunks, reqs) if c.samples]
-        if all(_plain_greedy(r.params) for r in sampling):
+        by_seq = self._by_seq
+        reqs = [by_seq[c.seq.seq_id] for c in plan.chunks]
+        samples = [c.samples for c in plan.chunks]
+        chunks = _seq_chunks(plan, samples)
+        sampling = [r for r, s in zip(reqs, samples) if s]
+        if all(r.plain_greedy for r in sampling):
             # The LM head fused with the argmax: no [R, V] logits leave the backend.
             picked = self.runner.step_greedy(chunks)  # per chunk (ids [1], logits [1]), or empty
-            outputs = [self._accept(r, int(ids[-1]), None) for c, r, (ids, _) in zip(plan.chunks, reqs, picked) if c.samples]
+            now = time.perf_counter()  # every token of the step came out now
+            tokens = [int(ids[-1]) for (ids, _), s in zip(picked, samples) if s]
+            outputs = [self._accept(r, t, None, now) for r, t in zip(sampling, tokens)]
         else:
             logits = self.runner.step(chunks)  # per chunk [1, V] (or [0, V] for a chunk that does not sample)
-            outputs = [self._sample(r, rows[-1]) for c, r, rows in zip(plan.chunks, reqs, logits) if c.samples]
+            outputs = [self._sample(r, rows[-1]) for r, rows, s in zip(reqs, logits, samples) if s]
         self._account(plan, reqs, start, time.perf_counter(), len(outputs), kv_used)
         return outputs
 
     def _sample(self, req: Request, logits: np.ndarray) -> RequestOutput:
         token = req.sampler.sample(logits, req.seq.token_ids, req.output_ids)
         logprobs = req.sampler.logprobs(logits, token) if req.params.logprobs is not None else None
-        return self._accept(req, token, logprobs)
+        return self._accept(req, token, logprobs, time.perf_counter())
 
-    def _accept(self, req: Request, token: int, logprobs: Any) -> RequestOutput:
-        out = req.accept(token, logprobs, time.perf_counter())
+    def _accept(self, req: Request, token: int, logprobs: Any, now: float) -> RequestOutput:
+        out = req.accept(token, logprobs, now)
         if out.finished:
             self.scheduler.finish(req.seq)
             self._forget(req)
@@ -403,12 +407,11 @@ class Engine:
             )
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing that needs the whole logits row (penalties, log-probabilities)."""
-    return (
-        params.greedy
-        and params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
-        and params.logprobs is None
-    )
+def _seq_chunks(plan: StepPlan, samples: list[bool]) -> list[SeqChunk]:
+    """The runner's chunks of ``plan``: their ids are views of one array, not an array each."""
+    flat = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in plan.chunks), dtype=np.int64)
+    ends = list(itertools.accumulate(c.num_tokens for c in plan.chunks))
+    return [
+        SeqChunk(c.seq.seq_id, flat[end - c.num_tokens : end], sample=s)
+        for c, end, s in zip(plan.chunks, ends, samples)
+    ]

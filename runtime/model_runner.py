@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -82,26 +82,31 @@ class ModelRunner:
         return [(ids[rows], top[rows]) for rows in batch.sampled_slices()]
 
     def _run(self, chunks: Sequence[SeqChunk], greedy: bool) -> tuple[StepBatch, Any]:
-        starts = [self.blocks.num_computed(c.seq_id) for c in chunks]
+        blocks = self.blocks
+        seq_ids = [c.seq_id for c in chunks]
+        starts = [blocks.num_computed(s) for s in seq_ids]
         batch = StepBatch.pack(chunks, starts)
         batch.greedy = greedy
         self._check_positions(batch, starts)
-        for c, start in zip(chunks, starts, strict=True):
-            if not self.blocks.allocate(c.seq_id, start + c.token_ids.size):
+        sizes = np.diff(batch.cu_seqlens).tolist()
+        room = blocks.prepare_step(seq_ids, sizes)  # allocates only what the scheduler did not
+        if room is None:
+            self._raise_out_of_blocks(seq_ids, starts, sizes)
+        batch.paged = PagedStep.build(batch, room.tables, blocks.block_size, room.state_slots)
+        out = self.execute(batch)
+        ids, cu = batch.token_ids.tolist(), batch.cu_seqlens.tolist()
+        for i, seq_id in enumerate(seq_ids):
+            blocks.commit(seq_id, ids[cu[i] : cu[i + 1]])
+        return batch, out
+
+    def _raise_out_of_blocks(self, seq_ids: list[int], starts: list[int], sizes: list[int]) -> NoReturn:
+        for seq_id, start, n in zip(seq_ids, starts, sizes, strict=True):
+            if not self.blocks.allocate(seq_id, start + n):  # a no-op for those that got their blocks
                 raise KVCacheError(
-                    f"sequence {c.seq_id}: no free KV block for {c.token_ids.size} more tokens "
+                    f"sequence {seq_id}: no free KV block for {n} more tokens "
                     f"({self.blocks.num_free_blocks} of {self.blocks.num_blocks} blocks free)"
                 )
-        batch.paged = PagedStep.build(
-            batch,
-            [self.blocks.table(s) for s in batch.seq_ids],
-            self.blocks.block_size,
-            [self.blocks.state_slot(s) for s in batch.seq_ids],
-        )
-        out = self.execute(batch)
-        for c in chunks:
-            self.blocks.commit(c.seq_id, c.token_ids.tolist())
-        return batch, out
+        raise AssertionError("prepare_step failed but every sequence has its blocks")  # pragma: no cover
 
     def execute(self, batch: StepBatch) -> Any:
         """Run the graph on a packed batch whose paged view is set -> host logits [R, V], or with

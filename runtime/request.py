@@ -72,9 +72,9 @@ class TextDelta:
     token_id: int | None  # the token that completed it; None for the final flush
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step added to a request (``AsyncEngine.generate`` yields these)."""
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is ~5x slower (2.3 vs 0.4 us here),
+class RequestOutput:  # and a decode step makes one per running request
+    """What one step added to a request (``AsyncEngine.generate`` yields these; do not modify)."""
 
     request_id: str
     text: str  # new text since the last output (may be "": incomplete character, or held for a stop string)
@@ -131,6 +131,15 @@ class Request:
         self.seq = seq
         self.params = params
         self.sampler = Sampler(params)
+        # Greedy with nothing that needs the whole logits row (penalties, log-probabilities): the
+        # backend's LM head fused with the argmax can pick its tokens.
+        self.plain_greedy = (
+            params.greedy
+            and params.repetition_penalty == 1.0
+            and not params.presence_penalty
+            and not params.frequency_penalty
+            and params.logprobs is None
+        )
         self.detok = detokenizer
         self.stops = StopStrings(params.stop)
         self.metrics = metrics

@@ -38,9 +38,9 @@ class Sequence:
     num_preemptions: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq`` from position ``start`` run this step."""
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is several times slower, and
+class ScheduledChunk:  # a decode step makes one per running sequence
+    """``num_tokens`` tokens of ``seq`` from position ``start`` run this step (do not modify)."""
 
     seq: Sequence
     start: int
@@ -94,18 +94,20 @@ class Scheduler:
         budget = self.config.max_tokens_per_step
         plan: dict[int, ScheduledChunk] = {}
         preempted: list[Sequence] = []
-        decoding: list[Sequence] = []
-        prefilling: list[Sequence] = []
+        decoding: list[tuple[Sequence, int]] = []  # (sequence, tokens computed)
+        prefilling: list[tuple[Sequence, int]] = []
+        num_computed = self.blocks.num_computed
         for s in self.running:
-            left = self._remaining(s)
+            start = num_computed(s.seq_id)
+            left = len(s.token_ids) - start
             if left == 1:
-                decoding.append(s)
+                decoding.append((s, start))
             elif left > 1:
-                prefilling.append(s)
-        for seq in decoding + prefilling:
+                prefilling.append((s, start))
+        # A preemption below frees only its victim's blocks, so the others' starts stay true.
+        for seq, start in decoding + prefilling:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this step, or the budget is spent
-            start = self.blocks.num_computed(seq.seq_id)
             n = min(len(seq.token_ids) - start, budget)
             while not self.blocks.allocate(seq.seq_id, start + n):
                 victim = self.running[-1]  # the newest
@@ -159,6 +161,3 @@ class Scheduler:
         seq.num_preemptions += 1
         # Oldest first at the front: preemption goes newest first, so each goes before the last one.
         self.waiting.appendleft(seq)
-
-    def _remaining(self, seq: Sequence) -> int:
-        return len(seq.token_ids) - self.blocks.num_computed(seq.seq_id)

@@ -26,6 +26,7 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._tok = HFTokenizer.from_str(tokenizer_json)
+        self._singles: dict[int, str] = {}  # decode([id]) by id: streaming decodes one token alone per step
         self.chat_template = chat_template
         self.bos_token = self._token_str(bos_token_id)
         self.eos_token = self._token_str(eos_token_ids[0]) if eos_token_ids else ""
@@ -41,6 +42,15 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _decode_window(self, ids: list[int]) -> str:
+        """``decode(ids)``, with one-token windows served from a cache (decoding is a pure function)."""
+        if len(ids) != 1:
+            return self._tok.decode(ids)
+        text = self._singles.get(ids[0])
+        if text is None:
+            text = self._singles[ids[0]] = self._tok.decode(ids)
+        return text
 
     def encode_prompt(self, prompt: str, *, chat: bool = False) -> list[int]:
         """Ids of a user prompt: as a single user turn of the chat template with ``chat``, else as is.
@@ -87,6 +97,10 @@ class IncrementalDetokenizer:
     and some decoders change a token's text depending on what precedes it (leading spaces). So each
     push decodes a short window ``ids[prefix:]`` and emits what it adds to ``ids[prefix:read]``,
     unless it ends in U+FFFD (an incomplete character); then it waits for the next token.
+
+    The text of ``ids[prefix:read]`` only changes when text is emitted, so it is kept between
+    pushes; in steady state it is one token, whose text the tokenizer caches. A push then costs one
+    decode, not two.
     """
 
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
@@ -94,6 +108,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(context)[-6:]
         self._prefix = 0  # start of the window decoded for context
         self._read = len(self._ids)  # ids before this are already emitted
+        self._before: str | None = None  # the text of ids[prefix:read]; None until decoded
 
     def push(self, token_id: int) -> str:
         """Add one id; returns the new stable text ("" while a character is incomplete)."""
@@ -101,19 +116,22 @@ class IncrementalDetokenizer:
         text = self._pending()
         if not text or text.endswith("\ufffd"):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read, self._before = self._read, len(self._ids), None
         return text
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character comes out as U+FFFD)."""
         text = self._pending()
         self._prefix = self._read = len(self._ids)
+        self._before = None
         return text
 
     def _pending(self) -> str:
-        ids = self._ids
-        before = self._tok.decode(ids[self._prefix : self._read])
-        after = self._tok.decode(ids[self._prefix :])
+        ids, prefix = self._ids, self._prefix
+        before = self._before
+        if before is None:
+            before = self._before = self._tok._decode_window(ids[prefix : self._read])
+        after = self._tok._decode_window(ids[prefix:])
         return after[len(before) :] if len(after) > len(before) else ""
 
 

@@ -98,3 +98,24 @@ def test_commit_past_the_allocated_blocks_is_a_bug() -> None:
     assert bm.allocate(0, 2)
     with pytest.raises(AssertionError, match="past its blocks"):
         bm.commit(0, [1, 2, 3])
+
+
+def test_prepare_step_allocates_only_what_is_missing_and_reports_where_kv_lives() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4, prefix_caching=False)
+    computed(bm, 0, [1, 2, 3])
+    assert bm.allocate(1, 4)  # what the scheduler does before the runner
+    used = bm.num_used_blocks
+    room = bm.prepare_step([0, 1], [1, 4])
+    assert room is not None and bm.num_used_blocks == used  # both already had room
+    assert (room.starts, room.tables, room.state_slots) == ([3, 0], [bm.table(0), bm.table(1)], [None, None])
+    room = bm.prepare_step([0, 2], [2, 5])  # seq 0 grows into a second block; 2 is new
+    assert room is not None and room.starts == [3, 0] and [len(t) for t in room.tables] == [2, 2]
+    assert bm.prepare_step([1, 3], [5, 9]) is None  # 1 gets its block, 3 cannot: the earlier keep theirs
+    assert len(bm.table(1)) == 2 and bm.num_free_blocks == 0
+
+
+def test_prepare_step_takes_state_slots() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, num_state_slots=1)
+    room = bm.prepare_step([0], [3])
+    assert room is not None and room.state_slots == [0]
+    assert bm.prepare_step([1], [1]) is None  # no slot left

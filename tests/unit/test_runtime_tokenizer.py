@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mgx.runtime.errors import ChatTemplateError
@@ -52,6 +54,41 @@ def test_streaming_flushes_a_dangling_character(bpe: Tokenizer) -> None:
     detok = bpe.detokenizer()
     assert all(detok.push(i) == "" for i in ids[:-1])
     assert detok.flush() == "\ufffd"
+
+
+class _TwoDecodeDetokenizer:
+    """The streaming rule decoded the plain way, both windows on every push (the reference)."""
+
+    def __init__(self, tok: Tokenizer, context: list[int]) -> None:
+        self.tok, self.ids = tok, list(context)[-6:]
+        self.prefix, self.read = 0, len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.pending()
+        if not text or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text
+
+    def pending(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        return after[len(before) :] if len(after) > len(before) else ""
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streaming_equals_decoding_both_windows_every_time(bpe: Tokenizer, seed: int) -> None:
+    # Random ids of a byte-level vocabulary split characters anywhere, leave invalid UTF-8 and
+    # special tokens; the cached one-token texts must change nothing, push by push.
+    rng = random.Random(seed)
+    stream = [rng.randrange(bpe.vocab_size) for _ in range(300)]
+    stream[50:53] = bpe.encode("🙂", add_special_tokens=False)[:3]
+    context = [rng.randrange(bpe.vocab_size) for _ in range(seed * 3)]
+    fast, ref = bpe.detokenizer(context), _TwoDecodeDetokenizer(bpe, context)
+    for i in stream:
+        assert fast.push(i) == ref.push(i)
+    assert fast.flush() == ref.pending()
 
 
 def test_word_level_streaming_keeps_spaces() -> None:
