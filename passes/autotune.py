@@ -102,7 +102,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 continue  # dense weights with several rows run on cuBLAS in the CUDA backend
             x = torch.randn(m, w.k, dtype=dtype, device=device)
             best = None
-            for config in candidates(m):
+            for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
                 try:
                     seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats)
                 except Exception:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)

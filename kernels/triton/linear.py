@@ -287,12 +287,13 @@ def _nibbles_bf16(p, FLIP_HIGH: tl.constexpr, FAST_CVT: tl.constexpr):
     FLIP_HIGH flips the top bit of the high nibble (int8 q -> q + 128 = 16 h + l). Every value is an
     integer in [128, 143], exact in bf16. FAST_CVT converts four bytes per asm block: two byte
     permutes put bytes 0 and 1 (2 and 3) in the two halves of a register, and one LOP3 per pair of
-    nibbles masks them into the mantissa of 128.0 (0x4300) -- no integer-to-float conversions.
+    nibbles masks them into the mantissa of 128.0 (0x4300) -- no integer-to-float conversions. With
+    FLIP_HIGH the high pair is masked and XOR-ed with 0x4308 (LOP3 0x6A: (a & b) ^ c), which sets
+    128.0's bits and flips bit 3 of the nibble at once.
     """
-    if FAST_CVT:
-        high_op = "0x43084308, 0x6A" if FLIP_HIGH else "0x43004300, 0xEA"  # (a & b) ^ c, or (a & b) | c
+    if FAST_CVT and FLIP_HIGH:
         lo, hi = tl.inline_asm_elementwise(
-            asm=f"""{{
+            asm="""{
             .reg .b32 t0, t1;
             prmt.b32 t0, $4, 0, 0x4140;
             prmt.b32 t1, $4, 0, 0x4342;
@@ -300,9 +301,28 @@ def _nibbles_bf16(p, FLIP_HIGH: tl.constexpr, FAST_CVT: tl.constexpr):
             lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
             shr.u32 t0, t0, 4;
             shr.u32 t1, t1, 4;
-            lop3.b32 $2, t0, 0x000F000F, {high_op};
-            lop3.b32 $3, t1, 0x000F000F, {high_op};
-            }}""",
+            lop3.b32 $2, t0, 0x000F000F, 0x43084308, 0x6A;
+            lop3.b32 $3, t1, 0x000F000F, 0x43084308, 0x6A;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[p],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    elif FAST_CVT:  # as above, the high nibble OR-ed in rather than XOR-ed (LOP3 0xEA: (a & b) | c)
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 t0, t0, 4;
+            shr.u32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
+            }""",
             constraints="=r,=r,=r,=r,r",
             args=[p],
             dtype=(tl.bfloat16, tl.bfloat16),

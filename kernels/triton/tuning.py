@@ -14,7 +14,17 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from .linear import GEMM_CONFIGS, GEMV_CONFIGS, GEMV_MAX_M, GpuWeight, LinearConfig
+import torch
+
+from .linear import (
+    GEMM_CONFIGS,
+    GEMV_CONFIGS,
+    GEMV_MAX_M,
+    SWAP_CONFIGS,
+    GpuWeight,
+    LinearConfig,
+    swap_applies,
+)
 
 __all__ = ["Tunings", "weight_signature", "shape_key", "candidates"]
 
@@ -28,9 +38,13 @@ def shape_key(w: GpuWeight, m: int) -> str:
     return f"{weight_signature(w)},M={m}"
 
 
-def candidates(m: int) -> list[LinearConfig]:
-    """The configurations the autotune pass times at M rows."""
-    return list(GEMV_CONFIGS if m <= GEMV_MAX_M else GEMM_CONFIGS)
+def candidates(m: int, w: GpuWeight | None = None, dtype: torch.dtype | None = None) -> list[LinearConfig]:
+    """The configurations the autotune pass times at M rows; with the weight and activation dtype,
+    the transposed tensor-core ones too where they apply (up to 16 rows, ``swap_applies``)."""
+    found = list(GEMV_CONFIGS if m <= GEMV_MAX_M else GEMM_CONFIGS)
+    if w is not None and dtype is not None and m <= 16 and swap_applies(w, dtype):
+        found += SWAP_CONFIGS
+    return found
 
 
 def config_dict(config: LinearConfig) -> dict[str, Any]:

@@ -165,25 +165,36 @@ BF16_TOKENS = 32
 BF16_NEAR_TIE = 0.05  # at a parting step: HF logit of MGX's token >= HF top logit - this * max(1, |top|)
 
 
+def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
+    """transformers' greedy tokens and fp32 logits: its bf16 model up to the final hidden state, the
+    LM head in fp32 (bf16 logits come in steps of 0.125 at magnitudes 16-32, which turns near-ties
+    into exact ties that the lowest token id wins; MGX's head takes its argmax in fp32)."""
+    ids = torch.tensor([prompt], device="cuda")
+    head = hf.get_output_embeddings().weight.float()
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            h = hf.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0, -1]
+            logits.append(h.float() @ head.T)
+            tokens.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, ids.new_tensor([[tokens[-1]]])], dim=1)
+    return tokens, logits
+
+
 def _bf16_agreement(name: str, engine, hf, prompts: list[list[int]]) -> int:  # noqa: ANN001
     """Greedy 32 tokens from MGX and transformers (both bf16) per prompt: asserts that wherever they
     part, MGX's token is a near-tie in transformers' logits at that step; returns how many agree."""
     agree = 0
     for prompt in prompts:
         ours, _ = engine.greedy_with_logits(prompt, BF16_TOKENS)
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=BF16_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        theirs = out.sequences[0, len(prompt) :].tolist()
+        theirs, logits = _hf_greedy(hf, prompt, BF16_TOKENS)
         if ours == theirs:
             agree += 1
             continue
         step = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
-        logits = out.logits[step][0].float()
-        top = float(logits.max())
-        assert float(logits[ours[step]]) >= top - BF16_NEAR_TIE * max(1.0, abs(top)), (
-            f"{name}: token {step} is {ours[step]} (HF logit {float(logits[ours[step]]):.3f}), "
+        top = float(logits[step].max())
+        assert float(logits[step][ours[step]]) >= top - BF16_NEAR_TIE * max(1.0, abs(top)), (
+            f"{name}: token {step} is {ours[step]} (HF logit {float(logits[step][ours[step]]):.3f}), "
             f"transformers chose {theirs[step]} ({top:.3f})"
         )
     print(f"bf16 {name}: {agree} of {len(prompts)} prompts agree with transformers on {BF16_TOKENS} tokens")

@@ -272,3 +272,14 @@ def test_dequantize_kernel_matches_the_reference(name: str) -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="dequantize buffer"):
         lin.dequantize(w, torch.float32, out=buf[: 40 * 383])
+
+
+def test_autotune_candidates_include_the_swapped_path_where_it_applies() -> None:
+    from mgx.kernels.triton.tuning import candidates
+
+    q = make_weight("w8a16", 32, 128, device=DEVICE)
+    assert set(lin.SWAP_CONFIGS) <= set(candidates(1, q, torch.bfloat16))
+    assert set(lin.SWAP_CONFIGS) <= set(candidates(16, q, torch.bfloat16))
+    assert not set(lin.SWAP_CONFIGS) & set(candidates(1, q, torch.float32))  # fp32 activations
+    assert not set(lin.SWAP_CONFIGS) & set(candidates(17, q, torch.bfloat16))
+    assert candidates(1) == lin.GEMV_CONFIGS and candidates(4) == lin.GEMM_CONFIGS
