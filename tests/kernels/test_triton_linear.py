@@ -192,6 +192,9 @@ def test_split_k_silu_mul(name: str) -> None:
 
 def test_default_config_splits_narrow_decode_shapes() -> None:
     assert lin.default_config(1, 4096, 4096).split_k == 1  # the GEMV: one row per program
+    assert lin.default_config(1, 4096, 14336, "int4").split_k == 8  # int4 GEMVs split K (H200 sweep)
+    assert lin.default_config(1, 28672, 4096, "int4").split_k == 4
+    assert lin.default_config(1, 4096, 4096, "w8a16").split_k == 1
     assert lin.default_config(8, 64, 4096).split_k == 16  # one output tile, 32 K tiles: 16 shares of 2
     assert lin.default_config(32, 28672, 4096).split_k == 1  # 448 tiles already fill the GPU
     assert lin.default_config(512, 64, 4096).split_k == 1  # prefill: no split
