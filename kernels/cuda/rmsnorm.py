@@ -16,11 +16,15 @@ import torch
 
 from .driver import CudaDriverError, CudaModule, cubin_sm, device_sm
 
-__all__ = ["CudaKernels", "arch_runs_on", "load_cuda_kernels", "rms_norm", "reset_fallback_warning"]
+__all__ = ["KERNEL_ABI", "CudaKernels", "arch_runs_on", "load_cuda_kernels", "rms_norm", "reset_fallback_warning"]
 
 MAX_VEC = 4  # kMaxVec in rmsnorm.cu
 MAX_THREADS = 512  # kMaxThreads in rmsnorm.cu
-_ENTRY = {torch.float32: "mgx_rms_norm_f32", torch.float16: "mgx_rms_norm_f16", torch.bfloat16: "mgx_rms_norm_bf16"}
+KERNEL_ABI = 1  # MGX_KERNEL_ABI in rmsnorm.cu: the suffix of every entry point's name
+_ENTRY = {
+    dtype: f"mgx_rms_norm_{name}_v{KERNEL_ABI}"
+    for dtype, name in ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16"))
+}
 
 _warned = False
 
@@ -84,6 +88,13 @@ def load_cuda_kernels(cubin: bytes | None, arch: str | None, device: int | None 
         except CudaDriverError as e:
             _fallback(f"the driver refused the stored CUDA kernels on {name} ({e})")
             return None
+        for entry in _ENTRY.values():
+            try:
+                module.function(entry)
+            except CudaDriverError:
+                _fallback(f"the stored CUDA kernels have no {entry} (built for another kernel ABI than "
+                          f"v{KERNEL_ABI}; compile the artifact again with this version of MGX)")  # fmt: skip
+                return None
     return CudaKernels(module, arch or f"sm_{built}", device)
 
 

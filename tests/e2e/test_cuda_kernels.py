@@ -216,7 +216,7 @@ def test_gpu_native_rmsnorm_is_loaded_and_gives_the_triton_tokens(
         kernels.module, "launch", lambda name, *a, **k: launches.append(name) or launch(name, *a, **k)
     )
     tokens = _tokens(engine, built)
-    assert launches and set(launches) == {"mgx_rms_norm_f32"}  # the native kernel ran
+    assert launches and set(launches) == {f"mgx_rms_norm_f32_v{crms.KERNEL_ABI}"}  # the native kernel ran
     crms.reset_fallback_warning()
     with warnings.catch_warnings(record=True):  # "the artifact holds no native CUDA kernels"
         warnings.simplefilter("always")

@@ -88,6 +88,22 @@ def test_code_for_another_gpu_falls_back_and_warns_once() -> None:
     assert len(messages) == 1 and other in messages[0]
 
 
+def test_code_of_another_kernel_abi_falls_back_and_warns_once() -> None:
+    """A cubin whose entry points carry another ABI suffix (a build with other kernel parameters) is
+    never launched: the loader finds no entry of its own version and the Triton kernel runs."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    image = build.build_cuda_kernels(device_arch(), extra_flags=(f"-DMGX_KERNEL_ABI={crms.KERNEL_ABI + 1}",))
+    crms.reset_fallback_warning()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert crms.load_cuda_kernels(image, device_arch()) is None
+        assert crms.load_cuda_kernels(image, device_arch()) is None
+    messages = [str(w.message) for w in seen if "Triton RMSNorm" in str(w.message)]
+    assert len(messages) == 1 and "kernel ABI" in messages[0], messages
+    assert crms.load_cuda_kernels(build.build_cuda_kernels(device_arch()), device_arch()) is not None
+
+
 def test_driver_reads_the_cubin_arch() -> None:
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")

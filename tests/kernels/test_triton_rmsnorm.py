@@ -98,8 +98,8 @@ def test_build_gives_a_cubin_for_the_arch(arch: str, sm: int) -> None:
     image = build.build_cuda_kernels(arch)
     assert image[:4] == b"\x7fELF"
     assert driver.cubin_sm(image) == sm
-    for name in (b"mgx_rms_norm_bf16", b"mgx_rms_norm_f16", b"mgx_rms_norm_f32"):
-        assert name in image
+    for name in cuda_rmsnorm._ENTRY.values():
+        assert name.endswith(f"_v{cuda_rmsnorm.KERNEL_ABI}") and name.encode() in image
 
 
 def test_without_native_kernels_falls_back_to_triton_and_warns_once() -> None:
