@@ -7,12 +7,14 @@ every backend reads the same arrays from there.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PagedStep", "SeqChunk", "StepBatch"]
+__all__ = ["BlockTableCache", "PagedStep", "SeqChunk", "StepBatch", "block_table_array"]
 
 
 @dataclass(slots=True)
@@ -93,6 +95,54 @@ class StepBatch:
             cu_sample_rows=cu_rows,
         )
 
+    @classmethod
+    def packed(
+        cls,
+        seq_ids: list[int],
+        token_ids: np.ndarray,
+        num_new: Sequence[int],
+        start_positions: Sequence[int],
+        samples: Sequence[bool],
+    ) -> StepBatch:
+        """A batch from tokens already packed: sequence i has the next ``num_new[i]`` of ``token_ids``
+        from position ``start_positions[i]``, and its last row is sampled when ``samples[i]``.
+
+        What ``pack`` makes of the same chunks, without an object or an array per sequence.
+        """
+        b = len(seq_ids)
+        if b == 0:
+            raise ValueError("a step needs at least one sequence")
+        if len(num_new) != b or len(start_positions) != b or len(samples) != b:
+            raise ValueError(
+                f"{b} sequences but {len(num_new)} token counts, {len(start_positions)} start positions "
+                f"and {len(samples)} sample flags"
+            )
+        if min(num_new) < 1:
+            raise ValueError(f"sequence {seq_ids[list(num_new).index(min(num_new))]}: a step needs at least one token")
+        total = sum(num_new)
+        if total != token_ids.size:
+            raise ValueError(f"{token_ids.size} token ids for {total} new tokens")
+        starts = np.array(start_positions, dtype=np.int64)
+        if total == b:  # a decode step: one token each
+            cu = np.arange(b + 1, dtype=np.int64)
+            positions = starts
+        else:
+            lengths = np.array(num_new, dtype=np.int64)
+            cu = np.zeros(b + 1, dtype=np.int64)
+            np.cumsum(lengths, out=cu[1:])
+            positions = np.repeat(starts - cu[:-1], lengths) + np.arange(total, dtype=np.int64)
+        sample = np.array(samples, dtype=bool)
+        cu_rows = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(sample, out=cu_rows[1:])
+        return cls(
+            seq_ids=seq_ids,
+            token_ids=token_ids,
+            positions=positions,
+            cu_seqlens=cu,
+            sample_rows=cu[1:][sample] - 1,
+            cu_sample_rows=cu_rows,
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
@@ -133,13 +183,14 @@ class PagedStep:
         tables: Sequence[Sequence[int]],
         block_size: int,
         state_slots: Sequence[int | None] | None = None,
+        block_tables: np.ndarray | None = None,
     ) -> PagedStep:
-        """The paged view of ``batch`` given each sequence's block table (block ids in position order)."""
+        """The paged view of ``batch`` given each sequence's block table (block ids in position order).
+
+        ``block_tables``: ``block_table_array(tables)`` when the caller has it already.
+        """
         b = len(tables)
-        width = max((len(t) for t in tables), default=0)
-        block_tables = np.full((b, max(width, 1)), -1, dtype=np.int32)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = table
+        block_tables = block_table_array(tables) if block_tables is None else block_tables
         lengths = np.diff(batch.cu_seqlens)
         context_lens = (batch.positions[batch.cu_seqlens[1:] - 1] + 1).astype(np.int32)  # chunks are never empty
         seq_of_row = np.repeat(np.arange(b), lengths)
@@ -147,12 +198,62 @@ class PagedStep:
         slot_mapping = (
             block_tables[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
         )
-        slots = [-1 if s is None else s for s in (state_slots or [None] * b)]
+        if state_slots is None or state_slots.count(None) == len(state_slots):  # no recurrent state
+            slots = np.full(b, -1, dtype=np.int32)
+        else:
+            slots = np.array([-1 if s is None else s for s in state_slots], dtype=np.int32)
         return cls(
             block_size=block_size,
             block_tables=block_tables,
             context_lens=context_lens,
             query_start_loc=batch.cu_seqlens.astype(np.int32),
             slot_mapping=slot_mapping,
-            state_slots=np.array(slots, dtype=np.int32),
+            state_slots=slots,
         )
+
+
+def block_table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """[B, max(1, longest)] int32: row i holds ``tables[i]``, then -1."""
+    b = len(tables)
+    widths = np.fromiter(map(len, tables), dtype=np.int64, count=b)
+    width = max(int(widths.max()) if b else 0, 1)
+    out = np.full((b, width), -1, dtype=np.int32)
+    # Row i's first widths[i] entries, in row-major order: the tables one after another.
+    out[np.arange(width) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(widths.sum())
+    )
+    return out
+
+
+class BlockTableCache:
+    """``block_table_array`` of consecutive steps, redoing only the rows whose table grew.
+
+    The tables are the block manager's own lists, which only grow while their sequence lives (a
+    sequence admitted again gets a new list). So when a step has the same list objects as the one
+    before, as decode steps do, each row is its old row plus the blocks appended since; in a decode
+    step that is one sequence in ``block_size`` at most.
+    """
+
+    def __init__(self) -> None:
+        self._tables: list[Sequence[int]] = []  # the last step's lists (kept alive, so identity is safe)
+        self._widths = np.zeros(0, dtype=np.int64)
+        self._array = np.full((0, 1), -1, dtype=np.int32)
+
+    def __call__(self, tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """A new array each call (a backend may keep the previous one)."""
+        widths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        old, old_widths = self._tables, self._widths
+        if len(old) == len(tables) and all(map(operator.is_, tables, old)) and not np.any(widths < old_widths):
+            width = max(int(widths.max()) if len(tables) else 0, 1)
+            out = self._array
+            if width > out.shape[1]:
+                out = np.pad(out, ((0, 0), (0, width - out.shape[1])), constant_values=-1)
+            else:
+                out = out.copy()
+            for i in np.flatnonzero(widths != old_widths).tolist():
+                w, table = int(old_widths[i]), tables[i]
+                out[i, w : len(table)] = table[w:]
+        else:
+            out = block_table_array(tables)
+        self._tables, self._widths, self._array = list(tables), widths, out
+        return out

@@ -237,6 +237,8 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._seqs[seq_id] = _SeqBlocks()
+        elif len(seq.table) * self.block_size >= num_tokens and (seq.slot is not None or self.slots is None):
+            return True  # the common decode step: the last block has room
         need = self.blocks_for(num_tokens) - len(seq.table)
         take_slot = self.slots is not None and seq.slot is None
         if take_slot and self.slots.num_free == 0:  # type: ignore[union-attr]
@@ -274,6 +276,28 @@ class BlockManager:
         """Record that the K/V of ``token_ids`` (the next tokens of ``seq_id``) is written; cache full blocks."""
         seq = self._seqs[seq_id]
         seq.tokens.extend(token_ids)
+        self._committed(seq_id, seq)
+
+    def commit_step(self, seq_ids: Sequence[int], token_ids: Sequence[int], num_new: Sequence[int]) -> None:
+        """``commit`` for a whole step: sequence i wrote the next ``num_new[i]`` of ``token_ids`` (packed in order)."""
+        seqs, limit = self._seqs, self.block_size
+        if len(token_ids) == len(seq_ids):  # a decode step: one token each
+            for seq_id, token in zip(seq_ids, token_ids):
+                seq = seqs[seq_id]
+                tokens = seq.tokens
+                tokens.append(token)
+                # Only a token that fills a block (or one past the table) needs a closer look.
+                if len(tokens) % limit == 0 or len(tokens) > len(seq.table) * limit:
+                    self._committed(seq_id, seq)
+            return
+        end = 0
+        for seq_id, n in zip(seq_ids, num_new, strict=True):
+            seq = seqs[seq_id]
+            seq.tokens.extend(token_ids[end : end + n])
+            end += n
+            self._committed(seq_id, seq)
+
+    def _committed(self, seq_id: int, seq: _SeqBlocks) -> None:
         if len(seq.tokens) > len(seq.table) * self.block_size:
             raise AssertionError(f"sequence {seq_id}: {len(seq.tokens)} tokens written past its blocks")
         if not self.prefix_caching:
@@ -289,6 +313,26 @@ class BlockManager:
         """Tokens of ``seq_id`` whose K/V is in the cache (0 for an unknown sequence)."""
         seq = self._seqs.get(seq_id)
         return len(seq.tokens) if seq else 0
+
+    def num_computed_many(self, seq_ids: Sequence[int]) -> list[int]:
+        """``num_computed`` of each of ``seq_ids``."""
+        seqs = self._seqs
+        return [len(seq.tokens) if (seq := seqs.get(i)) is not None else 0 for i in seq_ids]
+
+    def extents(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Per sequence: (tokens computed, tokens its blocks hold), so that growing to ``n`` tokens
+        needs ``allocate`` only when ``n`` exceeds the second (which is 0 while a state slot is missing)."""
+        seqs, bs = self._seqs, self.block_size
+        out = []
+        for seq_id in seq_ids:
+            seq = seqs.get(seq_id)
+            if seq is None:
+                out.append((0, 0))
+            elif self.slots is not None and seq.slot is None:
+                out.append((len(seq.tokens), 0))
+            else:
+                out.append((len(seq.tokens), len(seq.table) * bs))
+        return out
 
     def table(self, seq_id: int) -> list[int]:
         """The block table of ``seq_id`` (do not modify)."""

@@ -229,45 +229,48 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run the model -> sample and postprocess; returns what requests gained."""
         plan = self.scheduler.schedule()
-        if not plan.chunks:
+        if not plan.seqs:
             if self.scheduler.has_unfinished():
                 raise EngineError("the scheduler found nothing to run although requests are waiting")
             return []
         start, kv_used = time.perf_counter(), self.blocks.num_used_blocks
         by_seq = self._by_seq
-        reqs = [by_seq[c.seq.seq_id] for c in plan.chunks]
-        samples = [c.samples for c in plan.chunks]
-        chunks = _seq_chunks(plan, samples)
-        sampling = [r for r, s in zip(reqs, samples) if s]
+        seq_ids = [s.seq_id for s in plan.seqs]
+        reqs = [by_seq[i] for i in seq_ids]
+        samples = plan.samples()
+        sampling = reqs if all(samples) else [r for r, s in zip(reqs, samples) if s]
+        # The runner takes the step as flat lists (no object per sequence) and returns one row per
+        # sampling sequence, in order.
+        run = (seq_ids, plan.token_ids(), plan.num_new, samples)
         if all(r.plain_greedy for r in sampling):
             # The LM head fused with the argmax: no [R, V] logits leave the backend.
-            picked = self.runner.step_greedy(chunks)  # per chunk (ids [1], logits [1]), or empty
+            ids, _ = self.runner.step_greedy_packed(*run)
             now = time.perf_counter()  # every token of the step came out now
-            tokens = [int(ids[-1]) for (ids, _), s in zip(picked, samples) if s]
-            outputs = [self._accept(r, t, None, now) for r, t in zip(sampling, tokens)]
+            outputs = [r.accept(t, None, now) for r, t in zip(sampling, ids.tolist())]
         else:
-            logits = self.runner.step(chunks)  # per chunk [1, V] (or [0, V] for a chunk that does not sample)
-            outputs = [self._sample(r, rows[-1]) for r, rows, s in zip(reqs, logits, samples) if s]
+            logits = self.runner.step_packed(*run)  # [R, V]
+            outputs = [self._sample(r, row) for r, row in zip(sampling, logits)]
+        for req, out in zip(sampling, outputs):
+            if out.finished:
+                self._finished(req)
         self._account(plan, reqs, start, time.perf_counter(), len(outputs), kv_used)
         return outputs
 
     def _sample(self, req: Request, logits: np.ndarray) -> RequestOutput:
         token = req.sampler.sample(logits, req.seq.token_ids, req.output_ids)
         logprobs = req.sampler.logprobs(logits, token) if req.params.logprobs is not None else None
-        return self._accept(req, token, logprobs, time.perf_counter())
+        return req.accept(token, logprobs, time.perf_counter())
 
-    def _accept(self, req: Request, token: int, logprobs: Any, now: float) -> RequestOutput:
-        out = req.accept(token, logprobs, now)
-        if out.finished:
-            self.scheduler.finish(req.seq)
-            self._forget(req)
-            req.metrics.finished_time = req.metrics.last_token_time
-            self.metrics.on_finished(req.metrics)
-        return out
+    def _finished(self, req: Request) -> None:
+        self.scheduler.finish(req.seq)
+        self._forget(req)
+        req.metrics.finished_time = req.metrics.last_token_time
+        self.metrics.on_finished(req.metrics)
 
     def _account(
         self, plan: StepPlan, reqs: list[Request], start: float, end: float, generated: int, kv_used: int
     ) -> None:
+        seconds = end - start
         for req in reqs:
             m, seq = req.metrics, req.seq
             if m.first_scheduled_time is None:
@@ -275,14 +278,15 @@ class Engine:
                 m.cached_tokens = seq.num_cached_tokens
                 self.metrics.on_admitted(seq.num_prompt_tokens, seq.num_cached_tokens)
             m.preemptions = seq.num_preemptions
-            if m.first_token_time is None or m.first_token_time >= start:
-                m.prefill_seconds += end - start
+            first = m.first_token_time
+            if first is None or first >= start:
+                m.prefill_seconds += seconds
             else:
-                m.decode_seconds += end - start
+                m.decode_seconds += seconds
         self.metrics.on_step(
             end,
             plan.num_tokens,
-            len(plan.chunks),
+            len(plan.seqs),
             generated,
             len(plan.preempted),
             kv_used,
@@ -406,12 +410,3 @@ class Engine:
                 "raise --kv-memory or lower max_tokens"
             )
 
-
-def _seq_chunks(plan: StepPlan, samples: list[bool]) -> list[SeqChunk]:
-    """The runner's chunks of ``plan``: their ids are views of one array, not an array each."""
-    flat = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in plan.chunks), dtype=np.int64)
-    ends = list(itertools.accumulate(c.num_tokens for c in plan.chunks))
-    return [
-        SeqChunk(c.seq.seq_id, flat[end - c.num_tokens : end], sample=s)
-        for c, end, s in zip(plan.chunks, ends, samples)
-    ]

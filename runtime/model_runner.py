@@ -10,7 +10,7 @@ import numpy as np
 from mgx.formats.ir import Graph, IRError, verify
 
 from .backend import Array, Backend, create_backend, value_plan
-from .batch import PagedStep, SeqChunk, StepBatch
+from .batch import BlockTableCache, PagedStep, SeqChunk, StepBatch
 from .block_manager import BlockManager
 from .errors import UnsupportedModelError
 from .kv_cache import KVCacheError
@@ -60,6 +60,7 @@ class ModelRunner:
         self.blocks = blocks
         self.kv = self.backend.new_kv_cache(blocks.num_blocks, blocks.block_size, blocks.num_state_slots)
         self._plan, self._num_slots, self._output_slot = value_plan(graph)
+        self._block_tables = BlockTableCache()
 
     def step(self, chunks: Sequence[SeqChunk]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its logits [R_i, V] (R_i = 1, all rows, or 0 if not sampled)."""
@@ -73,31 +74,74 @@ class ModelRunner:
         [R, V] logits; otherwise the argmax (first of equal maxima) is taken here from the logits.
         """
         batch, out = self._run(chunks, greedy=self.backend.has_greedy_head)
+        ids, top = self._greedy(batch, out)
+        return [(ids[rows], top[rows]) for rows in batch.sampled_slices()]
+
+    def step_packed(
+        self, seq_ids: list[int], token_ids: Sequence[int], num_new: Sequence[int], samples: Sequence[bool]
+    ) -> np.ndarray:
+        """``step`` on tokens already packed: sequence ``seq_ids[i]`` adds the next ``num_new[i]`` of
+        ``token_ids``, and its last one picks its next token when ``samples[i]``.
+
+        Returns the logits [R, V] of the R sampling sequences, in order: what ``step`` returns for
+        the same chunks (without ``all_logits`` or positions), stacked, with no object per sequence.
+        """
+        _, logits = self._run_packed(seq_ids, token_ids, num_new, samples, greedy=False)
+        return logits
+
+    def step_greedy_packed(
+        self, seq_ids: list[int], token_ids: Sequence[int], num_new: Sequence[int], samples: Sequence[bool]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``step_greedy`` on tokens already packed (see ``step_packed``): (ids [R] int64, their logits
+        [R] float32) of the R sampling sequences, in order."""
+        batch, out = self._run_packed(seq_ids, token_ids, num_new, samples, greedy=self.backend.has_greedy_head)
+        return self._greedy(batch, out)
+
+    @staticmethod
+    def _greedy(batch: StepBatch, out: Any) -> tuple[np.ndarray, np.ndarray]:
         if batch.greedy:
             ids, top = out
         else:
             ids = np.argmax(out, axis=1)
             top = out[np.arange(ids.size), ids]
-        ids, top = np.asarray(ids, dtype=np.int64), np.asarray(top, dtype=np.float32)
-        return [(ids[rows], top[rows]) for rows in batch.sampled_slices()]
+        return np.asarray(ids, dtype=np.int64), np.asarray(top, dtype=np.float32)
 
     def _run(self, chunks: Sequence[SeqChunk], greedy: bool) -> tuple[StepBatch, Any]:
-        blocks = self.blocks
         seq_ids = [c.seq_id for c in chunks]
-        starts = [blocks.num_computed(s) for s in seq_ids]
+        starts = self.blocks.num_computed_many(seq_ids)
         batch = StepBatch.pack(chunks, starts)
-        batch.greedy = greedy
+        self._check_tokens(batch)
         self._check_positions(batch, starts)
-        sizes = np.diff(batch.cu_seqlens).tolist()
+        return batch, self._execute_step(batch, starts, np.diff(batch.cu_seqlens).tolist(), greedy)
+
+    def _run_packed(
+        self,
+        seq_ids: list[int],
+        token_ids: Sequence[int],
+        num_new: Sequence[int],
+        samples: Sequence[bool],
+        greedy: bool,
+    ) -> tuple[StepBatch, Any]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one step: {seq_ids}")
+        starts = self.blocks.num_computed_many(seq_ids)
+        # Positions continue each sequence's cached tokens, so there is nothing to check there.
+        batch = StepBatch.packed(seq_ids, np.asarray(token_ids, dtype=np.int64), num_new, starts, samples)
+        self._check_tokens(batch)
+        return batch, self._execute_step(batch, starts, num_new, greedy)
+
+    def _execute_step(self, batch: StepBatch, starts: list[int], sizes: Sequence[int], greedy: bool) -> Any:
+        """Blocks for the checked ``batch``, the forward, then the commit of its tokens."""
+        blocks, seq_ids = self.blocks, batch.seq_ids
+        batch.greedy = greedy
         room = blocks.prepare_step(seq_ids, sizes)  # allocates only what the scheduler did not
         if room is None:
             self._raise_out_of_blocks(seq_ids, starts, sizes)
-        batch.paged = PagedStep.build(batch, room.tables, blocks.block_size, room.state_slots)
+        tables = self._block_tables(room.tables)
+        batch.paged = PagedStep.build(batch, room.tables, blocks.block_size, room.state_slots, tables)
         out = self.execute(batch)
-        ids, cu = batch.token_ids.tolist(), batch.cu_seqlens.tolist()
-        for i, seq_id in enumerate(seq_ids):
-            blocks.commit(seq_id, ids[cu[i] : cu[i + 1]])
-        return batch, out
+        blocks.commit_step(seq_ids, batch.token_ids.tolist(), sizes)
+        return out
 
     def _raise_out_of_blocks(self, seq_ids: list[int], starts: list[int], sizes: list[int]) -> NoReturn:
         for seq_id, start, n in zip(seq_ids, starts, sizes, strict=True):
@@ -142,12 +186,15 @@ class ModelRunner:
         """Drop a finished sequence's blocks (full ones stay in the prefix cache until evicted)."""
         self.blocks.free(seq_id)
 
-    def _check_positions(self, batch: StepBatch, starts: list[int]) -> None:
+    def _check_tokens(self, batch: StepBatch) -> None:
         # Checked before any op runs or block is taken, so a bad step leaves every cache as it was.
         vocab = self.graph.arch.vocab_size
         ids = batch.token_ids
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise ValueError(f"token ids must be in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
+
+    def _check_positions(self, batch: StepBatch, starts: list[int]) -> None:
+        ids = batch.token_ids
         # Row r of sequence i must sit at position starts[i] + (r - cu[i]): one vectorized check.
         cu = batch.cu_seqlens
         expected = np.repeat(np.asarray(starts, dtype=np.int64) - cu[:-1], np.diff(cu)) + np.arange(ids.size)

@@ -142,6 +142,10 @@ class Request:
         )
         self.detok = detokenizer
         self.stops = StopStrings(params.stop)
+        # Read on every token: kept here rather than looked up through params and the sampler.
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._stop_strings = bool(self.stops.stops)
+        self._max_tokens = params.max_tokens
         self.metrics = metrics
         self.output_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -160,24 +164,33 @@ class Request:
     def accept(self, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
         """Append a sampled token; returns this step's output (finished when the request stops)."""
         self.seq.token_ids.append(token)
-        self.output_ids.append(token)
+        output_ids = self.output_ids
+        output_ids.append(token)
         m = self.metrics
         m.output_tokens += 1
         m.last_token_time = now
         if m.first_token_time is None:
             m.first_token_time = now
-        if self.logprobs is not None and logprobs is not None:
+        if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
         text = ""
-        if self.sampler.is_stop(token):
+        if token in self._stop_ids:
             self.finish_reason, self.stop_reason = "stop", token
-        else:
+        elif self._stop_strings:
             text, hit = self.stops.push(self.detok.push(token))
             if hit is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
-            elif len(self.output_ids) >= self.params.max_tokens:
+            elif len(output_ids) >= self._max_tokens:
                 self.finish_reason = "length"
-        if self.finished and not isinstance(self.stop_reason, str):
+        else:  # nothing to hold back: StopStrings.push would pass the text through
+            text = self.detok.push(token)
+            if len(output_ids) >= self._max_tokens:
+                self.finish_reason = "length"
+        if self.finish_reason is None:
+            self.text_parts.append(text)
+            lp = [logprobs] if logprobs is not None and self.logprobs is not None else None
+            return RequestOutput(self.request_id, text, [token], lp, False, None, None, m)
+        if not isinstance(self.stop_reason, str):
             tail, hit = self.stops.push(self.detok.flush())  # an incomplete character comes out as U+FFFD
             if hit is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
@@ -188,10 +201,10 @@ class Request:
             text,
             [token],
             [logprobs] if self.logprobs is not None and logprobs is not None else None,
-            self.finished,
+            True,
             self.finish_reason,
             self.stop_reason,
-            self.metrics,
+            m,
         )
 
     def abort(self) -> RequestOutput:

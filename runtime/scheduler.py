@@ -38,8 +38,8 @@ class Sequence:
     num_preemptions: int = 0
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is several times slower, and
-class ScheduledChunk:  # a decode step makes one per running sequence
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is several times slower
+class ScheduledChunk:
     """``num_tokens`` tokens of ``seq`` from position ``start`` run this step (do not modify)."""
 
     seq: Sequence
@@ -58,14 +58,35 @@ class ScheduledChunk:  # a decode step makes one per running sequence
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step's work."""
+    """One step's work: entry i runs ``num_new[i]`` tokens of ``seqs[i]`` from position ``starts[i]``.
 
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    Parallel lists rather than an object per sequence: a decode step plans every running sequence,
+    and the engine hands these on to the model runner as they are.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """The entries as objects (tests and tools; the engine reads the lists)."""
+        return [ScheduledChunk(*e) for e in zip(self.seqs, self.starts, self.num_new)]
+
+    @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(self.num_new)
+
+    def samples(self) -> list[bool]:
+        """Per entry: whether it reaches its sequence's last token (so its logits pick the next one)."""
+        return [a + n == len(s.token_ids) for s, a, n in zip(self.seqs, self.starts, self.num_new)]
+
+    def token_ids(self) -> list[int]:
+        """Every entry's tokens, one after another."""
+        if len(self.seqs) == self.num_tokens:  # a decode step: one token each
+            return [s.token_ids[a] for s, a in zip(self.seqs, self.starts)]
+        return [t for s, a, n in zip(self.seqs, self.starts, self.num_new) for t in s.token_ids[a : a + n]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,41 +113,44 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's chunks, allocating their blocks (preempting if needed)."""
         budget = self.config.max_tokens_per_step
-        plan: dict[int, ScheduledChunk] = {}
+        blocks = self.blocks
+        plan: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (sequence, start, tokens)
         preempted: list[Sequence] = []
-        decoding: list[tuple[Sequence, int]] = []  # (sequence, tokens computed)
-        prefilling: list[tuple[Sequence, int]] = []
-        num_computed = self.blocks.num_computed
-        for s in self.running:
-            start = num_computed(s.seq_id)
+        decoding: list[tuple[Sequence, int, int]] = []  # (sequence, tokens computed, tokens its blocks hold)
+        prefilling: list[tuple[Sequence, int, int]] = []
+        running = self.running
+        for s, (start, room) in zip(running, blocks.extents([s.seq_id for s in running])):
             left = len(s.token_ids) - start
             if left == 1:
-                decoding.append((s, start))
+                decoding.append((s, start, room))
             elif left > 1:
-                prefilling.append((s, start))
-        # A preemption below frees only its victim's blocks, so the others' starts stay true.
-        for seq, start in decoding + prefilling:
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                prefilling.append((s, start, room))
+        # A preemption below frees only its victim's blocks, so the others' starts and rooms stay true.
+        RUNNING = SeqStatus.RUNNING
+        for seq, start, room in decoding + prefilling:
+            if seq.status is not RUNNING or budget == 0:
                 continue  # preempted earlier in this step, or the budget is spent
             n = min(len(seq.token_ids) - start, budget)
-            while not self.blocks.allocate(seq.seq_id, start + n):
-                victim = self.running[-1]  # the newest
-                self._preempt(victim)
-                preempted.append(victim)
-                if (dropped := plan.pop(victim.seq_id, None)) is not None:
-                    budget += dropped.num_tokens
-                if victim is seq:
-                    break
-            else:
-                plan[seq.seq_id] = ScheduledChunk(seq, start, n)
-                budget -= n
+            if start + n > room:  # it needs blocks (a decode step: one sequence in block_size)
+                while not blocks.allocate(seq.seq_id, start + n):
+                    victim = self.running[-1]  # the newest
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if (dropped := plan.pop(victim.seq_id, None)) is not None:
+                        budget += dropped[2]
+                    if victim is seq:
+                        break
+                if seq.status is not RUNNING:
+                    continue  # it was the victim
+            plan[seq.seq_id] = (seq, start, n)
+            budget -= n
         # Admit waiting sequences in order; none while this step had to preempt.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            start = self.blocks.admit(seq.seq_id, seq.token_ids)
+            start = blocks.admit(seq.seq_id, seq.token_ids)
             n = min(len(seq.token_ids) - start, budget)
-            if not self.blocks.allocate(seq.seq_id, start + n):
-                self.blocks.free(seq.seq_id)  # let go of the prefix hits; retry next step
+            if not blocks.allocate(seq.seq_id, start + n):
+                blocks.free(seq.seq_id)  # let go of the prefix hits; retry next step
                 break
             self.waiting.popleft()
             if seq.num_admissions == 0:
@@ -134,9 +158,12 @@ class Scheduler:
             seq.num_admissions += 1
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-            plan[seq.seq_id] = ScheduledChunk(seq, start, n)
+            plan[seq.seq_id] = (seq, start, n)
             budget -= n
-        return StepPlan(list(plan.values()), preempted)
+        if not plan:
+            return StepPlan(preempted=preempted)
+        seqs, starts, num_new = map(list, zip(*plan.values()))
+        return StepPlan(seqs, starts, num_new, preempted)
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done: release its blocks (full ones stay cached)."""

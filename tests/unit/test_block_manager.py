@@ -119,3 +119,32 @@ def test_prepare_step_takes_state_slots() -> None:
     room = bm.prepare_step([0], [3])
     assert room is not None and room.state_slots == [0]
     assert bm.prepare_step([1], [1]) is None  # no slot left
+
+
+def test_commit_step_equals_commits_one_by_one() -> None:
+    import random
+
+    rng = random.Random(0)
+    one, many = BlockManager(64, 4), BlockManager(64, 4)
+    seqs = [0, 1, 2]
+    for step in range(12):
+        sizes = [1 if step > 2 else rng.randint(1, 6) for _ in seqs]
+        tokens = [rng.randrange(50) for _ in range(sum(sizes))]
+        end = 0
+        for s, n in zip(seqs, sizes):
+            assert one.allocate(s, one.num_computed(s) + n) and many.allocate(s, many.num_computed(s) + n)
+            one.commit(s, tokens[end : end + n])
+            end += n
+        many.commit_step(seqs, tokens, sizes)
+        for s in seqs:
+            assert many._seqs[s] == one._seqs[s]  # tokens, table and prefix keys
+        assert many.blocks._index == one.blocks._index
+    assert many.extents([0, 7]) == [(many.num_computed(0), 4 * len(many.table(0))), (0, 0)]
+
+
+def test_commit_step_refuses_tokens_past_the_blocks() -> None:
+    bm = BlockManager(8, 4)
+    assert bm.allocate(0, 4)
+    bm.commit(0, [1, 2, 3, 4])
+    with pytest.raises(AssertionError, match="past its blocks"):
+        bm.commit_step([0], [5], [1])

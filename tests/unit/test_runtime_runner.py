@@ -184,3 +184,51 @@ def test_intermediate_prefill_chunks_skip_the_lm_head() -> None:
     runner = ModelRunner(build_tiny_graph()[0])
     a, b = runner.step([SeqChunk(0, PROMPT[:5], sample=False), SeqChunk(1, PROMPT[:2])])
     assert a.shape == (0, 61) and b.shape == (1, 61)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_packed_steps_equal_chunk_steps(greedy: bool) -> None:
+    """The engine's flat path (``step_packed``/``step_greedy_packed``) = the per-chunk path, step by step:
+    a mixed prefill + decode batch with a chunk that does not sample, then decodes, then a new sequence."""
+    graph, _ = build_tiny_graph()
+    by_chunks, packed = ModelRunner(graph), ModelRunner(graph)
+    steps = [
+        [(10, PROMPT[:6], True), (11, PROMPT[2:5], True), (12, PROMPT[:4], False)],
+        [(10, [7], True), (12, PROMPT[4:], True), (11, [9], True)],
+        [(11, [4], True), (10, [2], True), (12, [5], True)],
+        [(12, [6], True), (13, PROMPT[:3], True), (10, [1], True)],
+    ]
+    for step in steps:
+        chunks = [SeqChunk(s, ids, sample=sample) for s, ids, sample in step]
+        flat = (
+            [s for s, _, _ in step],
+            [int(t) for _, ids, _ in step for t in ids],
+            [len(ids) for _, ids, _ in step],
+            [sample for _, _, sample in step],
+        )
+        if greedy:
+            want = [pair for pair in by_chunks.step_greedy(chunks) if pair[0].size]
+            ids, top = packed.step_greedy_packed(*flat)
+            np.testing.assert_array_equal(ids, np.concatenate([i for i, _ in want]))
+            np.testing.assert_array_equal(top, np.concatenate([t for _, t in want]))
+        else:
+            want = [rows for rows in by_chunks.step(chunks) if rows.shape[0]]
+            np.testing.assert_array_equal(packed.step_packed(*flat), np.concatenate(want))
+        for s, _, _ in step:
+            assert packed.length(s) == by_chunks.length(s)
+            assert packed.blocks.table(s) == by_chunks.blocks.table(s)
+
+
+def test_packed_steps_check_their_input_before_taking_blocks() -> None:
+    graph, _ = build_tiny_graph()
+    runner = ModelRunner(graph)
+    free = runner.blocks.num_free_blocks
+    with pytest.raises(ValueError, match="outside|must be in"):
+        runner.step_packed([0, 1], [3, 10_000], [1, 1], [True, True])
+    with pytest.raises(ValueError, match="appears twice"):
+        runner.step_packed([0, 0], [3, 4], [1, 1], [True, True])
+    with pytest.raises(ValueError, match="at least one token"):
+        runner.step_packed([0, 1], [3, 4], [2, 0], [True, True])
+    with pytest.raises(ValueError, match="token ids for"):
+        runner.step_packed([0, 1], [3, 4, 5], [1, 1], [True, True])
+    assert runner.blocks.num_free_blocks == free and runner.length(0) == 0

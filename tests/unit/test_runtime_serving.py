@@ -336,3 +336,37 @@ def test_generate_prints_the_kv_capacity(contents, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["generate", str(path), "-p", "the", "-n", "3", "--kv-memory", "1MiB"])
     assert result.exit_code == 0, result.output
     assert "KV cache: 1.0 MiB -> 4,096 tokens fit (256 blocks of 16, 256 B/token)" in result.stderr
+
+
+def test_streamed_outputs_in_a_batch_equal_each_alone(contents, workload) -> None:
+    """Text, finish and stop reasons (not only ids) through the batched step: mixed lengths, stop ids
+    and stop strings, chunked prefill, preemption, requests finishing mid-batch."""
+    tok = Engine.from_contents(contents).tokenizer
+    jobs = []
+    for i, (prompt, n) in enumerate(workload):
+        stop = [tok.decode([prompt[-1]])[-1:]] if i % 3 == 0 else []  # a character that may well recur
+        jobs.append((prompt, SamplingParams(max_tokens=n, temperature=0.0, stop=stop, stop_token_ids=(prompt[0],))))
+
+    def streams(engine: Engine, todo: list, stagger: random.Random | None) -> list[tuple]:
+        got: dict[str, list] = {}
+        rids = []
+        while todo or engine.has_unfinished():
+            for _ in range(len(todo) if stagger is None else stagger.randint(0, 3)):
+                if todo:
+                    rids.append(engine.add_request(*todo.pop(0)))
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append(
+                    (out.text, out.token_ids, out.finished, out.finish_reason, out.stop_reason)
+                )
+        return [tuple(map(tuple, got[r])) for r in rids]
+
+    alone = []
+    for prompt, params in jobs:
+        engine = Engine.from_contents(contents, config=EngineConfig(prefix_caching=False))
+        alone += streams(engine, [(prompt, params)], None)
+    small = EngineConfig(kv_memory=8 * 16 * 256, max_num_seqs=16, max_tokens_per_step=64)
+    engine = Engine.from_contents(contents, config=small)
+    assert streams(engine, list(jobs), random.Random(3)) == alone
+    assert engine.metrics.counters.preemptions > 0
+    assert {s[-1][3] for s in alone} == {"stop", "length"}
+    assert_no_leaks(engine)
