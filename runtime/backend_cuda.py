@@ -131,6 +131,9 @@ class _Step:
     # buffer, filled from one pinned host buffer by a single copy per step.
     packed: torch.Tensor | None = None
     host: torch.Tensor | None = None
+    # Graphs only: leading block-table columns a fill may have left something other than -1 in
+    # (all of them until the first fill); the columns after it are -1 in every row.
+    table_cols: int = 1 << 62
 
 
 @dataclass(slots=True)
@@ -417,15 +420,20 @@ class CUDABackend(Backend):
         host = st.host.numpy()
         tok, pos, ctx = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket : 3 * bucket]
         tables = host[3 * bucket :].reshape(bucket, width)
-        tables.fill(-1)
+        # Only the columns an earlier fill wrote are reset: the table spans the model's whole
+        # context (8,192 columns for 128k tokens at 16 per block), a step's sequences far fewer.
+        tables[:, : st.table_cols].fill(-1)
         tables[s:, 0] = self._kv.scratch_block
         ctx[s:], pos[s:], tok[s:] = 1, 0, 0
+        used = 1
         if batch is not None:
             bt = batch.paged.block_tables
-            tables[:s, : bt.shape[1]] = bt[:, :width]
+            used = max(used, min(bt.shape[1], width))
+            tables[:s, :used] = bt[:, :used]
             ctx[:s] = batch.paged.context_lens
             pos[:s] = batch.positions
             tok[:s] = batch.token_ids
+        st.table_cols = used
         st.packed.copy_(st.host, non_blocking=True)
 
     def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> _Graph:

@@ -296,3 +296,43 @@ def test_gpu_greedy_head_in_graphs_matches_eager() -> None:
         if graphs:
             assert (1, True) in runner.backend._graphs
     assert runs[0] == runs[1]
+
+
+@pytest.mark.interpreted
+def test_graph_fill_resets_only_the_block_table_columns_it_used() -> None:
+    """A graph's static block table spans the model's whole context; each fill resets only the
+    columns an earlier fill wrote. After every fill the table must equal a fully rebuilt one: the
+    batch's tables padded with -1, padding rows on the scratch block."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Step
+    from mgx.runtime.batch import PagedStep, StepBatch
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=99)
+    bucket, width, block = 4, 10, 16
+    packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
+    st = _Step(token_ids=packed[:bucket], positions=packed[bucket : 2 * bucket],
+               context_lens=packed[2 * bucket : 3 * bucket], block_tables=packed[3 * bucket :].view(bucket, width),
+               query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), sample_rows=torch.arange(bucket),
+               max_query_len=1, max_context_len=width * block, packed=packed, host=torch.zeros_like(packed))  # fmt: skip
+    rng = np.random.default_rng(3)
+    for lengths in ([5, 2, 7], [1, 3], None, [10, 1, 1, 1], [2], [9, 9]):
+        if lengths is None:
+            backend._fill(st, None)
+            want = np.full((bucket, width), -1, dtype=np.int32)
+            want[:, 0] = 99
+        else:
+            tables = [rng.integers(0, 90, n).tolist() for n in lengths]
+            positions = [n * block - 1 for n in lengths]
+            batch = StepBatch.packed(list(range(len(lengths))), np.arange(len(lengths)), [1] * len(lengths),
+                                     positions, [True] * len(lengths))  # fmt: skip
+            batch.paged = PagedStep.build(batch, tables, block)
+            backend._fill(st, batch)
+            want = np.full((bucket, width), -1, dtype=np.int32)
+            for i, t in enumerate(tables):
+                want[i, : len(t)] = t
+            want[len(tables) :, 0] = 99
+            np.testing.assert_array_equal(st.context_lens[: len(lengths)].numpy(), np.array(positions) + 1)
+        np.testing.assert_array_equal(st.block_tables.numpy(), want, err_msg=str(lengths))
+        np.testing.assert_array_equal(st.packed.numpy(), st.host.numpy())
