@@ -257,6 +257,8 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
                                              for _ in range(args.profile)])  # fmt: skip
     run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)  # warm the prefill shapes
     pf, _, _ = run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
+    if args.profile_prefill:
+        profile_prefill(engine, rng.integers(3, vocab_hi, args.prefill).tolist())
     row["prefill_tok_s"] = args.prefill / pf
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
     add_row(row)
@@ -286,6 +288,16 @@ def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa
     log(f"profile of 5 decode steps at batch {batch}:")
     log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
     log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
+
+
+def profile_prefill(engine, prompt: list[int]) -> None:  # noqa: ANN001
+    """torch.profiler over one prefill step of ``prompt``: which kernels a long prompt spends on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_steps(engine, [prompt], 1)
+    log(f"profile of one prefill step of {len(prompt)} tokens:")
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=60))
 
 
 def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
@@ -394,6 +406,7 @@ def main() -> None:
     parser.add_argument("--autotune", default="", help="row counts to tune for, e.g. 1,32,64,128,2048 ('' none)")
     parser.add_argument("--cold-start", action="store_true", help="also time process start to first token")
     parser.add_argument("--profile", type=int, default=0, help="profile 5 decode steps at this batch (0: no)")
+    parser.add_argument("--profile-prefill", action="store_true", help="profile one prefill step (kernel table)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -557,13 +557,18 @@ class LinearConfig:
 
 
 # Candidates for the autotune pass and the benchmark. The GEMV takes one activation row per program.
+# The last row: deeper pipelines (num_stages > 1) and wider K tiles keep more weight bytes in flight
+# per SM; the H200 sweep of the rows above (all one stage) found split K -- more programs, so more
+# loads in flight -- worth up to 2.1x for INT4, which points at memory-level parallelism.
 GEMV_CONFIGS = [
     LinearConfig(1, bn, bk, w, s, sk)
     for bn, bk, w, s, sk in [(4, 512, 4, 1, 1), (8, 256, 4, 1, 1), (8, 512, 4, 1, 1), (16, 256, 4, 1, 1),
                              (16, 512, 8, 1, 1), (32, 128, 4, 1, 1), (32, 256, 8, 1, 1), (32, 512, 4, 1, 1),
                              (64, 128, 8, 1, 1), (64, 256, 8, 1, 1), (16, 1024, 8, 1, 1), (128, 128, 8, 1, 1),
                              (8, 512, 4, 1, 2), (16, 512, 4, 1, 4), (32, 256, 4, 1, 4), (32, 512, 8, 1, 8),
-                             (64, 256, 8, 1, 8)]
+                             (64, 256, 8, 1, 8),
+                             (8, 512, 4, 3, 1), (16, 1024, 8, 2, 1), (32, 256, 4, 3, 4), (64, 256, 8, 3, 8),
+                             (32, 512, 4, 2, 4), (64, 512, 8, 2, 4), (16, 512, 4, 3, 2)]
 ]  # fmt: skip
 GEMM_CONFIGS = [
     LinearConfig(bm, bn, bk, w, s, sk)
