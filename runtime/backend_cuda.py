@@ -73,9 +73,23 @@ from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache
 
-__all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS"]
+__all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS", "graph_table_width"]
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
+
+
+def graph_table_width(needed: int, max_blocks: int) -> int:
+    """Block-table columns of a decode graph for a batch whose longest table has ``needed`` blocks:
+    the next power of two from ``GRAPH_MIN_TABLE_BLOCKS`` up, at most the model's whole context.
+
+    A graph spans only the contexts it has met (rounded up), so a replay copies and resets tables
+    of that width, not of the model's longest context, and its attention is split for that length;
+    a longer batch captures the graph again, at most log2(context / 1024 tokens) times a bucket."""
+    width = GRAPH_MIN_TABLE_BLOCKS
+    while width < needed:
+        width *= 2
+    return max(1, min(width, max_blocks))
 _AUX_ROLES = ("scales", "zeros", "meta")
 _ALIGN = 256
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -378,18 +392,23 @@ class CUDABackend(Backend):
     def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> Any:
         s = len(batch.seq_ids)
         key = (next(b for b in GRAPH_BUCKETS if b >= s), batch.greedy)
+        needed = batch.paged.block_tables.shape[1]
         g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._capture(run_ops, batch, key[0])
+        if g is None or g.step.block_tables.shape[1] < needed:
+            # None yet, or one captured for shorter contexts: (re)capture at this batch's width.
+            self._graphs.pop(key, None)
+            g = None  # the old graph's memory goes back to the pool before the new capture
+            width = graph_table_width(needed, self._max_blocks)
+            g = self._graphs[key] = self._capture(run_ops, batch, key[0], width)
         self._fill(g.step, batch)
         g.graph.replay()
         if isinstance(g.out, tuple):  # the greedy pair: ids stay integers
             return _to_host(tuple(t[:s] for t in g.out))
         return _to_host(g.out[:s])
 
-    def _static_step(self, bucket: int) -> _Step:
+    def _static_step(self, bucket: int, width: int) -> _Step:
         assert self._kv is not None, "the KV cache is made before the first step"
-        width = max(1, self._max_blocks)
+        max_context = min(self.graph.arch.max_position, width * self._kv.block_size)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
         # [token ids | positions | context lengths | block tables], all int32
@@ -402,8 +421,8 @@ class CUDABackend(Backend):
             query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=self.device),
             sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
             max_query_len=1,
-            max_context_len=self.graph.arch.max_position,
-            decode_splits=decode_splits(bucket, hk, self.graph.arch.max_position, sms),
+            max_context_len=max_context,
+            decode_splits=decode_splits(bucket, hk, max_context, sms),
             packed=packed,
             host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=True),
         )
@@ -436,8 +455,8 @@ class CUDABackend(Backend):
         st.table_cols = used
         st.packed.copy_(st.host, non_blocking=True)
 
-    def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> _Graph:
-        st = self._static_step(bucket)
+    def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int) -> _Graph:
+        st = self._static_step(bucket, width)
         self._fill(st, None)  # capture on padding rows only: warming up writes nothing a sequence owns
         self._step = st
         try:

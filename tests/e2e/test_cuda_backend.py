@@ -117,6 +117,27 @@ def test_gpu_tiny_graphs_match_the_reference(model: str, pipeline: str, graphs: 
 
 
 @pytest.mark.gpu
+def test_gpu_graph_recaptures_when_contexts_outgrow_its_block_table() -> None:
+    """A decode graph spans only the block-table width it met (from 64 blocks up); a context that
+    outgrows it captures the graph again, wider, and the logits still equal eager steps'."""
+    from mgx.runtime.block_manager import BlockManager
+
+    graph = compiled("gqa", "dense")
+    runners = [ModelRunner(graph, CUDABackend(graph, dtype="f32", graphs=g), blocks=BlockManager(512, 1))
+               for g in (False, True)]  # fmt: skip
+    prompt = np.random.default_rng(2).integers(0, graph.arch.vocab_size, 40)
+    last = [int(np.argmax(r.step([SeqChunk(0, prompt)])[0][-1])) for r in runners]
+    widths = set()
+    for _ in range(graph.arch.max_position - 41):
+        outs = [r.step([SeqChunk(0, np.array([t]))])[0] for r, t in zip(runners, last, strict=True)]
+        np.testing.assert_allclose(outs[1], outs[0], atol=ATOL, rtol=0)
+        last = [int(np.argmax(o[-1])) for o in outs]
+        assert last[0] == last[1]
+        widths.add(runners[1].backend._graphs[(1, False)].step.block_tables.shape[1])
+    assert widths == {64, graph.arch.max_position}  # one block per token: 64 blocks, then the whole context
+
+
+@pytest.mark.gpu
 def test_gpu_graph_buckets_pad_with_the_scratch_block() -> None:
     """Decode batches of 1..5 sequences replay the bucket graphs; padding rows never touch real blocks."""
     graph = compiled("gqa", "dense")
@@ -336,3 +357,11 @@ def test_graph_fill_resets_only_the_block_table_columns_it_used() -> None:
             np.testing.assert_array_equal(st.context_lens[: len(lengths)].numpy(), np.array(positions) + 1)
         np.testing.assert_array_equal(st.block_tables.numpy(), want, err_msg=str(lengths))
         np.testing.assert_array_equal(st.packed.numpy(), st.host.numpy())
+
+
+def test_graph_table_width_rounds_up_from_64_blocks_to_the_whole_context() -> None:
+    from mgx.runtime.backend_cuda import graph_table_width
+
+    assert [graph_table_width(n, 8192) for n in (0, 1, 64, 65, 300, 4097, 8192)] == [64, 64, 64, 128, 512, 8192, 8192]
+    assert graph_table_width(40, 20) == 20  # a short model: its whole context
+    assert graph_table_width(1, 1) == 1
