@@ -42,7 +42,7 @@ for part in "${parts[@]}"; do
     model-1b | model-8b)
       shape=llama-${part#model-}
       timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape "$shape" --schemes "${SCHEMES:-bf16,w8a16,int4}" \
-        --autotune 1 --hf eager,compile --json "$out/$part.json" > "$out/$part.log" 2>&1
+        --autotune 1 --hf eager,compile --profile-prefill --json "$out/$part.json" > "$out/$part.log" 2>&1
       echo "$part: rc=$?"
       grep -E '^\{' "$out/$part.log" | cut -c1-600
       ;;
