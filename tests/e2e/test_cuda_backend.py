@@ -365,3 +365,37 @@ def test_graph_table_width_rounds_up_from_64_blocks_to_the_whole_context() -> No
     assert [graph_table_width(n, 8192) for n in (0, 1, 64, 65, 300, 4097, 8192)] == [64, 64, 64, 128, 512, 8192, 8192]
     assert graph_table_width(40, 20) == 20  # a short model: its whole context
     assert graph_table_width(1, 1) == 1
+
+
+def test_replay_captures_again_only_when_a_table_outgrows_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_replay``'s bookkeeping on the CPU, with the capture replaced by a recorder: a bucket's graph is
+    captured at the width its first batch needs and again, wider, only when a batch needs more."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Graph, _Step
+    from mgx.runtime.batch import PagedStep, StepBatch
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=1)
+    backend._max_blocks = 300
+    captured: list[tuple[int, int]] = []
+
+    def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
+        captured.append((bucket, width))
+        packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
+        st = _Step(token_ids=packed[:bucket], positions=packed[bucket : 2 * bucket],
+                   context_lens=packed[2 * bucket : 3 * bucket], block_tables=packed[3 * bucket :].view(bucket, width),
+                   query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), sample_rows=torch.arange(bucket),
+                   max_query_len=1, max_context_len=width, packed=packed, host=torch.zeros_like(packed))  # fmt: skip
+        return _Graph(types.SimpleNamespace(replay=lambda: None), st, torch.zeros(bucket, 4))
+
+    monkeypatch.setattr(backend, "_capture", capture)
+    for lengths in ([10, 20], [64, 3], [65], [100, 2], [70, 70], [129], [300, 1]):
+        s = len(lengths)
+        batch = StepBatch.packed(list(range(s)), np.arange(s), [1] * s, [n - 1 for n in lengths], [True] * s)
+        batch.paged = PagedStep.build(batch, [list(range(n)) for n in lengths], 1)
+        backend._replay(None, batch)
+        st = backend._graphs[(1 if s == 1 else 2, False)].step
+        np.testing.assert_array_equal(st.block_tables[0, : lengths[0]].numpy(), np.arange(lengths[0]))
+    # bucket 2: 64 blocks, then 128 (for 100), then 300 (the whole context); bucket 1: 128, then 256.
+    assert captured == [(2, 64), (1, 128), (2, 128), (1, 256), (2, 300)]
