@@ -58,6 +58,26 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize("model", ["gqa", "window-partial-rotary"])
+def test_interpreted_fresh_prompts_take_sdpa_and_match_the_reference(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of prompts with nothing cached runs attention through torch's SDPA on the new q, k, v
+    (not on a sliding window); later chunks and decode steps read the paged cache. Same tokens and
+    logits as the reference either way."""
+    from mgx.runtime import backend_cuda
+
+    calls: list[tuple[int, ...]] = []
+    fresh = backend_cuda._fresh_attention
+    monkeypatch.setattr(backend_cuda, "_fresh_attention", lambda q, k, v, qsl, a: calls.append(qsl) or fresh(q, k, v, qsl, a))
+    graph = compiled(model, "dense")
+    _check(graph, CUDABackend(graph, device="cpu", dtype="f32"), steps=2)
+    layers = sum(op.kind == "attention" for op in graph.ops)
+    if model == "gqa":
+        assert calls == [(0, 23, 28)] * layers  # the first step only: prompt 0 whole, prompt 1's first chunk
+    else:
+        assert not calls  # sliding-window attention stays on the paged kernel
+
+
+@pytest.mark.interpreted
 @pytest.mark.parametrize("scheme", ["quantize_w8a16", "quantize_int4"])
 def test_interpreted_split_k_decode_matches_the_reference(scheme: str) -> None:
     """A down projection with K = 512: decode batches split it over K (default_config), through the
