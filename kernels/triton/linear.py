@@ -280,6 +280,26 @@ def _gemv_row(
     return tl.reshape(acc, (1, BLOCK_N))
 
 
+def _nibble_asm(high: str) -> tl.constexpr:
+    """The PTX of ``_nibbles_bf16`` for four bytes in $4: low nibbles to $0, $1 and high ones to $2,
+    $3 as bf16 pairs, the high pair's LOP3 taking ``high`` (its constant and truth table)."""
+    return tl.constexpr(f"""{{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 t0, t0, 4;
+            shr.u32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, {high};
+            lop3.b32 $3, t1, 0x000F000F, {high};
+            }}""")
+
+
+_NIBBLES_OR = _nibble_asm("0x43004300, 0xEA")  # (a & b) | c
+_NIBBLES_FLIP = _nibble_asm("0x43084308, 0x6A")  # (a & b) ^ c: also flips bit 3 of the nibble
+
+
 @triton.jit
 def _nibbles_bf16(p, FLIP_HIGH: tl.constexpr, FAST_CVT: tl.constexpr):
     """(128 + low nibble, 128 + high nibble) of the bytes p as two bf16 tensors shaped like p.
@@ -291,38 +311,9 @@ def _nibbles_bf16(p, FLIP_HIGH: tl.constexpr, FAST_CVT: tl.constexpr):
     FLIP_HIGH the high pair is masked and XOR-ed with 0x4308 (LOP3 0x6A: (a & b) ^ c), which sets
     128.0's bits and flips bit 3 of the nibble at once.
     """
-    if FAST_CVT and FLIP_HIGH:
+    if FAST_CVT:
         lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-            shr.u32 t0, t0, 4;
-            shr.u32 t1, t1, 4;
-            lop3.b32 $2, t0, 0x000F000F, 0x43084308, 0x6A;
-            lop3.b32 $3, t1, 0x000F000F, 0x43084308, 0x6A;
-            }""",
-            constraints="=r,=r,=r,=r,r",
-            args=[p],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-    elif FAST_CVT:  # as above, the high nibble OR-ed in rather than XOR-ed (LOP3 0xEA: (a & b) | c)
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-            shr.u32 t0, t0, 4;
-            shr.u32 t1, t1, 4;
-            lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
-            }""",
+            asm=_NIBBLES_FLIP if FLIP_HIGH else _NIBBLES_OR,
             constraints="=r,=r,=r,=r,r",
             args=[p],
             dtype=(tl.bfloat16, tl.bfloat16),
