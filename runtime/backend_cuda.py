@@ -79,6 +79,12 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
 SDPA_MAX_SEQS = 4  # fresh prompts per step that torch's SDPA takes one by one (more: the varlen kernel)
 
+_AUX_ROLES = ("scales", "zeros", "meta")
+_ALIGN = 256
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# Device memory kept out of the KV budget for activations, graph pools and kernels' scratch.
+_RESERVE_BYTES = 2 << 30
+
 
 def graph_table_width(needed: int, max_blocks: int) -> int:
     """Block-table columns of a decode graph for a batch whose longest table has ``needed`` blocks:
@@ -91,11 +97,6 @@ def graph_table_width(needed: int, max_blocks: int) -> int:
     while width < needed:
         width *= 2
     return max(1, min(width, max_blocks))
-_AUX_ROLES = ("scales", "zeros", "meta")
-_ALIGN = 256
-_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-# Device memory kept out of the KV budget for activations, graph pools and kernels' scratch.
-_RESERVE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +150,6 @@ class _Step:
     # Eager prefill steps whose sequences (at most SDPA_MAX_SEQS) have nothing cached: their
     # query_start_loc on the host. Attention then runs on the new q, k, v directly (``_fresh_attention``).
     fresh: tuple[int, ...] | None = None
-    # Graphs only: leading block-table columns a fill may have left something other than -1 in
-    # (all of them until the first fill); the columns after it are -1 in every row.
-    table_cols: int = 1 << 62
 
 
 @dataclass(slots=True)
@@ -445,20 +443,16 @@ class CUDABackend(Backend):
         host = st.host.numpy()
         tok, pos, ctx = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket : 3 * bucket]
         tables = host[3 * bucket :].reshape(bucket, width)
-        # Only the columns an earlier fill wrote are reset: the table spans the model's whole
-        # context (8,192 columns for 128k tokens at 16 per block), a step's sequences far fewer.
-        tables[:, : st.table_cols].fill(-1)
+        # The table is as wide as the graph's contexts (``graph_table_width``), not the model's.
+        tables.fill(-1)
         tables[s:, 0] = self._kv.scratch_block
         ctx[s:], pos[s:], tok[s:] = 1, 0, 0
-        used = 1
         if batch is not None:
             bt = batch.paged.block_tables
-            used = max(used, min(bt.shape[1], width))
-            tables[:s, :used] = bt[:, :used]
+            tables[:s, : bt.shape[1]] = bt[:, :width]
             ctx[:s] = batch.paged.context_lens
             pos[:s] = batch.positions
             tok[:s] = batch.token_ids
-        st.table_cols = used
         st.packed.copy_(st.host, non_blocking=True)
 
     def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int) -> _Graph:

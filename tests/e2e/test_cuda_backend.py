@@ -340,10 +340,10 @@ def test_gpu_greedy_head_in_graphs_matches_eager() -> None:
 
 
 @pytest.mark.interpreted
-def test_graph_fill_resets_only_the_block_table_columns_it_used() -> None:
-    """A graph's static block table spans the model's whole context; each fill resets only the
-    columns an earlier fill wrote. After every fill the table must equal a fully rebuilt one: the
-    batch's tables padded with -1, padding rows on the scratch block."""
+def test_graph_fill_leaves_no_stale_block_table_entries() -> None:
+    """Fills of batches with shorter and longer tables in turn: after every fill the graph's static
+    table equals a fully rebuilt one (the batch's tables padded with -1, padding rows on the scratch
+    block), and the device buffer equals the pinned host one."""
     import types
 
     from mgx.runtime.backend_cuda import _Step
