@@ -255,18 +255,16 @@ class BlockManager:
     def prepare_step(self, seq_ids: Sequence[int], num_new: Sequence[int]) -> StepBlocks | None:
         """Room for each sequence's ``num_new`` next tokens, and where its K/V lives, in one pass.
 
-        What the scheduler already allocated is only looked at (one comparison per sequence). None
-        when a sequence cannot get its blocks; the sequences before it keep what they got.
+        What the scheduler already allocated costs ``allocate``'s first check only. None when a
+        sequence cannot get its blocks; the sequences before it keep what they got.
         """
-        bs, has_slots = self.block_size, self.slots is not None
-        out = StepBlocks([], [], [])
+        seqs, out = self._seqs, StepBlocks([], [], [])
         for seq_id, n in zip(seq_ids, num_new, strict=True):
-            seq = self._seqs.get(seq_id)
+            seq = seqs.get(seq_id)
             start = len(seq.tokens) if seq is not None else 0
-            if seq is None or len(seq.table) * bs < start + n or (has_slots and seq.slot is None):
-                if not self.allocate(seq_id, start + n):
-                    return None
-                seq = self._seqs[seq_id]
+            if not self.allocate(seq_id, start + n):
+                return None
+            seq = seqs[seq_id]
             out.starts.append(start)
             out.tables.append(seq.table)
             out.state_slots.append(seq.slot)
