@@ -112,21 +112,11 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one id; returns the new stable text ("" while a character is incomplete)."""
-        # _pending inlined: one push per sequence per step is the hot path of a large decode batch.
-        ids = self._ids
-        ids.append(int(token_id))
-        prefix, tok = self._prefix, self._tok
-        before = self._before
-        if before is None:
-            before = self._before = tok._decode_window(ids[prefix : self._read])
-        window = ids[prefix:]
-        after = tok._decode_window(window) if len(window) == 1 else tok._tok.decode(window)
-        if len(after) <= len(before):
+        self._ids.append(int(token_id))
+        text = self._pending()
+        if not text or text.endswith("\ufffd"):
             return ""
-        text = after[len(before) :]
-        if text.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read, self._before = self._read, len(ids), None
+        self._prefix, self._read, self._before = self._read, len(self._ids), None
         return text
 
     def flush(self) -> str:
