@@ -143,7 +143,7 @@ class Request:
         self.detok = detokenizer
         self.stops = StopStrings(params.stop)
         # Read on every token: kept here rather than looked up through params and the sampler.
-        self._stop_ids = frozenset(params.stop_token_ids)
+        self._stop_ids = self.sampler.stop_ids
         self._stop_strings = bool(self.stops.stops)
         self._max_tokens = params.max_tokens
         self.metrics = metrics

@@ -87,7 +87,7 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
-        self._stop = frozenset(params.stop_token_ids)
+        self.stop_ids = frozenset(params.stop_token_ids)  # tokens that end the request
 
     def sample(self, logits: np.ndarray, previous: Sequence[int] = (), output: Sequence[int] = ()) -> int:
         """The next token from logits [V].
@@ -123,7 +123,7 @@ class Sampler:
         return TokenLogprobs(int(token_id), float(logp[token_id]), top)
 
     def is_stop(self, token_id: int) -> bool:
-        return token_id in self._stop
+        return token_id in self.stop_ids
 
 
 def apply_repetition_penalty(x: np.ndarray, previous: Sequence[int], penalty: float) -> None:
