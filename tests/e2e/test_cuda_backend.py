@@ -58,23 +58,84 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("model", ["gqa", "window-partial-rotary"])
-def test_interpreted_fresh_prompts_take_sdpa_and_match_the_reference(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of prompts with nothing cached runs attention through torch's SDPA on the new q, k, v
-    (not on a sliding window); later chunks and decode steps read the paged cache. Same tokens and
-    logits as the reference either way."""
+@pytest.mark.parametrize(("model", "refuse"), [("gqa", ()), ("gqa", ("gqa",)), ("window-partial-rotary", ())])
+def test_interpreted_fresh_prompts_take_a_fused_sdpa_kernel_and_match_the_reference(
+    model: str, refuse: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of prompts with nothing cached runs attention through one of torch's fused SDPA kernels
+    (never its math fallback: SDPA may only pick those) on the new q, k, v (not on a sliding window);
+    later chunks and decode steps read the paged cache. A mode no fused kernel takes (refused here)
+    gives way to the next: K and V expanded to every query head. Same tokens and logits as the
+    reference either way."""
     from mgx.runtime import backend_cuda
 
-    calls: list[tuple[int, ...]] = []
+    calls: list[tuple[tuple[int, ...], bool]] = []
     fresh = backend_cuda._fresh_attention
-    monkeypatch.setattr(backend_cuda, "_fresh_attention", lambda q, k, v, qsl, a: calls.append(qsl) or fresh(q, k, v, qsl, a))
+
+    def spy(q, k, v, qsl, a, *, gqa):  # noqa: ANN001, ANN202
+        assert torch.backends.cuda.math_sdp_enabled() is False  # inside sdpa_kernel(FUSED_SDPA)
+        if ("gqa" if gqa else "expand") in refuse:
+            raise RuntimeError("No available kernel.")
+        calls.append((qsl, gqa))
+        return fresh(q, k, v, qsl, a, gqa=gqa)
+
+    monkeypatch.setattr(backend_cuda, "_fresh_attention", spy)
     graph = compiled(model, "dense")
-    _check(graph, CUDABackend(graph, device="cpu", dtype="f32"), steps=2)
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    _check(graph, backend, steps=2)
     layers = sum(op.kind == "attention" for op in graph.ops)
     if model == "gqa":
-        assert calls == [(0, 23, 28)] * layers  # the first step only: prompt 0 whole, prompt 1's first chunk
+        # The first step only: prompt 0 whole, prompt 1's first chunk.
+        assert calls == [((0, 23, 28), "gqa" not in refuse)] * layers
+        assert backend._sdpa_modes == [m for m in backend_cuda.SDPA_MODES if m not in refuse]
     else:
         assert not calls  # sliding-window attention stays on the paged kernel
+
+
+@pytest.mark.interpreted
+def test_interpreted_fresh_prompts_go_to_the_paged_kernel_when_no_fused_sdpa_kernel_takes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every mode refused, one warning, and the paged prefill kernel runs those prompts (same
+    tokens and logits); SDPA is not asked again."""
+    from mgx.runtime import backend_cuda
+
+    tries: list[bool] = []
+
+    def refuse(q, k, v, qsl, a, *, gqa):  # noqa: ANN001, ANN202
+        tries.append(gqa)
+        raise RuntimeError("No available kernel.")
+
+    monkeypatch.setattr(backend_cuda, "_fresh_attention", refuse)
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    with pytest.warns(RuntimeWarning, match="no fused SDPA kernel takes fresh prompts"):
+        _check(graph, backend, steps=2)
+    assert tries == [True, False] and backend._sdpa_modes == []
+
+
+def test_fresh_attention_expanded_kv_equals_sdpa_gqa() -> None:
+    """The two modes compute the same attention: query head h reads KV head h // (Hq / Hk)."""
+    from mgx.runtime import backend_cuda
+    from mgx.runtime.backend import AttentionAttrs
+
+    torch.manual_seed(0)
+    hq, hk, d, t = 8, 2, 16, 19
+    a = AttentionAttrs(layer=0, num_heads=hq, num_kv_heads=hk, head_dim=d, scale=d**-0.5, window=0)
+    q, k, v = torch.randn(t, hq * d), torch.randn(t, hk * d), torch.randn(t, hk * d)
+    qsl = (0, 7, 19)
+    want = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[lo:hi].view(hi - lo, hq, d).transpose(0, 1),
+            k[lo:hi].view(hi - lo, hk, d).transpose(0, 1).repeat_interleave(hq // hk, dim=0),
+            v[lo:hi].view(hi - lo, hk, d).transpose(0, 1).repeat_interleave(hq // hk, dim=0),
+            is_causal=True, scale=a.scale,
+        ).transpose(0, 1).reshape(hi - lo, hq * d)
+        for lo, hi in zip(qsl, qsl[1:])
+    ])  # fmt: skip
+    for gqa in (True, False):
+        got = backend_cuda._fresh_attention(q, k, v, qsl, a, gqa=gqa)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.interpreted
