@@ -233,7 +233,7 @@ GEMV_SCHEMES = [
 ]
 
 
-def bench_gemv(copy_gbps: float) -> None:
+def bench_gemv(copy_gbps: float, kernels=None) -> None:  # noqa: ANN001
     from mgx.kernels.triton import linear as lin
     from mgx.kernels.triton.testing import make_weight
 
@@ -243,12 +243,12 @@ def bench_gemv(copy_gbps: float) -> None:
         x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
         cublas_ms = _cublas_case(x, make_weight("none", n, k, device=DEVICE), configs, copy_gbps)
         for label, scheme, kw in GEMV_SCHEMES:
-            _gemv_case(x, make_weight(scheme, n, k, device=DEVICE, **kw), label, cublas_ms, configs, copy_gbps)
+            _gemv_case(x, make_weight(scheme, n, k, device=DEVICE, **kw), label, cublas_ms, configs, copy_gbps, kernels)
     # The fused gate/up + SiLU-mul of Llama-3.1-8B at batch 1: W [2 x 14336, 4096].
     n, k = (2 * 14336, 4096) if DEVICE == "cuda" else (64, 256)
     x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
     for label, scheme, kw in [("bf16", "none", {})] + GEMV_SCHEMES[:2]:
-        _gate_up_case(x, make_weight(scheme, n, k, device=DEVICE, **kw), label, configs, copy_gbps)
+        _gate_up_case(x, make_weight(scheme, n, k, device=DEVICE, **kw), label, configs, copy_gbps, kernels)
 
 
 def _cublas_case(x, dense, configs, copy_gbps: float) -> float:  # noqa: ANN001
@@ -261,7 +261,7 @@ def _cublas_case(x, dense, configs, copy_gbps: float) -> float:  # noqa: ANN001
     return ms
 
 
-def _gemv_case(x, w, label: str, cublas_ms: float, configs, copy_gbps: float) -> None:  # noqa: ANN001
+def _gemv_case(x, w, label: str, cublas_ms: float, configs, copy_gbps: float, kernels=None) -> None:  # noqa: ANN001
     from mgx.kernels.triton import linear as lin
 
     nbytes = w.nbytes + x.nbytes + 2 * w.n
@@ -272,15 +272,37 @@ def _gemv_case(x, w, label: str, cublas_ms: float, configs, copy_gbps: float) ->
     row["x_vs_cublas_bf16"] = cublas_ms / ms
     print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth, {row['x_vs_cublas_bf16']:.2f}x cuBLAS bf16",
           flush=True)  # fmt: skip
+    _native_gemv_row(x, w, label, f"N={w.n} K={w.k} M=1", nbytes, copy_gbps, kernels, cublas_ms=cublas_ms)
 
 
-def _gate_up_case(x, w, label: str, configs, copy_gbps: float) -> None:  # noqa: ANN001
+def _native_gemv_row(x, w, label: str, case: str, nbytes: int, copy_gbps: float, kernels,  # noqa: ANN001
+                     silu_mul: bool = False, cublas_ms: float | None = None) -> None:  # fmt: skip
+    """The native CUDA GEMV (gemv.cu) on the same product, when the built kernels take it."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton import linear as lin
+
+    if kernels is None or not cg.gemv_applies(kernels, x, w):
+        return
+    want = (lin.linear_silu_mul_ref if silu_mul else lin.linear_ref)(x, w).float()
+    got = cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul).float()
+    err = float((got - want).norm() / want.norm())
+    ms = bench(lambda: cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul))
+    row = record("gemv", case, f"native CUDA {label}" + (" fused" if silu_mul else ""), ms, nbytes,
+                 config=f"threads={cg.gemv_threads(w.k)}", rel_err=f"{err:.1e}")  # fmt: skip
+    row["frac_copy_bw"] = row["GB/s"] / copy_gbps
+    if cublas_ms is not None:
+        row["x_vs_cublas_bf16"] = cublas_ms / ms
+    print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth", flush=True)
+
+
+def _gate_up_case(x, w, label: str, configs, copy_gbps: float, kernels=None) -> None:  # noqa: ANN001
     from mgx.kernels.triton import linear as lin
 
     nbytes = w.nbytes + x.nbytes + w.n
     ms, cfg = best_of(configs, lambda c: lambda: lin.linear_silu_mul(x, w, config=c))
     row = record("gemv", f"gate_up+silu N={w.n} K={w.k}", f"MGX {label} fused", ms, nbytes, config=str(cfg))
     row["frac_copy_bw"] = row["GB/s"] / copy_gbps
+    _native_gemv_row(x, w, label, f"gate_up+silu N={w.n} K={w.k}", nbytes, copy_gbps, kernels, silu_mul=True)
 
 
 def bench_batch(copy_gbps: float) -> None:
@@ -508,7 +530,7 @@ def main() -> None:
     ceil = ceilings()
     print(f"# copy bandwidth {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     kernels = None
-    if DEVICE == "cuda" and "rmsnorm" in only:
+    if DEVICE == "cuda" and only & {"rmsnorm", "gemv"}:
         from mgx.kernels.cuda.build import build_cuda_kernels
         from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
 
@@ -518,7 +540,7 @@ def main() -> None:
         kernels = load_cuda_kernels(image, arch)
     sections = [
         ("rmsnorm", lambda: bench_rmsnorm(ceil["copy_GBps"], kernels)),
-        ("gemv", lambda: bench_gemv(ceil["copy_GBps"])),
+        ("gemv", lambda: bench_gemv(ceil["copy_GBps"], kernels)),
         ("batch", lambda: bench_batch(ceil["copy_GBps"])),
         ("swap", lambda: bench_swap(ceil["copy_GBps"])),
         ("dequant", lambda: bench_dequant(ceil["bf16_TFLOPs"])),

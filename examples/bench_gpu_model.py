@@ -137,6 +137,7 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
     from mgx.compiler.pipeline import collect_pass_stats, convert_tensors
     from mgx.formats import ir
     from mgx.formats.artifact import ArtifactContents, Fingerprint, PassRecord, write_artifact
+    from mgx.kernels.cuda.build import find_nvcc
     from mgx.passes import PASSES, PassContext
 
     cpu_model = copy.deepcopy(model).to("cpu") if DEVICE == "cuda" else model
@@ -150,8 +151,10 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
     for scheme in schemes:
         t0 = time.perf_counter()
         graph = copy.deepcopy(base) if scheme != schemes[-1] else base
-        records, tunings = [], {}
+        records, tunings, images = [], {}, {}
         steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]
+        if DEVICE == "cuda" and find_nvcc() is not None:
+            steps.append(("cuda_kernels", {}))  # the native RMSNorm and GEMVs, as `mgxc compile` builds them
         if autotune_rows:
             steps.append(("autotune", {"rows": autotune_rows}))
         for name, opts in steps:
@@ -159,7 +162,7 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
             result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
             ir.verify(graph)
             records.append(PassRecord(name, dict(opts), result.summary))
-            collect_pass_stats(result.stats, tunings, None)
+            collect_pass_stats(result.stats, tunings, images)
             if name == "autotune":
                 log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
                 TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
@@ -170,7 +173,7 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
         for label, stored in variants:
             path = out_dir / f"{label}.mgx"
             write_artifact(path, ArtifactContents(graph=graph, tokenizer_json=tokenizer_json(vocab), fingerprint=fp,
-                                                  passes=records, autotune=stored))  # fmt: skip
+                                                  passes=records, autotune=stored, cuda_kernels=images))  # fmt: skip
             paths[label] = path
         log(f"{scheme}: passes and write {time.perf_counter() - t0:.1f}s, {path.stat().st_size / 1e9:.2f} GB")
         del graph
@@ -227,7 +230,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     load_s = time.perf_counter() - t0
     up = engine.runner.backend.upload_stats
     row = {"engine": f"mgx {scheme}", "load_s": load_s, "upload_gb_s": up.gb_per_s, "weight_bytes": up.bytes}
-    row["tunings"] = engine.tuning_note
+    row["tunings"], row["kernels"] = engine.tuning_note, engine.kernels_note
     # Warm up: compile the kernels and capture every decode graph the runs below replay (outside
     # the clocks; a capture inside a timed run costs seconds).
     # A batch's run is warmed by the same workload: its requests reach decode at different steps and

@@ -43,6 +43,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
+from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
+from mgx.kernels.cuda.gemv import gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton.attention import (
     decode_splits,
@@ -221,7 +223,7 @@ class CUDABackend(Backend):
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
         self.tunings = Tunings()  # stored autotune choices for this GPU (use_tunings); empty: defaults
-        self.cuda_kernels: CudaKernels | None = None  # native RMSNorm (use_cuda_kernels); None: Triton's
+        self.cuda_kernels: CudaKernels | None = None  # native RMSNorm, GEMV (use_cuda_kernels); None: Triton
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -345,7 +347,8 @@ class CUDABackend(Backend):
         if self.cuda_kernels is None:
             stored = ", ".join(sorted(images)) or "none"
             return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
-        return f"native CUDA kernels for {arch} (RMSNorm)"
+        gemvs = [f"{scheme} GEMV" for scheme, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
+        return f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         if num_state_slots:
@@ -528,6 +531,12 @@ class CUDABackend(Backend):
             out = torch.nn.functional.linear(x, dense, self._bias[id(op)])
             if silu is not None:
                 out = silu_mul(out)
+                self._pending[id(silu)] = out
+            return out
+        if m == 1 and gemv_applies(self.cuda_kernels, x, w, self._bias[id(op)]):
+            # One row of int4 or W8A16 weights: the native GEMV, when the artifact's kernels hold it.
+            out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None)
+            if silu is not None:
                 self._pending[id(silu)] = out
             return out
         if silu is not None:

@@ -15,6 +15,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "mgx_abi.cuh"
+
 namespace {
 
 constexpr int kMaxVec = 4;        // 16-byte vectors one thread keeps in registers
@@ -116,18 +118,11 @@ __device__ __forceinline__ void rms_norm_rows(T* __restrict__ out, T* __restrict
 
 }  // namespace
 
-// One entry point per IO type; names are what the Python launcher looks up in the module. They end
-// in _v<MGX_KERNEL_ABI>: bump it (and KERNEL_ABI in rmsnorm.py) whenever an entry's parameters change,
-// so that a runtime never launches code stored by a build with other parameters -- it finds no entry
-// of its version and falls back to Triton instead.
-#ifndef MGX_KERNEL_ABI
-#define MGX_KERNEL_ABI 1
-#endif
-#define MGX_CAT_(a, b) a##b
-#define MGX_CAT(a, b) MGX_CAT_(a, b)
+// One entry point per IO type; names are what the Python launcher looks up in the module, with the
+// version suffix of mgx_abi.cuh.
 #define MGX_RMS_NORM_ENTRY(NAME, T)                                                                   \
   extern "C" __global__ void __launch_bounds__(kMaxThreads)                                                 \
-      MGX_CAT(NAME##_v, MGX_KERNEL_ABI)(T* out, T* res_out, const T* x, const T* res, const T* w, int rows, int cols,              \
+      MGX_ENTRY(NAME)(T* out, T* res_out, const T* x, const T* res, const T* w, int rows, int cols,              \
            long long stride_x, long long stride_r, long long stride_o, long long stride_ro, float eps) { \
     rms_norm_rows<T>(out, res_out, x, res, w, rows, cols, stride_x, stride_r, stride_o, stride_ro, eps); \
   }

@@ -36,6 +36,20 @@ class CudaKernels:
         self.module = module
         self.arch = arch
         self.device = device
+        self._has: dict[str, bool] = {}
+
+    def has(self, entry: str) -> bool:
+        """Whether the module holds ``entry`` (kernels added after the RMSNorm are optional: an
+        artifact built before them runs their Triton counterparts)."""
+        found = self._has.get(entry)
+        if found is None:
+            try:
+                self.module.function(entry)
+                found = True
+            except CudaDriverError:
+                found = False
+            self._has[entry] = found
+        return found
 
 
 def reset_fallback_warning() -> None:

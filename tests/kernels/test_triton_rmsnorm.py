@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from mgx.kernels import reference as ref  # noqa: E402
 from mgx.kernels.cuda import build, driver  # noqa: E402
+from mgx.kernels.cuda import gemv as cuda_gemv  # noqa: E402
 from mgx.kernels.cuda import rmsnorm as cuda_rmsnorm  # noqa: E402
 from mgx.kernels.triton import rmsnorm  # noqa: E402
 
@@ -98,7 +99,7 @@ def test_build_gives_a_cubin_for_the_arch(arch: str, sm: int) -> None:
     image = build.build_cuda_kernels(arch)
     assert image[:4] == b"\x7fELF"
     assert driver.cubin_sm(image) == sm
-    for name in cuda_rmsnorm._ENTRY.values():
+    for name in [*cuda_rmsnorm._ENTRY.values(), *cuda_gemv.ENTRIES.values()]:
         assert name.endswith(f"_v{cuda_rmsnorm.KERNEL_ABI}") and name.encode() in image
 
 

@@ -1,0 +1,39 @@
+"""The native GEMV's launcher on the CPU: which products it takes and its block size (the kernel itself
+runs in tests/gpu/test_gpu_kernels.py against the reference)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from mgx.kernels.cuda import gemv as cg  # noqa: E402
+from mgx.kernels.triton.testing import make_weight  # noqa: E402
+
+
+class FakeKernels:
+    """Loaded kernels on 'device 0' holding the entries given."""
+
+    device = 0
+
+    def __init__(self, *entries: str) -> None:
+        self.entries = set(entries)
+
+    def has(self, entry: str) -> bool:
+        return entry in self.entries
+
+
+def test_threads_keep_about_four_words_per_row_in_flight() -> None:
+    assert [cg.gemv_threads(k) for k in (8, 1024, 2048, 4096, 8192, 14336, 65536)] == [32, 32, 64, 128, 256, 256, 256]
+
+
+def test_declines_what_the_kernel_cannot_take() -> None:
+    w = make_weight("int4", 64, 256, group_size=32)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    every = FakeKernels(*cg.ENTRIES.values())
+    assert not cg.gemv_applies(None, x, w)
+    assert not cg.gemv_applies(FakeKernels(cg.ENTRIES["w8a16"]), x, w)  # an artifact without the int4 entry
+    assert not cg.gemv_applies(every, x, w)  # a CPU tensor
+    assert not cg.gemv_applies(every, x, make_weight("none", 64, 256))
+    assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))
