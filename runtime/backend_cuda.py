@@ -216,7 +216,9 @@ class CUDABackend(Backend):
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
         self._pending: dict[int, Array] = {}  # id(op) -> output computed by the op fused before it
-        self._sdpa_modes = list(SDPA_MODES)  # the ways left to run fresh prompts through a fused SDPA kernel
+        # The ways left to run fresh prompts through a fused SDPA kernel (MGX_CUDA_SDPA=0: none, the
+        # paged prefill kernel runs them).
+        self._sdpa_modes = list(SDPA_MODES) if os.environ.get("MGX_CUDA_SDPA", "1") != "0" else []
         self._step: _Step | None = None
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
         self._pool: Any = None
