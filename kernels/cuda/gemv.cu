@@ -140,49 +140,33 @@ __device__ __forceinline__ int block_rows(int (&row)[R], int n, int silu_f) {
   return n0;
 }
 
-template <int R>
-__device__ void gemv_int4(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
-                          const uint8_t* __restrict__ w, const float* __restrict__ scales,
-                          const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
-                          long long stride_w, long long stride_s, int group_shift, int silu_f) {
-  int row[R];
-  const int n0 = block_rows<R>(row, n, silu_f);
-  const int words = k >> 3;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (int base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
-    uint32_t q[kUnroll][R];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * blockDim.x;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        q[u][r] = t < words ? load_stream(reinterpret_cast<const uint32_t*>(w + row[r] * stride_w) + t) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * blockDim.x;
-      if (t >= words) break;
-      float xf[8];
-      load_x(x, t, xf);
-      const int g = (t << 3) >> group_shift;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const long long at = row[r] * stride_s + g;
-        const float zb = kTwo23 + (zeros != nullptr ? static_cast<float>(__ldg(zeros + at)) : 8.0f);
-        acc[r] = fmaf(__ldg(scales + at), dot_int4(q[u][r], zb, xf), acc[r]);
-      }
-    }
-  }
-  block_sum<R>(acc);
-  store<R>(out, acc, row, n0, silu_f > 0 ? silu_f : n, nullptr, bias, silu_f > 0);
-}
+// int4 codes, 8 to a 4-byte word: one group's scale (and zero) per word.
+struct Int4Codes {
+  using Word = uint32_t;
+  const float* __restrict__ scales;
+  const uint8_t* __restrict__ zeros;  // nullptr: symmetric (z = 8)
+  long long stride_s;
+  int group_shift;
 
-template <int R>
-__device__ void gemv_w8a16(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
-                           const int8_t* __restrict__ w, const float* __restrict__ scales,
-                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, int silu_f) {
+  __device__ __forceinline__ float operator()(Word q, const float (&xf)[8], int row, int t) const {
+    const long long at = row * stride_s + ((t << 3) >> group_shift);
+    const float zb = kTwo23 + (zeros != nullptr ? static_cast<float>(__ldg(zeros + at)) : 8.0f);
+    return __ldg(scales + at) * dot_int4(q, zb, xf);
+  }
+};
+
+// int8 codes, 8 to an 8-byte word; the row's scale is applied once, in store().
+struct Int8Codes {
+  using Word = uint2;
+
+  __device__ __forceinline__ float operator()(Word q, const float (&xf)[8], int, int) const { return dot_int8(q, xf); }
+};
+
+template <class Codes, int R>
+__device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
+                          const uint8_t* __restrict__ w, const Codes codes, const float* __restrict__ row_scale,
+                          const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, int silu_f) {
+  using Word = typename Codes::Word;
   int row[R];
   const int n0 = block_rows<R>(row, n, silu_f);
   const int words = k >> 3;
@@ -190,13 +174,13 @@ __device__ void gemv_w8a16(__nv_bfloat16* __restrict__ out, const __nv_bfloat16*
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   for (int base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
-    uint2 q[kUnroll][R];
+    Word q[kUnroll][R];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int t = base + u * blockDim.x;
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        q[u][r] = t < words ? load_stream(reinterpret_cast<const uint2*>(w + row[r] * stride_w) + t) : make_uint2(0, 0);
+        q[u][r] = t < words ? load_stream(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t) : Word{};
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -205,11 +189,11 @@ __device__ void gemv_w8a16(__nv_bfloat16* __restrict__ out, const __nv_bfloat16*
       float xf[8];
       load_x(x, t, xf);
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += dot_int8(q[u][r], xf);
+      for (int r = 0; r < R; ++r) acc[r] += codes(q[u][r], xf, row[r], t);
     }
   }
   block_sum<R>(acc);
-  store<R>(out, acc, row, n0, silu_f > 0 ? silu_f : n, scales, bias, silu_f > 0);
+  store<R>(out, acc, row, n0, silu_f > 0 ? silu_f : n, row_scale, bias, silu_f > 0);
 }
 
 }  // namespace mgx_gemv
@@ -220,11 +204,14 @@ extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
     MGX_ENTRY(mgx_gemv_int4_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const uint8_t* w, const float* scales,
                                   const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k, long long stride_w,
                                   long long stride_s, int group_shift, int silu_f) {
-  mgx_gemv::gemv_int4<mgx_gemv::kRows>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+  const mgx_gemv::Int4Codes codes{scales, zeros, stride_s, group_shift};
+  mgx_gemv::gemv_rows<mgx_gemv::Int4Codes, mgx_gemv::kRows>(out, x, w, codes, nullptr, bias, n, k, stride_w, silu_f);
 }
 
 extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
     MGX_ENTRY(mgx_gemv_w8a16_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const int8_t* w, const float* scales,
                                    const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
-  mgx_gemv::gemv_w8a16<mgx_gemv::kRows>(out, x, w, scales, bias, n, k, stride_w, silu_f);
+  mgx_gemv::gemv_rows<mgx_gemv::Int8Codes, mgx_gemv::kRows>(out, x, reinterpret_cast<const uint8_t*>(w),
+                                                            mgx_gemv::Int8Codes{}, scales, bias, n, k, stride_w,
+                                                            silu_f);
 }
