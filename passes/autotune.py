@@ -5,13 +5,18 @@ architecture, ``sm_90`` for an H200, and a runtime on another architecture ignor
 distinct linear weight (scheme, layout, int4 group, N, K) and every row count in ``rows`` (decode
 batch buckets, and a prefill chunk), each candidate launch configuration of the kernel that op runs
 (``linear``, ``linear_silu_mul`` for the fused gate/up projection, ``lm_head_argmax`` for the LM head)
-is timed on random activations with the weight's real bytes, and the fastest is kept. The graph is
+is timed on random activations with the weight's real bytes, and the fastest is kept. At one row the
+native CUDA GEMV (``kernels/cuda/gemv.cu``, built with nvcc for the build GPU when nvcc is there) is
+timed too, and where it beats the best Triton configuration the entry says so (``native``; the Triton
+configuration stays in the entry as the fallback for a runtime without the native code). The graph is
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,7 @@ class AutotuneOptions:
     rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048)  # activation rows M to tune for
     dtype: str = "bf16"  # compute dtype the runtime will use: bf16, f16 or f32
     repeats: int = 20  # timed launches per candidate (median; L2 flushed between launches)
+    native: bool = True  # also time the native CUDA GEMV at one row (needs nvcc on the build host)
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -50,6 +56,26 @@ def _device() -> Any:
                         "compile on a machine with the target GPU, or drop the pass")  # fmt: skip
     major, minor = torch.cuda.get_device_capability()
     return torch.device("cuda"), f"sm_{major}{minor}"
+
+
+def _native_kernels() -> Any:
+    """The native kernels built and loaded for the build GPU, to time the native GEMV; None without
+    nvcc or when nvcc or the driver refuses them (then only Triton configurations are timed)."""
+    from mgx.kernels.cuda.build import CudaBuildError, find_nvcc
+    from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
+
+    from .cuda_kernels import _build, _device_arch
+
+    arch = _device_arch()
+    if arch is None or find_nvcc() is None:
+        return None
+    try:
+        image = _build(arch)
+    except CudaBuildError:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a refused image: the Triton GEMV is timed alone
+        return load_cuda_kernels(image, arch)
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
@@ -76,12 +102,14 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     import torch
 
     from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.cuda.gemv import gemv, gemv_applies
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
     from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
 
     device, arch = _device()
+    kernels = _native_kernels() if opts.native else None
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
     entries: dict[str, AutotuneEntry] = {}
@@ -110,11 +138,20 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 timed += 1
                 if best is None or seconds < best[0]:
                     best = (seconds, config)
+            if best is not None and m == 1 and kernel != "lm_head_argmax" and gemv_applies(kernels, x, w):
+                native = dataclasses.replace(best[1], native=True)
+                seconds = _time(lambda c=native, x=x, w=w, s=kernel == "linear_silu_mul": gemv(
+                    x, w, kernels=kernels, silu_mul=s), opts.repeats)  # fmt: skip
+                timed += 1
+                if seconds < best[0]:
+                    best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
+    chosen = sum(bool(e.config.get("native")) for e in found)
+    natives = f"native GEMV chosen for {chosen}" if kernels is not None else "native GEMV not timed (no nvcc or image)"
     return PassResult(
-        f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}",
+        f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
         {"autotune": {arch: found}},
         options_dict(opts),
     )

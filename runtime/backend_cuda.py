@@ -349,7 +349,8 @@ class CUDABackend(Backend):
         if self.cuda_kernels is None:
             stored = ", ".join(sorted(images)) or "none"
             return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
-        gemvs = [f"{scheme} GEMV" for scheme, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
+        gemvs = [f"{'bf16' if scheme == 'none' else scheme} GEMV" for scheme, entry in GEMV_ENTRIES.items()
+                 if self.cuda_kernels.has(entry)]  # fmt: skip
         return f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
@@ -535,18 +536,19 @@ class CUDABackend(Backend):
                 out = silu_mul(out)
                 self._pending[id(silu)] = out
             return out
-        if m == 1 and gemv_applies(self.cuda_kernels, x, w, self._bias[id(op)]):
-            # One row of int4 or W8A16 weights: the native GEMV, when the artifact's kernels hold it.
+        config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
+        # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized weights,
+        # when the artifact's kernels hold it; the Triton kernels otherwise.
+        native = config.native if config is not None else w.scheme != "none"
+        if m == 1 and native and gemv_applies(self.cuda_kernels, x, w, self._bias[id(op)]):
             out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None)
-            if silu is not None:
-                self._pending[id(silu)] = out
-            return out
+        elif silu is not None:
+            out = linear_silu_mul(x, w, self._bias[id(op)], config=config, workspace=self._split_ws)
+        else:
+            return linear(x, w, self._bias[id(op)], config=config, workspace=self._split_ws)
         if silu is not None:
-            out = linear_silu_mul(x, w, self._bias[id(op)], config=self.tunings.config("linear_silu_mul", w, m),
-                                  workspace=self._split_ws)  # fmt: skip
             self._pending[id(silu)] = out
-            return out
-        return linear(x, w, self._bias[id(op)], config=self.tunings.config("linear", w, m), workspace=self._split_ws)
+        return out
 
     def split(self, op: Op, x: Array) -> list[Array]:
         return list(torch.split(x, [int(s) for s in op.attrs["sizes"]], dim=1))

@@ -1,20 +1,21 @@
-// Weight-only GEMV for one bf16 activation row (batch-1 decode): out[n] = sum_k x[k] * W[n, k], with W
-// int4 group-quantized or int8 per-row (W8A16), in the layouts of kernels/triton/linear.py:
+// GEMV for one bf16 activation row (batch-1 decode): out[n] = sum_k x[k] * W[n, k], with W int4
+// group-quantized, int8 per-row (W8A16) or dense bf16, in the layouts of kernels/triton/linear.py:
 //
 // - int4: bytes [N, K/2], column 2b + j in nibble j of byte b (low first); fp32 scales [N, K/g] and,
 //   unless symmetric (z = 8), u8 zeros [N, K/g]: W = (q - z) * s.
 // - w8a16: int8 [N, K], fp32 scales [N]: W = q * s.
+// - none: bf16 [N, K].
 //
 // Each block computes R outputs (with `silu_f` > 0, R gate rows n and their up rows F + n, and
 // out[n] = silu(gate) * up). All of the block's threads split K between them in words of 8 columns
-// (4 bytes of int4, 8 of int8) and keep U words of each row in flight before using any: the weight
+// (4 bytes of int4, 8 of int8, 16 of bf16) and keep U words of each row in flight before using any: the weight
 // is streamed once, past L1 (ld.global.nc.L1::no_allocate), while x (read by every block) stays in L1.
 // Codes become exact fp32 without I2F: a code OR-ed into the mantissa of 2^23 is 2^23 + code, and
 // subtracting 2^23 + zero is exact. Products and sums are fp32; the block reduces with warp shuffles
 // and shared memory, and one rounding to bf16 ends it.
 //
 // Requirements the launcher checks: K % 8 == 0; int4 groups g a power of two >= 8; x and W rows
-// 16-byte (x) and 4- or 8-byte (W) aligned; blockDim.x a multiple of 32 and at most kMaxThreads.
+// 16-byte (x) and word-size (W) aligned; blockDim.x a multiple of 32 and at most kMaxThreads.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -37,6 +38,14 @@ __device__ __forceinline__ uint32_t load_stream(const uint32_t* p) {
 __device__ __forceinline__ uint2 load_stream(const uint2* p) {
   uint2 v;
   asm("ld.global.nc.L1::no_allocate.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.b32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
@@ -162,6 +171,22 @@ struct Int8Codes {
   __device__ __forceinline__ float operator()(Word q, const float (&xf)[8], int, int) const { return dot_int8(q, xf); }
 };
 
+// Dense bf16 weights, 8 to a 16-byte word.
+struct Bf16Weights {
+  using Word = uint4;
+
+  __device__ __forceinline__ float operator()(Word q, const float (&xf)[8], int, int) const {
+    const uint32_t h[4] = {q.x, q.y, q.z, q.w};
+    float p = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      p = fmaf(__uint_as_float(h[i] << 16), xf[2 * i], p);
+      p = fmaf(__uint_as_float(h[i] & 0xFFFF0000u), xf[2 * i + 1], p);
+    }
+    return p;
+  }
+};
+
 template <class Codes, int R>
 __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
                           const uint8_t* __restrict__ w, const Codes codes, const float* __restrict__ row_scale,
@@ -199,7 +224,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* 
 }  // namespace mgx_gemv
 
 // out [N] (or [F] with silu_f = F > 0, W holding 2F rows: gate then up) from x [K]; bias [N] or null;
-// zeros null for symmetric int4. Grid: ceil(outputs / 4) blocks (2 with silu_f) of blockDim.x threads.
+// zeros null for symmetric int4; stride_w in bytes. Grid: ceil(outputs / 4) blocks (2 with silu_f) of blockDim.x threads.
 extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
     MGX_ENTRY(mgx_gemv_int4_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const uint8_t* w, const float* scales,
                                   const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k, long long stride_w,
@@ -214,4 +239,12 @@ extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
   mgx_gemv::gemv_rows<mgx_gemv::Int8Codes, mgx_gemv::kRows>(out, x, reinterpret_cast<const uint8_t*>(w),
                                                             mgx_gemv::Int8Codes{}, scales, bias, n, k, stride_w,
                                                             silu_f);
+}
+
+extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
+    MGX_ENTRY(mgx_gemv_bf16_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                  const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
+  mgx_gemv::gemv_rows<mgx_gemv::Bf16Weights, mgx_gemv::kRows>(out, x, reinterpret_cast<const uint8_t*>(w),
+                                                              mgx_gemv::Bf16Weights{}, nullptr, bias, n, k, stride_w,
+                                                              silu_f);
 }

@@ -1,8 +1,9 @@
-"""Launching the native weight-only GEMV (``gemv.cu``): one bf16 activation row times int4 or W8A16
+"""Launching the native GEMV (``gemv.cu``): one bf16 activation row times int4, W8A16 or dense bf16
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
 ``gemv_applies`` says whether the loaded kernels can take a product (else the caller runs the Triton
-kernels); ``gemv`` launches it. The launch goes on torch's current stream, so it is captured into
+kernels); ``gemv`` launches it. Which of the two runs a shape is the autotune pass's choice
+(``LinearConfig.native``); untuned, the CUDA backend runs this one for quantized weights only. The launch goes on torch's current stream, so it is captured into
 CUDA graphs like any other kernel.
 """
 
@@ -18,7 +19,12 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ENTRIES", "ROWS", "gemv", "gemv_applies", "gemv_threads"]
 
-ENTRIES = {"int4": f"mgx_gemv_int4_bf16_v{KERNEL_ABI}", "w8a16": f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}"}
+ENTRIES = {
+    "int4": f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
+    "w8a16": f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
+    "none": f"mgx_gemv_bf16_bf16_v{KERNEL_ABI}",
+}
+_WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 columns
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
 UNROLL = 4  # kUnroll in gemv.cu
 MAX_THREADS = 256  # kMaxThreads in gemv.cu
@@ -36,20 +42,20 @@ def gemv_threads(k: int) -> int:
 
 def gemv_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None) -> bool:
     """Whether ``gemv`` runs x @ W^T here: loaded kernels holding the scheme's entry, one bf16 row on
-    their device, int4 (groups of 8 or more) or w8a16 in the row-major layout, K % 8 == 0, and the
-    aligned rows the kernel's vector loads need."""
+    their device, int4 (groups of 8 or more), w8a16 or bf16 weights in the row-major layout, K % 8 == 0,
+    and the aligned rows the kernel's vector loads need."""
     if kernels is None or w.scheme not in ENTRIES or w.layout != "row_major" or not kernels.has(ENTRIES[w.scheme]):
         return False
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:
         return False
     if w.k % 8 or x.shape[1] != w.k or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
-    if w.scheme == "int4" and w.group_size < 8:
+    if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
         return False
-    word = 4 if w.scheme == "int4" else 8
+    word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
         return False
-    if w.scales.stride(-1) != 1 or (w.zeros is not None and w.zeros.stride(-1) != 1):
+    if w.scales is not None and (w.scales.stride(-1) != 1 or (w.zeros is not None and w.zeros.stride(-1) != 1)):
         return False
     return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 
@@ -76,13 +82,16 @@ def gemv(
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)
 
     silu_f = ctypes.c_int(n_out if silu_mul else 0)
-    n, k, stride_w = ctypes.c_int(w.n), ctypes.c_int(w.k), ctypes.c_longlong(w.weight.stride(0))
+    n, k = ctypes.c_int(w.n), ctypes.c_int(w.k)
+    stride_w = ctypes.c_longlong(w.weight.stride(0) * w.weight.element_size())  # bytes
     if w.scheme == "int4":
         group_shift = w.group_size.bit_length() - 1
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(None if w.symmetric else w.zeros), ptr(bias),
                 n, k, stride_w, ctypes.c_longlong(w.scales.stride(0)), ctypes.c_int(group_shift), silu_f]  # fmt: skip
-    else:
+    elif w.scheme == "w8a16":
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(bias), n, k, stride_w, silu_f]
+    else:
+        args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(ENTRIES[w.scheme], (-(-n_out // per_block),), (threads,), args, stream)
     return out

@@ -122,3 +122,82 @@ def test_tunings_pick_the_nearest_row_count_of_the_same_regime() -> None:
     assert t.config("linear", w, 9) == big and t.config("linear", w, 5000) == big
     assert t.config("linear_silu_mul", w, 1) is None
     assert t.config("linear", make_weight("none", 64, 48), 1) is None
+
+
+@pytest.mark.interpreted
+def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """With native kernels at hand the pass also times the native GEMV at one row and marks the entry
+    ``native`` where it wins (keeping the best Triton configuration as the fallback); the backend then
+    runs the native GEMV exactly for those entries. Here the fake timer lets it win the plain linears
+    and lose the fused gate/up; the native GEMV is stood in for by the reference product (no GPU)."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+
+    kernels = object()
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None: k is kernels and x.shape[0] == 1)
+    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None: (
+        linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias).to(x.dtype))  # fmt: skip
+    timer = autotune_pass._time
+
+    def native_wins_unfused(fn, repeats):  # noqa: ANN001, ANN202
+        config = fn.__defaults__[0]
+        if config.native:
+            silu = fn.__defaults__[3]
+            return -1.0 if not silu else 1e9
+        return timer(fn, repeats)
+
+    monkeypatch.setattr(autotune_pass, "_time", native_wins_unfused)
+    contents = tiny_contents()
+    graph = contents.graph
+    for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
+        PASSES[name](graph, {}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    entries = next(iter(result.stats["autotune"].values()))
+    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1]) for e in entries if e.config["native"]}
+    assert natives == {("linear", "1")}
+    for e in entries:  # the Triton fallback is the fastest Triton configuration either way
+        m = int(e.shape_key.rsplit("M=", 1)[1])
+        fallback = LinearConfig(**{**e.config, "native": False})
+        assert fallback == min(candidates(m), key=fake_seconds)
+    assert f"native GEMV chosen for {sum(1 for e in entries if e.config['native'])}" in result.summary
+
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    backend.cuda_kernels = kernels
+    ran: list[tuple[str, int]] = []
+    monkeypatch.setattr(backend_cuda, "gemv_applies", cg.gemv_applies)
+    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, *a, **k: ran.append(("native", w.n)) or cg.gemv(x, w, *a, **k))
+    real = backend_cuda.linear_silu_mul
+    monkeypatch.setattr(backend_cuda, "linear_silu_mul", lambda x, w, *a, **k: ran.append(("triton silu", w.n)) or real(x, w, *a, **k))
+    runner, want = ModelRunner(graph, backend), ModelRunner(graph, "reference")
+    prompt = np.array([5, 6, 7, 8, 9])
+    got_ids = [runner.step_greedy([SeqChunk(0, prompt)])[0][0][-1]]
+    want_ids = [int(np.argmax(want.step([SeqChunk(0, prompt)])[0][-1]))]
+    assert ran and all(k == "triton silu" for k, _ in ran)  # five rows: Triton tiles, never the GEMV
+    ran.clear()
+    got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
+    want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
+    assert [int(i) for i in got_ids] == want_ids
+    layers = sum(op.kind == "attention" for op in graph.ops)
+    assert sum(k == "native" for k, _ in ran) == 3 * layers  # the decode row: qkv, o and down of each layer
+    assert sum(k == "triton silu" for k, _ in ran) == layers  # the fused gate/up stays on Triton
+
+
+def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch) -> None:
+    """Without stored tunings the backend runs the native GEMV for int4/W8A16 rows (faster at the
+    model level on the H200) and the Triton GEMV for dense weights (not measured faster)."""
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+
+    calls: list[str] = []
+    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None: x.shape[0] == 1)
+    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False: calls.append(w.scheme) or (
+        linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias))  # fmt: skip
+    for pipeline, want in (("dense", set()), ("w8a16-tiled", {"w8a16"})):
+        calls.clear()
+        graph = compiled("gqa", pipeline, target="cuda")
+        backend = CUDABackend(graph, device="cpu", dtype="f32")
+        runner = ModelRunner(graph, backend)
+        first = runner.step_greedy([SeqChunk(0, np.array([5, 6, 7]))])[0][0][-1]
+        runner.step_greedy([SeqChunk(0, np.array([first]))])
+        assert set(calls) == want

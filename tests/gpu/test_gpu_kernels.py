@@ -48,6 +48,7 @@ GEMV_WEIGHTS = [
     ("int4", {"group_size": 32, "symmetric": False}),
     ("int4", {"group_size": 8, "symmetric": False}),
     ("w8a16", {}),
+    ("none", {}),
 ]
 
 
@@ -55,7 +56,7 @@ GEMV_WEIGHTS = [
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (28672, 4096), (4098, 2176), (6, 256)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, n: int, k: int, silu: bool) -> None:
-    """The native GEMV (one bf16 row, int4 or W8A16) against the fp32 reference: within one bf16
+    """The native GEMV (one bf16 row; int4, W8A16 or dense bf16 weights) against the fp32 reference: within one bf16
     rounding of the output (relative error < 4e-3 over the row), with and without bias, and fused
     with the SiLU-gated product (2049 outputs for 4098 rows). Rows past the last block's end and K not
     a multiple of the threads' stride are covered by 4098 x 2176 and 6 x 256."""
@@ -86,7 +87,7 @@ def test_native_gemv_replays_in_a_cuda_graph_and_declines_what_it_cannot_take(na
     assert rel_err(out, lin.linear_ref(x, w)) < 4e-3
     assert not cg.gemv_applies(native, x.expand(2, -1), w)  # one row only
     assert not cg.gemv_applies(native, x.float(), w)  # bf16 activations only
-    assert not cg.gemv_applies(native, x, make_weight("none", 512, 1024, device="cuda"))
+    assert not cg.gemv_applies(native, x, make_weight("none", 512, 1024, device="cuda", dtype=torch.float32))
     assert not cg.gemv_applies(native, x[:, 4:1020], make_weight("int4", 512, 1016, device="cuda", group_size=8))
     assert not cg.gemv_applies(None, x, w)
 
