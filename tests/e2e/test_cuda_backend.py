@@ -73,7 +73,7 @@ def test_interpreted_fresh_prompts_take_a_fused_sdpa_kernel_and_match_the_refere
     fresh = backend_cuda._fresh_attention
 
     def spy(q, k, v, qsl, a, *, gqa):  # noqa: ANN001, ANN202
-        assert torch.backends.cuda.math_sdp_enabled() is False  # inside sdpa_kernel(FUSED_SDPA)
+        assert torch.backends.cuda.math_sdp_enabled() is False  # inside _no_math_sdp()
         if ("gqa" if gqa else "expand") in refuse:
             raise RuntimeError("No available kernel.")
         calls.append((qsl, gqa))
@@ -88,6 +88,7 @@ def test_interpreted_fresh_prompts_take_a_fused_sdpa_kernel_and_match_the_refere
         # The first step only: prompt 0 whole, prompt 1's first chunk.
         assert calls == [((0, 23, 28), "gqa" not in refuse)] * layers
         assert backend._sdpa_modes == [m for m in backend_cuda.SDPA_MODES if m not in refuse]
+        assert backend._sdpa_proven and torch.backends.cuda.math_sdp_enabled()  # restored after each call
     else:
         assert not calls  # sliding-window attention stays on the paged kernel
 
