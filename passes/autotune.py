@@ -58,6 +58,14 @@ def _device() -> Any:
     return torch.device("cuda"), f"sm_{major}{minor}"
 
 
+NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native GEMV may show against the Triton one
+
+
+def _relative_error(got: Any, want: Any) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30)) if bool(got.isfinite().all()) else float("inf")
+
+
 def _native_kernels() -> Any:
     """The native kernels built and loaded for the build GPU, to time the native GEMV; None without
     nvcc or when nvcc or the driver refuses them (then only Triton configurations are timed)."""
@@ -114,6 +122,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
     entries: dict[str, AutotuneEntry] = {}
     timed = 0
+    rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     for op in graph.ops:
         if op.kind not in ("linear", "lm_head"):
             continue
@@ -139,17 +148,26 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 if best is None or seconds < best[0]:
                     best = (seconds, config)
             if best is not None and m == 1 and kernel != "lm_head_argmax" and gemv_applies(kernels, x, w):
-                native = dataclasses.replace(best[1], native=True)
-                seconds = _time(lambda c=native, x=x, w=w, s=kernel == "linear_silu_mul": gemv(
-                    x, w, kernels=kernels, silu_mul=s), opts.repeats)  # fmt: skip
-                timed += 1
-                if seconds < best[0]:
-                    best = (seconds, native)
+                silu = kernel == "linear_silu_mul"
+                # A candidate must first give the Triton kernel's result (within one rounding of the
+                # output dtype): a native kernel that disagrees is reported, never chosen.
+                err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu), launch[kernel](x, w, config=best[1]))
+                if err > NATIVE_TOLERANCE:
+                    rejected.append(f"{key[1]} (relative error {err:.1e})")
+                else:
+                    native = dataclasses.replace(best[1], native=True)
+                    seconds = _time(lambda c=native, x=x, w=w, s=silu: gemv(x, w, kernels=kernels, silu_mul=s),
+                                    opts.repeats)  # fmt: skip
+                    timed += 1
+                    if seconds < best[0]:
+                        best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = sum(bool(e.config.get("native")) for e in found)
     natives = f"native GEMV chosen for {chosen}" if kernels is not None else "native GEMV not timed (no nvcc or image)"
+    if rejected:
+        natives += f"; native GEMV rejected (wrong results) for {', '.join(rejected)}"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
         {"autotune": {arch: found}},

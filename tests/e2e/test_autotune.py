@@ -201,3 +201,27 @@ def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only
         first = runner.step_greedy([SeqChunk(0, np.array([5, 6, 7]))])[0][0][-1]
         runner.step_greedy([SeqChunk(0, np.array([first]))])
         assert set(calls) == want
+
+
+@pytest.mark.interpreted
+def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """A native GEMV whose output disagrees with the Triton kernel's (here: off by 10%) is rejected and
+    named in the summary, however fast the timer says it is."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+
+    kernels = object()
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None: x.shape[0] == 1)
+    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None: 1.1 * (
+        linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias))  # fmt: skip
+    timer = autotune_pass._time
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r: -1.0 if fn.__defaults__[0].native else timer(fn, r))
+    graph = tiny_contents().graph
+    for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
+        PASSES[name](graph, {"group_size": 32} if name == "quantize_int4" else {}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
+    entries = next(iter(result.stats["autotune"].values()))
+    assert not any(e.config["native"] for e in entries)
+    assert "native GEMV chosen for 0; native GEMV rejected (wrong results) for " in result.summary
+    assert result.summary.count("relative error 1.0e-01") == sum(e.kernel != "lm_head_argmax" for e in entries)
