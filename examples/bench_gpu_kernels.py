@@ -277,22 +277,24 @@ def _gemv_case(x, w, label: str, cublas_ms: float, configs, copy_gbps: float, ke
 
 def _native_gemv_row(x, w, label: str, case: str, nbytes: int, copy_gbps: float, kernels,  # noqa: ANN001
                      silu_mul: bool = False, cublas_ms: float | None = None) -> None:  # fmt: skip
-    """The native CUDA GEMV (gemv.cu) on the same product, when the built kernels take it."""
+    """The native CUDA GEMVs (gemv.cu: CUDA cores, and tensor cores for int4) on the same product,
+    where the built kernels take it."""
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton import linear as lin
 
-    if kernels is None or not cg.gemv_applies(kernels, x, w):
-        return
-    want = (lin.linear_silu_mul_ref if silu_mul else lin.linear_ref)(x, w).float()
-    got = cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul).float()
-    err = float((got - want).norm() / want.norm())
-    ms = bench(lambda: cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul))
-    row = record("gemv", case, f"native CUDA {label}" + (" fused" if silu_mul else ""), ms, nbytes,
-                 config=f"threads={cg.gemv_threads(w.k)}", rel_err=f"{err:.1e}")  # fmt: skip
-    row["frac_copy_bw"] = row["GB/s"] / copy_gbps
-    if cublas_ms is not None:
-        row["x_vs_cublas_bf16"] = cublas_ms / ms
-    print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth", flush=True)
+    for kind in cg.KINDS:
+        if kernels is None or not cg.gemv_applies(kernels, x, w, kind=kind):
+            continue
+        want = (lin.linear_silu_mul_ref if silu_mul else lin.linear_ref)(x, w).float()
+        got = cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul, kind=kind).float()
+        err = float((got - want).norm() / want.norm())
+        ms = bench(lambda k=kind: cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul, kind=k))
+        name = f"native CUDA {kind} {label}" + (" fused" if silu_mul else "")
+        row = record("gemv", case, name, ms, nbytes, rel_err=f"{err:.1e}")
+        row["frac_copy_bw"] = row["GB/s"] / copy_gbps
+        if cublas_ms is not None:
+            row["x_vs_cublas_bf16"] = cublas_ms / ms
+        print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth", flush=True)
 
 
 def _gate_up_case(x, w, label: str, configs, copy_gbps: float, kernels=None) -> None:  # noqa: ANN001

@@ -110,6 +110,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     import torch
 
     from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
     from mgx.kernels.cuda.gemv import gemv, gemv_applies
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
@@ -147,20 +148,23 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 timed += 1
                 if best is None or seconds < best[0]:
                     best = (seconds, config)
-            if best is not None and m == 1 and kernel != "lm_head_argmax" and gemv_applies(kernels, x, w):
+            for kind in NATIVE_KINDS if best is not None and m == 1 and kernel != "lm_head_argmax" else ():
+                if not gemv_applies(kernels, x, w, kind=kind):
+                    continue
                 silu = kernel == "linear_silu_mul"
                 # A candidate must first give the Triton kernel's result (within one rounding of the
                 # output dtype): a native kernel that disagrees is reported, never chosen.
-                err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu), launch[kernel](x, w, config=best[1]))
+                got = gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind)
+                err = _relative_error(got, launch[kernel](x, w, config=dataclasses.replace(best[1], native="")))
                 if err > NATIVE_TOLERANCE:
-                    rejected.append(f"{key[1]} (relative error {err:.1e})")
-                else:
-                    native = dataclasses.replace(best[1], native=True)
-                    seconds = _time(lambda c=native, x=x, w=w, s=silu: gemv(x, w, kernels=kernels, silu_mul=s),
-                                    opts.repeats)  # fmt: skip
-                    timed += 1
-                    if seconds < best[0]:
-                        best = (seconds, native)
+                    rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
+                    continue
+                native = dataclasses.replace(best[1], native=kind)
+                seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: gemv(x, w, kernels=kernels, silu_mul=s,
+                                                                                 kind=d), opts.repeats)  # fmt: skip
+                timed += 1
+                if seconds < best[0]:
+                    best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))

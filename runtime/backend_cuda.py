@@ -44,6 +44,7 @@ import torch
 from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
+from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
 from mgx.kernels.cuda.gemv import gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton.attention import (
@@ -349,8 +350,7 @@ class CUDABackend(Backend):
         if self.cuda_kernels is None:
             stored = ", ".join(sorted(images)) or "none"
             return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
-        gemvs = [f"{'bf16' if scheme == 'none' else scheme} GEMV" for scheme, entry in GEMV_ENTRIES.items()
-                 if self.cuda_kernels.has(entry)]  # fmt: skip
+        gemvs = [GEMV_LABELS[key] for key, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
         return f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
@@ -539,9 +539,9 @@ class CUDABackend(Backend):
         config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
         # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized weights,
         # when the artifact's kernels hold it; the Triton kernels otherwise.
-        native = config.native if config is not None else w.scheme != "none"
-        if m == 1 and native and gemv_applies(self.cuda_kernels, x, w, self._bias[id(op)]):
-            out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None)
+        native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
+        if m == 1 and native and gemv_applies(self.cuda_kernels, x, w, self._bias[id(op)], kind=native):
+            out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None, kind=native)
         elif silu is not None:
             out = linear_silu_mul(x, w, self._bias[id(op)], config=config, workspace=self._split_ws)
         else:

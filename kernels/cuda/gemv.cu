@@ -221,6 +221,111 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* 
   store<R>(out, acc, row, n0, silu_f > 0 ? silu_f : n, row_scale, bias, silu_f > 0);
 }
 
+// ---- int4 on the tensor cores ----------------------------------------------------------------------
+//
+// One warp computes 16 rows (mma.m16n8k16 A = W tile, B = x in its 8 columns alike, D column 0 kept)
+// over 128 columns at a time, one int4 group of 128 (or a part of a longer one). Lane (g = lane / 4,
+// t = lane % 4) loads 16 bytes (32 codes) of rows g and g + 8 at columns 128 i + 32 t; LOP3 turns
+// each word's nibbles j and j + 4 into one bf16 pair 128 + q (exact), and the same k-slots of B get
+// x at those two columns, so every lane with the same t agrees on which column a k-slot holds. A
+// second MMA with A = 1 gives the sum of x over the 128 columns; then the row's total is
+// s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory.
+constexpr int kMmaWarps = 8;   // warps per block
+constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // bf16 MMA needs sm_80; the launcher never picks this kernel on older GPUs
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Nibbles p and p + 4 of `w` (columns p and p + 4 of its word) as the bf16 pair (128 + q_p, 128 + q_p+4).
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
+
+template <bool kSilu>
+__device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
+                              const uint8_t* __restrict__ w, const float* __restrict__ scales,
+                              const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
+                              long long stride_w, long long stride_s, int group_shift, int silu_f) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n_out = kSilu ? silu_f : n;
+  const int n0 = blockIdx.x * (kSilu ? 8 : 16);
+  // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows. Rows past the end repeat the
+  // last one (computed, never stored).
+  const int lo = min(n0 + g, n_out - 1);
+  const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
+  const uint8_t* w_lo = w + lo * stride_w;
+  const uint8_t* w_hi = w + hi * stride_w;
+  const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
+  const int steps = k >> 7;
+  float acc_lo = 0.0f, acc_hi = 0.0f;
+  for (int s0 = warp; s0 < steps; s0 += kMmaWarps * kMmaUnroll) {
+    uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int s = s0 + u * kMmaWarps;
+      q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
+      q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int s = s0 + u * kMmaWarps;
+      if (s >= steps) break;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
+      float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
+      const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
+      const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
+      const uint4* xs = reinterpret_cast<const uint4*>(x) + s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..]
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 xx = __ldg(xs + j);
+        const uint32_t b0 = __byte_perm(xx.x, xx.z, 0x5410), b1 = __byte_perm(xx.x, xx.z, 0x7632);  // (x0,x4), (x1,x5)
+        const uint32_t b2 = __byte_perm(xx.y, xx.w, 0x5410), b3 = __byte_perm(xx.y, xx.w, 0x7632);  // (x2,x6), (x3,x7)
+        mma_bf16(d, nibble_pair(wl[j], 0), nibble_pair(wh[j], 0), nibble_pair(wl[j], 1), nibble_pair(wh[j], 1), b0, b1);
+        mma_bf16(d, nibble_pair(wl[j], 2), nibble_pair(wh[j], 2), nibble_pair(wl[j], 3), nibble_pair(wh[j], 3), b2, b3);
+        mma_bf16(sx, ones, ones, ones, ones, b0, b1);
+        mma_bf16(sx, ones, ones, ones, ones, b2, b3);
+      }
+      const int grp = (s << 7) >> group_shift;
+      const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
+      const float z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
+      const float z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
+      acc_lo = fmaf(__ldg(scales + at_lo), fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
+      acc_hi = fmaf(__ldg(scales + at_hi), fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
+    }
+  }
+  __shared__ float part[kMmaWarps][16];
+  if (t == 0) {
+    part[warp][g] = acc_lo;
+    part[warp][g + 8] = acc_hi;
+  }
+  __syncthreads();
+  if (threadIdx.x >= 16) return;
+  const int r = threadIdx.x;
+  float v = 0.0f;
+  for (int i = 0; i < kMmaWarps; ++i) v += part[i][r];
+  if (kSilu) {
+    if (r >= 8 || n0 + r >= n_out) return;
+    float up = 0.0f;
+    for (int i = 0; i < kMmaWarps; ++i) up += part[i][r + 8];
+    if (bias != nullptr) {
+      v += __bfloat162float(bias[n0 + r]);
+      up += __bfloat162float(bias[silu_f + n0 + r]);
+    }
+    out[n0 + r] = __float2bfloat16_rn(silu(v) * up);
+  } else if (n0 + r < n) {
+    if (bias != nullptr) v += __bfloat162float(bias[n0 + r]);
+    out[n0 + r] = __float2bfloat16_rn(v);
+  }
+}
+
 }  // namespace mgx_gemv
 
 // out [N] (or [F] with silu_f = F > 0, W holding 2F rows: gate then up) from x [K]; bias [N] or null;
@@ -247,4 +352,17 @@ extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
   mgx_gemv::gemv_rows<mgx_gemv::Bf16Weights, mgx_gemv::kRows>(out, x, reinterpret_cast<const uint8_t*>(w),
                                                               mgx_gemv::Bf16Weights{}, nullptr, bias, n, k, stride_w,
                                                               silu_f);
+}
+
+// The tensor-core int4 GEMV: groups of a multiple of 128, K % 128 == 0, 16-byte aligned rows. Grid:
+// ceil(outputs / 16) blocks (8 with silu_f) of kMmaWarps warps.
+extern "C" __global__ void __launch_bounds__(mgx_gemv::kMmaWarps * 32)
+    MGX_ENTRY(mgx_gemv_int4_mma_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const uint8_t* w,
+                                      const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n,
+                                      int k, long long stride_w, long long stride_s, int group_shift, int silu_f) {
+  if (silu_f > 0) {
+    mgx_gemv::gemv_int4_mma<true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+  } else {
+    mgx_gemv::gemv_int4_mma<false>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+  }
 }

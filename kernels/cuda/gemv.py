@@ -1,9 +1,12 @@
 """Launching the native GEMV (``gemv.cu``): one bf16 activation row times int4, W8A16 or dense bf16
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
-``gemv_applies`` says whether the loaded kernels can take a product (else the caller runs the Triton
-kernels); ``gemv`` launches it. Which of the two runs a shape is the autotune pass's choice
-(``LinearConfig.native``); untuned, the CUDA backend runs this one for quantized weights only. The launch goes on torch's current stream, so it is captured into
+Two kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), and ``mma`` on the tensor
+cores (int4 with groups of a multiple of 128, sm_80 and newer). ``gemv_applies`` says whether the
+loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
+launches it. Which runs a shape is the autotune pass's choice (``LinearConfig.native``, checked
+against the Triton kernel's result first); untuned, the CUDA backend runs ``gemv`` for quantized
+weights only. The launch goes on torch's current stream, so it is captured into
 CUDA graphs like any other kernel.
 """
 
@@ -17,13 +20,24 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "ROWS", "gemv", "gemv_applies", "gemv_threads"]
+__all__ = ["ENTRIES", "KINDS", "LABELS", "ROWS", "gemv", "gemv_applies", "gemv_threads"]
 
-ENTRIES = {
-    "int4": f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
-    "w8a16": f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
-    "none": f"mgx_gemv_bf16_bf16_v{KERNEL_ABI}",
+KINDS = ("gemv", "mma")
+ENTRIES = {  # (kind, scheme) -> entry point
+    ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
+    ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
+    ("gemv", "none"): f"mgx_gemv_bf16_bf16_v{KERNEL_ABI}",
+    ("mma", "int4"): f"mgx_gemv_int4_mma_bf16_v{KERNEL_ABI}",
 }
+LABELS = {  # how the engine's kernel note names them
+    ("gemv", "int4"): "int4 GEMV",
+    ("gemv", "w8a16"): "w8a16 GEMV",
+    ("gemv", "none"): "bf16 GEMV",
+    ("mma", "int4"): "int4 tensor-core GEMV",
+}
+MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
+MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
+MMA_COLUMNS = 128  # columns per MMA step: K and the int4 group must be multiples of it
 _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 columns
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
 UNROLL = 4  # kUnroll in gemv.cu
@@ -40,17 +54,24 @@ def gemv_threads(k: int) -> int:
     return t
 
 
-def gemv_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``gemv`` runs x @ W^T here: loaded kernels holding the scheme's entry, one bf16 row on
-    their device, int4 (groups of 8 or more), w8a16 or bf16 weights in the row-major layout, K % 8 == 0,
-    and the aligned rows the kernel's vector loads need."""
-    if kernels is None or w.scheme not in ENTRIES or w.layout != "row_major" or not kernels.has(ENTRIES[w.scheme]):
+def gemv_applies(
+    kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None, kind: str = "gemv"
+) -> bool:
+    """Whether ``gemv`` of ``kind`` runs x @ W^T here: loaded kernels holding its entry for the scheme,
+    one bf16 row on their device, int4 (groups of 8 or more; ``mma``: of a multiple of 128 and K too),
+    w8a16 or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
+    loads need."""
+    entry = ENTRIES.get((kind, w.scheme))
+    if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
         return False
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:
         return False
     if w.k % 8 or x.shape[1] != w.k or x.stride(1) != 1 or x.data_ptr() % 16:
         return False
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
+        return False
+    if kind == "mma" and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
+                          or w.weight.stride(0) % 16 or torch.cuda.get_device_capability(x.device) < (8, 0)):  # fmt: skip
         return False
     word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
@@ -68,6 +89,7 @@ def gemv(
     kernels: CudaKernels,
     silu_mul: bool = False,
     out: torch.Tensor | None = None,
+    kind: str = "gemv",
 ) -> torch.Tensor:
     """x [1, K] @ W[N, K]^T (+ bias) -> [1, N] bf16; with ``silu_mul`` W holds gate rows then up rows
     and the result is silu(gate) * up, [1, N/2]. The caller checks ``gemv_applies`` first."""
@@ -75,8 +97,9 @@ def gemv(
         raise ValueError(f"fused gate/up width {w.n} is odd")
     n_out = w.n // 2 if silu_mul else w.n
     out = torch.empty((1, n_out), dtype=torch.bfloat16, device=x.device) if out is None else out
-    per_block = ROWS // 2 if silu_mul else ROWS
-    threads = gemv_threads(w.k)
+    rows = MMA_ROWS if kind == "mma" else ROWS
+    per_block = rows // 2 if silu_mul else rows
+    threads = MMA_THREADS if kind == "mma" else gemv_threads(w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)
@@ -93,5 +116,5 @@ def gemv(
     else:
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernels.module.launch(ENTRIES[w.scheme], (-(-n_out // per_block),), (threads,), args, stream)
+    kernels.module.launch(ENTRIES[kind, w.scheme], (-(-n_out // per_block),), (threads,), args, stream)
     return out

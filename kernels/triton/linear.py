@@ -545,9 +545,10 @@ class LinearConfig:
     num_stages: int = 2
     split_k: int = 1  # programs sharing one output tile along K (see SPLIT_MAX_M)
     swap: bool = False  # W^T x^T on the tensor cores for a few bf16 rows (``swap_applies``); block_m >= 16
-    # One row: the native CUDA GEMV (kernels/cuda/gemv.cu) when the artifact holds it (the autotune
-    # pass sets this where that kernel was faster); the fields above are then the Triton fallback.
-    native: bool = False
+    # One row: the native CUDA GEMV of this kind ("gemv" or "mma", kernels/cuda/gemv.cu) when the
+    # artifact holds it (the autotune pass sets it where that kernel was faster); "" runs Triton. The
+    # fields above are the Triton fallback either way.
+    native: str = ""
 
 
 # Candidates for the autotune pass and the benchmark. The GEMV takes one activation row per program.

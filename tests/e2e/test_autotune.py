@@ -135,8 +135,10 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
 
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
-    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None: k is kernels and x.shape[0] == 1)
-    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None: (
+    # Only the CUDA-core kind applies here (the tensor-core one needs groups of 128).
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": k is kernels and x.shape[0] == 1
+                        and kind == "gemv")  # fmt: skip
+    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv": (
         linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias).to(x.dtype))  # fmt: skip
     timer = autotune_pass._time
 
@@ -154,11 +156,11 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
         PASSES[name](graph, {}, PassContext(target="cuda"))
     result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
-    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1]) for e in entries if e.config["native"]}
-    assert natives == {("linear", "1")}
+    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
+    assert natives == {("linear", "1", "gemv")}
     for e in entries:  # the Triton fallback is the fastest Triton configuration either way
         m = int(e.shape_key.rsplit("M=", 1)[1])
-        fallback = LinearConfig(**{**e.config, "native": False})
+        fallback = LinearConfig(**{**e.config, "native": ""})
         assert fallback == min(candidates(m), key=fake_seconds)
     assert f"native GEMV chosen for {sum(1 for e in entries if e.config['native'])}" in result.summary
 
@@ -190,10 +192,11 @@ def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only
     from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
 
     calls: list[str] = []
-    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None: x.shape[0] == 1)
-    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False: calls.append(w.scheme) or (
+    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": x.shape[0] == 1)
+    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, kind: calls.append(
+        (w.scheme, kind)) or (
         linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias))  # fmt: skip
-    for pipeline, want in (("dense", set()), ("w8a16-tiled", {"w8a16"})):
+    for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv")})):
         calls.clear()
         graph = compiled("gqa", pipeline, target="cuda")
         backend = CUDABackend(graph, device="cpu", dtype="f32")
@@ -212,8 +215,8 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
 
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
-    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None: x.shape[0] == 1)
-    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None: 1.1 * (
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": x.shape[0] == 1)
+    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv": 1.1 * (
         linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias))  # fmt: skip
     timer = autotune_pass._time
     monkeypatch.setattr(autotune_pass, "_time", lambda fn, r: -1.0 if fn.__defaults__[0].native else timer(fn, r))
@@ -224,4 +227,5 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     entries = next(iter(result.stats["autotune"].values()))
     assert not any(e.config["native"] for e in entries)
     assert "native GEMV chosen for 0; native GEMV rejected (wrong results) for " in result.summary
-    assert result.summary.count("relative error 1.0e-01") == sum(e.kernel != "lm_head_argmax" for e in entries)
+    # Each kind, each one-row shape of a linear or fused gate/up.
+    assert result.summary.count("relative error 1.0e-01") == 2 * sum(e.kernel != "lm_head_argmax" for e in entries)

@@ -52,11 +52,18 @@ GEMV_WEIGHTS = [
 ]
 
 
-@pytest.mark.parametrize(("scheme", "kw"), GEMV_WEIGHTS)
+GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
+    ("int4", {"group_size": 128, "symmetric": True}, "mma"),
+    ("int4", {"group_size": 128, "symmetric": False}, "mma"),
+]
+
+
+@pytest.mark.parametrize(("scheme", "kw", "kind"), GEMV_CASES)
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (28672, 4096), (4098, 2176), (6, 256)])
 @pytest.mark.parametrize("silu", [False, True])
-def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, n: int, k: int, silu: bool) -> None:
-    """The native GEMV (one bf16 row; int4, W8A16 or dense bf16 weights) against the fp32 reference: within one bf16
+def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, kind: str, n: int, k: int, silu: bool) -> None:
+    """The native GEMVs (one bf16 row; int4, W8A16 or dense bf16 weights on the CUDA cores, int4 with
+    groups of 128 on the tensor cores) against the fp32 reference: within one bf16
     rounding of the output (relative error < 4e-3 over the row), with and without bias, and fused
     with the SiLU-gated product (2049 outputs for 4098 rows). Rows past the last block's end and K not
     a multiple of the threads' stride are covered by 4098 x 2176 and 6 x 256."""
@@ -66,8 +73,8 @@ def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, n: int
     w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     for bias in (None, torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)):
-        assert cg.gemv_applies(native, x, w, bias)
-        got = cg.gemv(x, w, bias, kernels=native, silu_mul=silu)
+        assert cg.gemv_applies(native, x, w, bias, kind=kind)
+        got = cg.gemv(x, w, bias, kernels=native, silu_mul=silu, kind=kind)
         want = lin.linear_silu_mul_ref(x, w, bias) if silu else lin.linear_ref(x, w, bias)
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert rel_err(got, want) < 4e-3

@@ -33,7 +33,9 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     x = torch.randn(1, 256).to(torch.bfloat16)
     every = FakeKernels(*cg.ENTRIES.values())
     assert not cg.gemv_applies(None, x, w)
-    assert not cg.gemv_applies(FakeKernels(cg.ENTRIES["w8a16"]), x, w)  # an artifact without the int4 entry
+    assert not cg.gemv_applies(FakeKernels(cg.ENTRIES["gemv", "w8a16"]), x, w)  # an artifact without the int4 entry
     assert not cg.gemv_applies(every, x, w)  # a CPU tensor
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
-    assert set(cg.ENTRIES) == {"int4", "w8a16", "none"}
+    assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma")  # int4 only
+    assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4")}
+    assert set(cg.LABELS) == set(cg.ENTRIES)
