@@ -617,7 +617,8 @@ class CUDABackend(Backend):
             return done
         if up is None:
             return silu_mul(gate)
-        return torch.nn.functional.silu(gate.float()).mul_(up.float()).to(self.dtype)
+        # In the compute dtype, rounding where transformers does: silu(gate), then the product.
+        return torch.nn.functional.silu(gate.float()).to(self.dtype).float().mul_(up.float()).to(self.dtype)
 
     def add(self, op: Op, a: Array, b: Array) -> Array:
         norm_op = self._fuse.norm_after_add.get(id(op))

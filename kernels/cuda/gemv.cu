@@ -83,6 +83,14 @@ __device__ __forceinline__ float dot_int8(uint2 q, const float (&xf)[8]) {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// silu(gate) * up with transformers' roundings in bf16: gate and up (its linears' outputs), silu(gate),
+// then the product (rounded by the caller's store).
+__device__ __forceinline__ float silu_times(float gate, float up) {
+  return round_bf16(silu(round_bf16(gate))) * round_bf16(up);
+}
+
 // Sums acc[r] over the block; thread r < R of warp 0 gets row r's total.
 template <int R>
 __device__ __forceinline__ void block_sum(float (&acc)[R]) {
@@ -126,7 +134,7 @@ __device__ __forceinline__ void store(__nv_bfloat16* __restrict__ out, const flo
   if (silu_mul) {
 #pragma unroll
     for (int r = 0; r < kOut; ++r)
-      if (n0 + r < n_out) out[n0 + r] = __float2bfloat16_rn(silu(v[r]) * v[kOut + r]);
+      if (n0 + r < n_out) out[n0 + r] = __float2bfloat16_rn(silu_times(v[r], v[kOut + r]));
   } else {
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -319,7 +327,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat
       v += __bfloat162float(bias[n0 + r]);
       up += __bfloat162float(bias[silu_f + n0 + r]);
     }
-    out[n0 + r] = __float2bfloat16_rn(silu(v) * up);
+    out[n0 + r] = __float2bfloat16_rn(silu_times(v, up));
   } else if (n0 + r < n) {
     if (bias != nullptr) v += __bfloat162float(bias[n0 + r]);
     out[n0 + r] = __float2bfloat16_rn(v);

@@ -1,6 +1,7 @@
 // RMSNorm, optionally fused with the residual add before it: native CUDA for one target architecture.
 //
-// out = x / sqrt(mean(x^2) + eps) * w over rows of `cols` elements; with `res` given, x + res is
+// out = T(x / sqrt(mean(x^2) + eps)) * w over rows of `cols` elements (rounded to T before the weight
+// multiplies, as transformers does); with `res` given, x + res is
 // rounded to the IO type, written to `res_out`, and normalized (as the unfused add would leave it).
 //
 // Each row is handled by `blockDim.x` threads (a power of two, at least a warp); a block holds
@@ -106,7 +107,10 @@ __device__ __forceinline__ void rms_norm_rows(T* __restrict__ out, T* __restrict
       Pack o;
       if (w != nullptr) {
 #pragma unroll
-        for (int v = 0; v < V; ++v) o.e[v] = from_float<T>(vals[i][v] * rstd * to_float(g[i].e[v]));
+        for (int v = 0; v < V; ++v) {
+          // As transformers' RMSNorm: the normalized value is rounded to T before the weight multiplies it.
+          o.e[v] = from_float<T>(to_float(from_float<T>(vals[i][v] * rstd)) * to_float(g[i].e[v]));
+        }
       } else {
 #pragma unroll
         for (int v = 0; v < V; ++v) o.e[v] = from_float<T>(vals[i][v] * rstd);

@@ -88,3 +88,18 @@ def rows_of(name: str, t: torch.Tensor, width: int | None = None) -> torch.Tenso
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 operands multiply exactly ("ieee"), not in tf32, so fp32 models match the CPU reference."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def round_as(v, IO: tl.constexpr):
+    """fp32 ``v`` rounded to the precision of IO (round to nearest even) and returned as fp32: where a
+    16-bit model rounds an intermediate result. bf16 is rounded on the bits, because Triton's CPU
+    interpreter truncates a bf16 cast where the GPU rounds; fp32 is returned as it is."""
+    if IO == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    elif IO == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, dot_precision, interpreting, next_pow2, rows_of
+from ._common import check_float, dot_precision, interpreting, next_pow2, round_as, rows_of
 
 __all__ = [
     "GpuWeight",
@@ -428,6 +428,14 @@ def _mm_tile(
 
 
 @triton.jit
+def _silu_times(gate, up, OUT: tl.constexpr):
+    """silu(gate) * up with transformers' roundings in OUT: gate and up rounded (the outputs of its two
+    linears), then silu(gate), then the product (the store rounds that). Nothing rounds in fp32."""
+    g = round_as(gate, OUT)
+    return round_as(g * tl.sigmoid(g), OUT) * round_as(up, OUT)
+
+
+@triton.jit
 def _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS: tl.constexpr,
               SILU_MUL: tl.constexpr):  # fmt: skip
     """Bias, the SiLU product and the store of a finished [BLOCK_M, BLOCK_N] tile."""
@@ -436,9 +444,11 @@ def _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS
     if SILU_MUL:
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc = acc * tl.sigmoid(acc) * up
+        acc = _silu_times(acc, up, out_ptr.dtype.element_ty)
     dst = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    # Rounded on the bits (round_as), so that Triton's interpreter rounds as the GPU does.
+    tl.store(dst, round_as(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -531,7 +541,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr)
     mask = c < F
     g = tl.load(x_ptr + t * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + t * stride_x + F + c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + c, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+    out = round_as(_silu_times(g, u, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -826,12 +837,17 @@ def linear_ref(x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None) 
 
 
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    g, u = x.float().chunk(2, dim=1)
-    return (torch.nn.functional.silu(g) * u).to(x.dtype)
+    """silu(gate) * up of x [T, 2F] as transformers computes it in x's dtype: silu(gate) rounded, then
+    the product rounded (each a no-op in fp32)."""
+    g, u = x.chunk(2, dim=1)
+    a = torch.nn.functional.silu(g.float()).to(x.dtype)
+    return (a.float() * u.float()).to(x.dtype)
 
 
 def linear_silu_mul_ref(x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused gate/up product and SiLU-mul: the product rounded to x's dtype (as transformers' two
+    linears return it), then ``silu_mul_ref``."""
     y = x.float() @ dequantize_ref(w).T
     if bias is not None:
         y = y + bias.float()
-    return silu_mul_ref(y).to(x.dtype)
+    return silu_mul_ref(y.to(x.dtype))

@@ -2,7 +2,9 @@
 
 ``rms_norm(x, w, eps)`` is the IR's ``rms_norm`` op; with ``residual`` it computes
 ``s = x + residual`` (rounded to the IO dtype, as the unfused add would), returns ``norm(s) * w``
-and ``s``, reading each input once and writing each output once. Sums of squares are fp32.
+and ``s``, reading each input once and writing each output once. Sums of squares are fp32. In
+16-bit IO the normalized row is rounded before the weight multiplies it, as transformers does (the
+models were trained that way); in fp32 that rounding is a no-op.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, next_pow2, rows_of
+from ._common import check_float, next_pow2, round_as, rows_of
 
 __all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS"]
 
@@ -35,14 +37,17 @@ def _rms_norm_kernel(
     if HAS_RES:
         res = tl.load(res_ptr + r64 * stride_r + c[None, :], mask=mask, other=0.0)
         # Round the sum to the IO dtype first: the next layer reads that rounded residual.
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        x = round_as(x.to(tl.float32) + res.to(tl.float32), res_out_ptr.dtype.element_ty).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + r64 * stride_ro + c[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / cols + eps)  # [BLOCK_M]
     y = xf * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + r64 * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        # As transformers' RMSNorm: the normalized row is rounded to the IO dtype before the weight
+        # multiplies it (nothing to round in fp32).
+        y = round_as(y, out_ptr.dtype.element_ty) * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + r64 * stride_o + c[None, :], round_as(y, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +136,8 @@ def rms_norm_ref(
     group: int | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference: fp32 math, the sum rounded to the IO dtype like the unfused add."""
+    """The torch reference: fp32 math, the sum rounded to the IO dtype like the unfused add, and (as in
+    transformers) the normalized rows rounded to the IO dtype before the weight multiplies them."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
     t, f = x.shape
@@ -139,6 +145,6 @@ def rms_norm_ref(
     g = x.float().reshape(t, f // group, group)
     y = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y.to(x.dtype).float() * weight.float()
     y = y.reshape(t, f).to(x.dtype)
     return y if residual is None else (y, x)

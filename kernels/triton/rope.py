@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, next_pow2, rows_of
+from ._common import check_float, next_pow2, round_as, rows_of
 
 __all__ = ["rope_", "rope_and_write_kv", "rope_ref", "check_cache"]
 
@@ -32,14 +32,21 @@ def _seq_of_token(qsl_ptr, num_seqs, t, BLOCK_S: tl.constexpr):
 @triton.jit
 def _rotate(x_ptr, row, heads, scale_cos, scale_sin, partner, sign, rot,
             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):  # fmt: skip
-    """Load heads [heads, D] of one token and rotate their first dims (rot); returns fp32 [BLOCK_H, BLOCK_D]."""
+    """Load heads [heads, D] of one token and rotate their first dims (rot); returns fp32 [BLOCK_H, BLOCK_D].
+
+    The roundings are transformers' in the IO dtype (no-ops in fp32): cos and sin rounded, then each
+    of the two products, then their sum (by the caller's store)."""
+    io = x_ptr.dtype.element_ty
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < heads)[:, None] & (d < D)[None, :]
     base = x_ptr + row + h[:, None] * D
     x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
-    return tl.where(rot[None, :], x * scale_cos[None, :] + sign[None, :] * xp * scale_sin[None, :], x)
+    c = round_as(scale_cos, io)[None, :]
+    s = round_as(scale_sin, io)[None, :]
+    turned = round_as(x * c, io) + round_as(sign[None, :] * xp * s, io)
+    return tl.where(rot[None, :], turned, x)
 
 
 @triton.jit
@@ -70,8 +77,10 @@ def _rope_kv_kernel(
         qmask = (hq < HQ)[:, None] & (d < D)[None, :]
         q = _rotate(q_ptr, t64 * stride_q, HQ, c, s, partner, sign, rot, BLOCK_HQ, BLOCK_D, D)
         k = _rotate(k_ptr, t64 * stride_k, HK, c, s, partner, sign, rot, BLOCK_HK, BLOCK_D, D)
-        tl.store(q_ptr + t64 * stride_q + hq[:, None] * D + d[None, :], q.to(q_ptr.dtype.element_ty), mask=qmask)
-        tl.store(k_ptr + t64 * stride_k + hk[:, None] * D + d[None, :], k.to(k_ptr.dtype.element_ty), mask=kmask)
+        q = round_as(q, q_ptr.dtype.element_ty).to(q_ptr.dtype.element_ty)
+        k = round_as(k, k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+        tl.store(q_ptr + t64 * stride_q + hq[:, None] * D + d[None, :], q, mask=qmask)
+        tl.store(k_ptr + t64 * stride_k + hk[:, None] * D + d[None, :], k, mask=kmask)
     else:
         k = tl.load(k_ptr + t64 * stride_k + hk[:, None] * D + d[None, :], mask=kmask, other=0.0)
     if WRITE_KV:
@@ -201,18 +210,22 @@ def rope_ref(
     rotary_dim: int | None = None,
     attention_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (fp32 math, results in the input dtype; inputs untouched)."""
+    """The torch reference (results in the input dtype; inputs untouched): fp32 math with transformers'
+    roundings in the input dtype -- cos and sin, each product, their sum (no-ops in fp32)."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     angle = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, R/2]
     angle = torch.cat([angle, angle], dim=-1)[:, None, :]  # [T, 1, R]
     cos, sin = angle.cos() * attention_scaling, angle.sin() * attention_scaling
 
     def turn(x: torch.Tensor) -> torch.Tensor:
+        def rnd(t: torch.Tensor) -> torch.Tensor:
+            return t.to(x.dtype).float()
+
         h = x.float().reshape(x.shape[0], -1, head_dim).clone()  # [T, H, D]
         r = h[..., :rotary_dim]
         half = rotary_dim // 2
         rotated = torch.cat([-r[..., half:], r[..., :half]], dim=-1)
-        h[..., :rotary_dim] = r * cos + rotated * sin
+        h[..., :rotary_dim] = rnd(r * rnd(cos)) + rnd(rotated * rnd(sin))
         return h.reshape(x.shape).to(x.dtype)
 
     return turn(q), turn(k)
