@@ -61,7 +61,10 @@ if interpreting():
 
 
 def next_pow2(n: int) -> int:
-    return int(triton.next_power_of_2(max(1, int(n))))
+    """The smallest power of two >= n (1 for n <= 1). Plain Python: ``triton.next_power_of_2`` is a
+    constexpr function whose wrapper cost 3.4 us a call on the VM against 0.3 us, and the launch
+    wrappers call this about 180 times per eager step."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
 
 
 def num_sms(device: torch.device) -> int:
