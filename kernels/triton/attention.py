@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, dot_precision, next_pow2, num_sms, rows_of
+from ._common import cdiv, check_float, dot_precision, next_pow2, num_sms, rows_of
 from .rope import check_cache, write_kv_launch
 
 __all__ = [
@@ -289,7 +289,7 @@ def paged_attention_prefill(
         # 1 or 2 stages; 16- and 64-row tiles were right): the window's first-row reduction is the
         # suspect. tests/gpu/test_gpu_kernels.py::test_prefill_window_tile_sizes guards this.
         block_m = 64
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
+    grid = (cdiv(max_query_len, block_m), num_seqs, hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, context_lens, query_start_loc, positions, out,
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, dot_precision, interpreting, next_pow2, round_as, rows_of
+from ._common import cdiv, check_float, dot_precision, interpreting, next_pow2, round_as, rows_of
 
 __all__ = [
     "GpuWeight",
@@ -693,8 +693,8 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         tile_bytes = (block_m + cfg.block_n) * block_k * x.element_size()
         num_stages = max(1, min(num_stages, (160 * 1024) // tile_bytes))
     split_k = cfg.split_k if m <= SPLIT_MAX_M else 1
-    split_k = max(1, min(split_k, triton.cdiv(w.k, block_k)))  # no share without a K tile
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), split_k)
+    split_k = max(1, min(split_k, cdiv(w.k, block_k)))  # no share without a K tile
+    grid = (cdiv(m, block_m), cdiv(n, cfg.block_n), split_k)
     ws = cnt = out
     if split_k > 1:
         numel, tiles = m * (2 * n if silu_mul else n), grid[0] * grid[1]
@@ -774,7 +774,7 @@ def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = N
         out = out.view(-1)[: w.n * w.k].view(w.n, w.k)
     block_n, block_k = 32, max(128, min_block_k(w))
     s, z, meta = w.scales, w.zeros, w.meta
-    _dequantize_kernel[(triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))](
+    _dequantize_kernel[(cdiv(w.n, block_n), cdiv(w.k, block_k))](
         w.weight, s if s is not None else out, z if z is not None else out, meta if meta is not None else out, out,
         w.n, w.k, w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
         meta.stride(0) if meta is not None else 0, out.stride(0),
@@ -795,7 +795,7 @@ def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tenso
     out = torch.empty((t, f), dtype=x.dtype, device=x.device) if out is None else out
     if t:
         block = min(1024, next_pow2(f))
-        _silu_mul_kernel[(t, triton.cdiv(f, block))](x, out, f, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(t, cdiv(f, block))](x, out, f, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, dot_precision, next_pow2, rows_of
+from ._common import cdiv, check_float, dot_precision, next_pow2, rows_of
 from .linear import (
     GEMV_MAX_M,
     SCHEME_IDS,
@@ -89,7 +89,7 @@ def lm_head_argmax(
     use_dot = m > GEMV_MAX_M if config is None else cfg.block_m >= 16
     block_m = cfg.block_m if use_dot else 1  # the GEMV takes one row per program
     block_k = max(min(cfg.block_k, next_pow2(weight.k)), min_block_k(weight))
-    num_tiles = triton.cdiv(n, cfg.block_n)
+    num_tiles = cdiv(n, cfg.block_n)
     ids = torch.empty(m, dtype=torch.int32, device=x.device)
     vals = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
@@ -97,7 +97,7 @@ def lm_head_argmax(
     part_v = torch.empty((m, num_tiles), dtype=torch.float32, device=x.device)
     part_i = torch.empty((m, num_tiles), dtype=torch.int32, device=x.device)
     s, z, meta = weight.scales, weight.zeros, weight.meta
-    _lm_head_tile_kernel[(triton.cdiv(m, block_m), num_tiles)](
+    _lm_head_tile_kernel[(cdiv(m, block_m), num_tiles)](
         x, weight.weight, s if s is not None else x, z if z is not None else x, meta if meta is not None else x,
         bias if bias is not None else x, part_v, part_i,
         m, n, weight.k, x.stride(0), weight.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,

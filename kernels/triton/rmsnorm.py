@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, next_pow2, round_as, rows_of
+from ._common import cdiv, check_float, next_pow2, round_as, rows_of
 
 __all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS"]
 
@@ -110,7 +110,7 @@ def rms_norm(
     ros = _as_groups(res_out, group) if res_out is not None else os_
     rows = xs.shape[0]
     cfg = config or default_config(rows, group)
-    grid = (triton.cdiv(rows, cfg.block_m),)
+    grid = (cdiv(rows, cfg.block_m),)
     _rms_norm_kernel[grid](
         xs, rs, weight if weight is not None else xs, os_, ros,
         rows, group, xs.stride(0), rs.stride(0), os_.stride(0), ros.stride(0), float(eps),
