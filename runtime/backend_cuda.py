@@ -605,6 +605,8 @@ class CUDABackend(Backend):
                 self._sdpa_proven = True
                 return out
             except RuntimeError as e:
+                if "No available kernel" not in str(e):
+                    raise  # out of memory and the like are not a refusal
                 mode = self._sdpa_modes.pop(0)
                 if not self._sdpa_modes:
                     warnings.warn(f"MGX: no fused SDPA kernel takes fresh prompts here ({mode}: {e}); "

@@ -115,6 +115,22 @@ def test_interpreted_fresh_prompts_go_to_the_paged_kernel_when_no_fused_sdpa_ker
     assert tries == [True, False] and backend._sdpa_modes == []
 
 
+@pytest.mark.interpreted
+def test_interpreted_fresh_prompt_errors_other_than_a_refusal_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only SDPA's "No available kernel" drops a mode; out of memory (a RuntimeError too) is raised."""
+    from mgx.runtime import backend_cuda
+
+    def oom(q, k, v, qsl, a, *, gqa):  # noqa: ANN001, ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(backend_cuda, "_fresh_attention", oom)
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    with pytest.raises(torch.OutOfMemoryError):
+        ModelRunner(graph, backend).step([SeqChunk(0, _prompts(graph)[0])])
+    assert backend._sdpa_modes == list(backend_cuda.SDPA_MODES)
+
+
 def test_fresh_attention_expanded_kv_equals_sdpa_gqa() -> None:
     """The two modes compute the same attention: query head h reads KV head h // (Hq / Hk)."""
     from mgx.runtime import backend_cuda
