@@ -670,7 +670,8 @@ def _fresh_attention(q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: Atte
     query heads to KV heads itself (``enable_gqa``); without, K and V are expanded to every query
     head first (query head h reads KV head h // (num_heads / num_kv_heads), as in the model)."""
     d, hq, hk = a.head_dim, a.num_heads, a.num_kv_heads
-    out = torch.empty((q.shape[0], hq * d), dtype=q.dtype, device=q.device)
+    one = len(qsl) == 2  # one prompt: its output is the result, no copy into a shared buffer
+    out = None if one else torch.empty((q.shape[0], hq * d), dtype=q.dtype, device=q.device)
     for lo, hi in zip(qsl, qsl[1:]):
         n = hi - lo
         kk, vv = k[lo:hi].view(n, hk, d), v[lo:hi].view(n, hk, d)
@@ -680,6 +681,10 @@ def _fresh_attention(q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: Atte
             q[lo:hi].view(n, hq, d).transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
             is_causal=True, scale=a.scale, enable_gqa=gqa and hq != hk,
         )  # fmt: skip
+        if one:
+            # The fused kernels write [tokens, heads, head_dim] memory behind the [heads, tokens]
+            # view, so this reshape is a view there (a copy otherwise).
+            return o[0].transpose(0, 1).reshape(n, hq * d)
         out[lo:hi].view(n, hq, d).copy_(o[0].transpose(0, 1))
     return out
 

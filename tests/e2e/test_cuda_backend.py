@@ -153,6 +153,10 @@ def test_fresh_attention_expanded_kv_equals_sdpa_gqa() -> None:
     for gqa in (True, False):
         got = backend_cuda._fresh_attention(q, k, v, qsl, a, gqa=gqa)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # One prompt: SDPA's own output, reshaped (no copy into a shared buffer), row-major all the same.
+        got = backend_cuda._fresh_attention(q[7:], k[7:], v[7:], (0, 12), a, gqa=gqa)
+        assert got.shape == (12, hq * d) and got.is_contiguous()
+        torch.testing.assert_close(got, want[7:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.interpreted
