@@ -265,8 +265,8 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int n0 = blockIdx.x * (kSilu ? 8 : 16);
-  // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows. Rows past the end repeat the
-  // last one (computed, never stored).
+  // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
+  // block_rows<16>, which the epilogue takes (rows past the end repeat the last one, never stored).
   const int lo = min(n0 + g, n_out - 1);
   const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
   const uint8_t* w_lo = w + lo * stride_w;
@@ -315,23 +315,16 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat
     part[warp][g + 8] = acc_hi;
   }
   __syncthreads();
-  if (threadIdx.x >= 16) return;
-  const int r = threadIdx.x;
-  float v = 0.0f;
-  for (int i = 0; i < kMmaWarps; ++i) v += part[i][r];
-  if (kSilu) {
-    if (r >= 8 || n0 + r >= n_out) return;
-    float up = 0.0f;
-    for (int i = 0; i < kMmaWarps; ++i) up += part[i][r + 8];
-    if (bias != nullptr) {
-      v += __bfloat162float(bias[n0 + r]);
-      up += __bfloat162float(bias[silu_f + n0 + r]);
-    }
-    out[n0 + r] = __float2bfloat16_rn(silu_times(v, up));
-  } else if (n0 + r < n) {
-    if (bias != nullptr) v += __bfloat162float(bias[n0 + r]);
-    out[n0 + r] = __float2bfloat16_rn(v);
+  if (threadIdx.x != 0) return;
+  float total[16];
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    total[r] = 0.0f;
+    for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
   }
+  int row[16];  // the same rows as lo and hi above, for the bias
+  block_rows<16>(row, n, silu_f);
+  store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
 }
 
 }  // namespace mgx_gemv
