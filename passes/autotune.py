@@ -148,14 +148,14 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 timed += 1
                 if best is None or seconds < best[0]:
                     best = (seconds, config)
-            for kind in NATIVE_KINDS if best is not None and m == 1 and kernel != "lm_head_argmax" else ():
-                if not gemv_applies(kernels, x, w, kind=kind):
-                    continue
-                silu = kernel == "linear_silu_mul"
-                # A candidate must first give the Triton kernel's result (within one rounding of the
-                # output dtype): a native kernel that disagrees is reported, never chosen.
-                got = gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind)
-                err = _relative_error(got, launch[kernel](x, w, config=dataclasses.replace(best[1], native="")))
+            one_row = best is not None and m == 1 and kernel != "lm_head_argmax"
+            kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k)]
+            silu = kernel == "linear_silu_mul"
+            # A candidate must first give the Triton kernel's result (within one rounding of the output
+            # dtype): a native kernel that disagrees is reported, never chosen.
+            want = launch[kernel](x, w, config=best[1]) if kinds else None
+            for kind in kinds:
+                err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
                 if err > NATIVE_TOLERANCE:
                     rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
                     continue
