@@ -13,6 +13,7 @@ CUDA graphs like any other kernel.
 from __future__ import annotations
 
 import ctypes
+import re
 
 import torch
 
@@ -54,6 +55,12 @@ def gemv_threads(k: int) -> int:
     return t
 
 
+def _sm(arch: str) -> int:
+    """80 for "sm_80", 90 for "sm_90a": the code's architecture decides (the MMA kernel traps below sm_80)."""
+    m = re.match(r"sm_(\d+)", arch)
+    return int(m.group(1)) if m else 0
+
+
 def gemv_applies(
     kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None, kind: str = "gemv"
 ) -> bool:
@@ -71,7 +78,7 @@ def gemv_applies(
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
         return False
     if kind == "mma" and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
-                          or w.weight.stride(0) % 16 or torch.cuda.get_device_capability(x.device) < (8, 0)):  # fmt: skip
+                          or w.weight.stride(0) % 16 or _sm(kernels.arch) < 80):  # fmt: skip
         return False
     word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
