@@ -31,6 +31,19 @@ def fake_seconds(config: LinearConfig) -> float:
     return config.block_n - config.block_k / 1e4
 
 
+def reference_gemv(scale: float = 1.0, calls: list | None = None):  # noqa: ANN201
+    """A stand-in for the native GEMV without a GPU: the reference product (times ``scale``); each
+    call's (scheme, kind) goes to ``calls``."""
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+
+    def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv"):  # noqa: ANN001, ANN202
+        if calls is not None:
+            calls.append((w.scheme, kind))
+        return (scale * (linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias)).to(x.dtype)
+
+    return gemv
+
+
 @pytest.fixture
 def no_gpu_needed(monkeypatch):  # noqa: ANN001, ANN201
     import torch
@@ -131,15 +144,13 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     runs the native GEMV exactly for those entries. Here the fake timer lets it win the plain linears
     and lose the fused gate/up; the native GEMV is stood in for by the reference product (no GPU)."""
     from mgx.kernels.cuda import gemv as cg
-    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
 
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
     # Only the CUDA-core kind applies here (the tensor-core one needs groups of 128).
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": k is kernels and x.shape[0] == 1
                         and kind == "gemv")  # fmt: skip
-    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv": (
-        linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias).to(x.dtype))  # fmt: skip
+    monkeypatch.setattr(cg, "gemv", reference_gemv())
     timer = autotune_pass._time
 
     def native_wins_unfused(fn, repeats):  # noqa: ANN001, ANN202
@@ -189,13 +200,9 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
 def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch) -> None:
     """Without stored tunings the backend runs the native GEMV for int4/W8A16 rows (faster at the
     model level on the H200) and the Triton GEMV for dense weights (not measured faster)."""
-    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
-
-    calls: list[str] = []
+    calls: list[tuple[str, str]] = []
     monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": x.shape[0] == 1)
-    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, kind: calls.append(
-        (w.scheme, kind)) or (
-        linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias))  # fmt: skip
+    monkeypatch.setattr(backend_cuda, "gemv", reference_gemv(calls=calls))
     for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv")})):
         calls.clear()
         graph = compiled("gqa", pipeline, target="cuda")
@@ -211,13 +218,11 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     """A native GEMV whose output disagrees with the Triton kernel's (here: off by 10%) is rejected and
     named in the summary, however fast the timer says it is."""
     from mgx.kernels.cuda import gemv as cg
-    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
 
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": x.shape[0] == 1)
-    monkeypatch.setattr(cg, "gemv", lambda x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv": 1.1 * (
-        linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias))  # fmt: skip
+    monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
     timer = autotune_pass._time
     monkeypatch.setattr(autotune_pass, "_time", lambda fn, r: -1.0 if fn.__defaults__[0].native else timer(fn, r))
     graph = tiny_contents().graph
