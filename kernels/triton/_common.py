@@ -116,3 +116,9 @@ def round_as(v, IO: tl.constexpr):
         return v.to(tl.float16).to(tl.float32)
     else:
         return v
+
+
+@triton.jit
+def cast_as(v, IO: tl.constexpr):
+    """fp32 ``v`` cast to IO for a store, rounded to nearest even in the interpreter too (``round_as``)."""
+    return round_as(v, IO).to(IO)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_float, dot_precision, interpreting, next_pow2, round_as, rows_of
+from ._common import cast_as, cdiv, check_float, dot_precision, interpreting, next_pow2, round_as, rows_of
 
 __all__ = [
     "GpuWeight",
@@ -447,8 +447,7 @@ def _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS
         acc = _silu_times(acc, up, out_ptr.dtype.element_ty)
     dst = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     # Rounded on the bits (round_as), so that Triton's interpreter rounds as the GPU does.
-    tl.store(dst, round_as(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+    tl.store(dst, cast_as(acc, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -541,8 +540,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr)
     mask = c < F
     g = tl.load(x_ptr + t * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + t * stride_x + F + c, mask=mask, other=0.0).to(tl.float32)
-    out = round_as(_silu_times(g, u, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = cast_as(_silu_times(g, u, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_o + c, out, mask=mask)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_float, next_pow2, round_as, rows_of
+from ._common import cast_as, cdiv, check_float, next_pow2, round_as, rows_of
 
 __all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS"]
 
@@ -37,7 +37,7 @@ def _rms_norm_kernel(
     if HAS_RES:
         res = tl.load(res_ptr + r64 * stride_r + c[None, :], mask=mask, other=0.0)
         # Round the sum to the IO dtype first: the next layer reads that rounded residual.
-        x = round_as(x.to(tl.float32) + res.to(tl.float32), res_out_ptr.dtype.element_ty).to(res_out_ptr.dtype.element_ty)
+        x = cast_as(x.to(tl.float32) + res.to(tl.float32), res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + r64 * stride_ro + c[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / cols + eps)  # [BLOCK_M]
@@ -46,8 +46,7 @@ def _rms_norm_kernel(
         # As transformers' RMSNorm: the normalized row is rounded to the IO dtype before the weight
         # multiplies it (nothing to round in fp32).
         y = round_as(y, out_ptr.dtype.element_ty) * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + r64 * stride_o + c[None, :], round_as(y, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out_ptr + r64 * stride_o + c[None, :], cast_as(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, next_pow2, round_as, rows_of
+from ._common import cast_as, check_float, next_pow2, round_as, rows_of
 
 __all__ = ["rope_", "rope_and_write_kv", "rope_ref", "check_cache"]
 
@@ -77,8 +77,8 @@ def _rope_kv_kernel(
         qmask = (hq < HQ)[:, None] & (d < D)[None, :]
         q = _rotate(q_ptr, t64 * stride_q, HQ, c, s, partner, sign, rot, BLOCK_HQ, BLOCK_D, D)
         k = _rotate(k_ptr, t64 * stride_k, HK, c, s, partner, sign, rot, BLOCK_HK, BLOCK_D, D)
-        q = round_as(q, q_ptr.dtype.element_ty).to(q_ptr.dtype.element_ty)
-        k = round_as(k, k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+        q = cast_as(q, q_ptr.dtype.element_ty)
+        k = cast_as(k, k_ptr.dtype.element_ty)
         tl.store(q_ptr + t64 * stride_q + hq[:, None] * D + d[None, :], q, mask=qmask)
         tl.store(k_ptr + t64 * stride_k + hk[:, None] * D + d[None, :], k, mask=kmask)
     else:
