@@ -86,6 +86,9 @@ SDPA_MAX_SEQS = 4  # fresh prompts per step that torch's SDPA takes one by one (
 # How fresh prompts reach SDPA's fused kernels, in the order tried: query heads mapped to KV heads by
 # SDPA itself, or K and V expanded to every query head first.
 SDPA_MODES = ("gqa", "expand")
+# How torch says that no enabled SDPA kernel takes the inputs: "No available kernel" (torch 2.13), or,
+# with the math fallback disabled, "Invalid backend" (torch 2.11 on an H200: fp32 with enable_gqa).
+SDPA_REFUSALS = ("No available kernel", "Invalid backend")
 
 _AUX_ROLES = ("scales", "zeros", "meta")
 _ALIGN = 256
@@ -605,7 +608,7 @@ class CUDABackend(Backend):
                 self._sdpa_proven = True
                 return out
             except RuntimeError as e:
-                if "No available kernel" not in str(e):
+                if not any(m in str(e) for m in SDPA_REFUSALS):
                     raise  # out of memory and the like are not a refusal
                 mode = self._sdpa_modes.pop(0)
                 if not self._sdpa_modes:

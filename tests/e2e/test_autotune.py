@@ -197,6 +197,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     assert sum(k == "triton silu" for k, _ in ran) == layers  # the fused gate/up stays on Triton
 
 
+@pytest.mark.interpreted
 def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch) -> None:
     """Without stored tunings the backend runs the native GEMV for int4/W8A16 rows (faster at the
     model level on the H200) and the Triton GEMV for dense weights (not measured faster)."""
