@@ -34,6 +34,7 @@ __all__ = [
     "AttentionAttrs",
     "Backend",
     "ReferenceBackend",
+    "StepResult",
     "BACKENDS",
     "create_backend",
     "host_memory_available",
@@ -72,6 +73,29 @@ class AttentionAttrs:
         )
 
 
+class StepResult:
+    """A launched step's output: ``result()`` is what ``Backend.execute`` returns for it.
+
+    This one holds host arrays already. A backend that overlaps steps returns its own kind, whose
+    ``result()`` waits for the device and whose ``device_ids()`` are the greedy picks still on it.
+    """
+
+    __slots__ = ("_out",)
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+
+    def result(self) -> Any:
+        return self._out
+
+    def device_ids(self) -> Any:
+        """The greedy ids [R] on the device (valid until the backend's next launch), or None."""
+        return None
+
+    def discard(self) -> None:
+        """Nobody will read this output (a step launched ahead that the schedule did not take)."""
+
+
 class Backend(ABC):
     """Runs ops of one graph. Subclasses implement the per-kind methods below."""
 
@@ -83,6 +107,10 @@ class Backend(ABC):
 
     # True when greedy_head is implemented (an LM head fused with the argmax).
     has_greedy_head: ClassVar[bool] = False
+
+    # True when ``launch`` returns before the step's output reaches the host, so that the engine
+    # gains by launching the next greedy decode step before it reads this one's picks.
+    overlaps_steps: bool = False
 
     # Bytes per element of cached K/V and recurrent state (the reference backend keeps float32).
     kv_itemsize: ClassVar[int] = 4
@@ -121,6 +149,18 @@ class Backend(ABC):
         logits value; a backend may prepare the step first or replay a recorded run instead.
         Returns host float32 logits [R, V]."""
         return run_ops(batch)
+
+    def launch(
+        self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache, tokens_from: StepResult | None = None
+    ) -> StepResult:
+        """``execute``, returning before the output reaches the host where the backend can.
+
+        ``tokens_from``: the greedy step launched just before this one, whose picks (one per
+        sequence, in order) are this step's token ids; ``batch.token_ids`` is a placeholder then.
+        Here the step runs now, so those picks are read first."""
+        if tokens_from is not None:
+            batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
+        return StepResult(self.execute(run_ops, batch, kv))
 
     def run_op(self, op: Op, args: list[Array], batch: StepBatch, kv: KVCache) -> list[Array]:
         """Run ``op`` on its input values; returns its output values in order."""

@@ -73,7 +73,7 @@ from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import Tunings
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
-from .backend import Array, AttentionAttrs, Backend
+from .backend import Array, AttentionAttrs, Backend, StepResult
 from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache
@@ -168,6 +168,60 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     step: _Step
     out: Any  # logits [bucket, V] float32, or (ids [bucket], their logits [bucket]); written by every replay
+    free: list[_Slot] = field(default_factory=list)  # host buffers of greedy launches, free again
+
+
+@dataclass(slots=True)
+class _Slot:
+    """The pinned host side of one greedy graph launch: its inputs (``_Step.packed``'s layout) and
+    picks, and an event recorded once the picks are on the host. A launch holds its slot until its
+    picks are read or discarded, so at most the launches in flight have one each."""
+
+    host: torch.Tensor  # int32 like _Step.packed
+    ids: torch.Tensor  # [bucket] as the graph's ids
+    top: torch.Tensor  # [bucket] as the graph's top logits
+    done: Any  # torch.cuda.Event (a stand-in off the GPU)
+
+
+class _NoEvent:
+    """``torch.cuda.Event``'s two calls used here, for a backend off the GPU (tests)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _GraphResult(StepResult):
+    """The picks of a greedy graph launch: on the host once ``done``; on the device until the next launch."""
+
+    __slots__ = ("_graph", "_slot", "_n", "_ids")
+
+    def __init__(self, graph: _Graph, slot: _Slot, n: int, ids: torch.Tensor) -> None:
+        super().__init__(None)
+        self._graph, self._slot, self._n, self._ids = graph, slot, n, ids
+
+    def result(self) -> Any:
+        slot = self._slot
+        if slot is not None:
+            slot.done.synchronize()
+            n = self._n
+            # Copies: the slot goes back to its graph for a later launch.
+            self._out = (slot.ids[:n].numpy().astype(np.int64), slot.top[:n].float().numpy().copy())
+            self._release()
+        return self._out
+
+    def device_ids(self) -> Any:
+        return self._ids
+
+    def discard(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._slot is not None:
+            self._graph.free.append(self._slot)
+            self._slot = self._ids = None
 
 
 @dataclass(slots=True)
@@ -197,6 +251,9 @@ class CUDABackend(Backend):
         if graphs is None:
             graphs = os.environ.get("MGX_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(graphs) and self.device.type == "cuda"
+        # Greedy decode steps replay graphs without waiting for their picks (``launch``).
+        self.overlaps_steps = self.use_graphs
+        self._last_launch: StepResult | None = None  # whose device picks are intact
         self._fuse = self._find_fusions()
         # Tensors in a layout the kernels do not read (cpu_tile16) are unpacked and uploaded by
         # _gpu_weight instead; everything else goes up as stored.
@@ -372,19 +429,39 @@ class CUDABackend(Backend):
     # -- a step -----------------------------------------------------------------------------------
 
     def execute(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache) -> Any:
+        return self.launch(run_ops, batch, kv).result()
+
+    def launch(
+        self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache, tokens_from: StepResult | None = None
+    ) -> StepResult:
+        """A greedy decode step replays its graph and returns without waiting: its picks reach a
+        pinned buffer behind it, and stay on the device for the next launch (``tokens_from``).
+        Other steps (prefill, mixed, sampling, beyond the largest bucket) run to the end first."""
         paged = batch.paged
         assert paged is not None, "the runner attaches the paged view before running ops"
         s = len(batch.seq_ids)
         decode = batch.num_tokens == s and batch.sample_rows.size == s and np.array_equal(batch.sample_rows, np.arange(s))
-        if self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]:
-            return self._replay(run_ops, batch)
-        self._step = self._eager_step(batch)
-        try:
-            out = run_ops(batch)
-        finally:
-            self._step = None
-            self._pending.clear()
-        return _to_host(out)
+        graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
+        fed = None  # the previous launch's picks, where they are still on the device
+        if tokens_from is not None:
+            if graphed and batch.greedy and tokens_from is self._last_launch:
+                fed = tokens_from.device_ids()
+            if fed is None:
+                batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
+        self._last_launch = None
+        if graphed and batch.greedy:
+            out: StepResult = self._launch_graph(run_ops, batch, fed)
+        elif graphed:
+            out = StepResult(self._replay(run_ops, batch))
+        else:
+            self._step = self._eager_step(batch)
+            try:
+                out = StepResult(_to_host(run_ops(batch)))
+            finally:
+                self._step = None
+                self._pending.clear()
+        self._last_launch = out
+        return out
 
     def _eager_step(self, batch: StepBatch) -> _Step:
         paged = batch.paged
@@ -409,22 +486,62 @@ class CUDABackend(Backend):
             fresh=tuple(paged.query_start_loc.tolist()) if fresh else None,
         )
 
-    def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> Any:
-        s = len(batch.seq_ids)
-        key = (next(b for b in GRAPH_BUCKETS if b >= s), batch.greedy)
+    def _graph_for(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> _Graph:
+        """The captured step for ``batch``'s bucket, captured (again, wider) when its table outgrew it."""
+        key = (next(b for b in GRAPH_BUCKETS if b >= len(batch.seq_ids)), batch.greedy)
         needed = batch.paged.block_tables.shape[1]
         g = self._graphs.get(key)
         if g is None or g.step.block_tables.shape[1] < needed:
             # None yet, or one captured for shorter contexts: (re)capture at this batch's width.
+            # A launch still in flight holds its old graph and slot; the capture's warm-up runs
+            # on a stream that waits for it.
             self._graphs.pop(key, None)
             g = None  # the old graph's memory goes back to the pool before the new capture
             width = graph_table_width(needed, self._max_blocks)
             g = self._graphs[key] = self._capture(run_ops, batch, key[0], width)
-        self._fill(g.step, batch)
+        return g
+
+    def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> Any:
+        """A decode step's graph, waited for: host logits [S, V] (or the greedy pair)."""
+        g = self._graph_for(run_ops, batch)
+        assert g.step.host is not None
+        self._fill(g.step, batch, g.step.host)
         g.graph.replay()
+        s = len(batch.seq_ids)
         if isinstance(g.out, tuple):  # the greedy pair: ids stay integers
             return _to_host(tuple(t[:s] for t in g.out))
         return _to_host(g.out[:s])
+
+    def _launch_graph(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, fed: Any) -> _GraphResult:
+        """A greedy decode step's graph, not waited for; ``fed``: device ids [S] that are its tokens."""
+        g = self._graph_for(run_ops, batch)
+        slot = self._slot(g)
+        self._fill(g.step, batch, slot.host)
+        s = len(batch.seq_ids)
+        if fed is not None:  # after the inputs' copy, before the replay that overwrites the picks
+            g.step.token_ids[:s].copy_(fed)
+        g.graph.replay()
+        ids, top = g.out
+        slot.ids[:s].copy_(ids[:s], non_blocking=True)
+        slot.top[:s].copy_(top[:s], non_blocking=True)
+        slot.done.record()
+        return _GraphResult(g, slot, s, ids[:s])
+
+    def _slot(self, g: _Graph) -> _Slot:
+        """A free slot of ``g`` (once the launch that last used it is done), or a new one."""
+        if g.free:
+            slot = g.free.pop()
+            slot.done.synchronize()  # a discarded launch may still be copying through it
+            return slot
+        assert g.step.host is not None
+        ids, top = g.out
+        pin = self.device.type == "cuda"
+        return _Slot(
+            host=torch.empty_like(g.step.host, pin_memory=pin),
+            ids=torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin),
+            top=torch.empty(top.shape, dtype=top.dtype, pin_memory=pin),
+            done=torch.cuda.Event() if pin else _NoEvent(),
+        )
 
     def _static_step(self, bucket: int, width: int) -> _Step:
         assert self._kv is not None, "the KV cache is made before the first step"
@@ -447,16 +564,14 @@ class CUDABackend(Backend):
             host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=True),
         )
 
-    def _fill(self, st: _Step, batch: StepBatch | None) -> None:
-        """Write a decode batch into a graph's static buffers; rows past it decode into the scratch block.
-
-        The pinned host buffer is free again here: the previous replay's results were read back
-        (a synchronizing copy) before this step began."""
-        assert st.packed is not None and st.host is not None
+    def _fill(self, st: _Step, batch: StepBatch | None, pinned: torch.Tensor) -> None:
+        """Write a decode batch into a graph's static buffers through the host buffer ``pinned``
+        (free: no copy from it is pending); rows past the batch decode into the scratch block."""
+        assert st.packed is not None
         bucket = st.token_ids.shape[0]
         s = 0 if batch is None else len(batch.seq_ids)
         width = st.block_tables.shape[1]
-        host = st.host.numpy()
+        host = pinned.numpy()
         tok, pos, ctx = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket : 3 * bucket]
         tables = host[3 * bucket :].reshape(bucket, width)
         # The table is as wide as the graph's contexts (``graph_table_width``), not the model's.
@@ -469,11 +584,11 @@ class CUDABackend(Backend):
             ctx[:s] = batch.paged.context_lens
             pos[:s] = batch.positions
             tok[:s] = batch.token_ids
-        st.packed.copy_(st.host, non_blocking=True)
+        st.packed.copy_(pinned, non_blocking=True)
 
     def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int) -> _Graph:
         st = self._static_step(bucket, width)
-        self._fill(st, None)  # capture on padding rows only: warming up writes nothing a sequence owns
+        self._fill(st, None, st.host)  # capture on padding rows only: warming up writes nothing a sequence owns
         self._step = st
         try:
             side = torch.cuda.Stream(self.device)

@@ -26,7 +26,7 @@ from .block_manager import BlockManager
 from .config import CachePlan, EngineConfig, plan_cache
 from .errors import EngineError, PromptError
 from .metrics import EngineMetrics, Gauges, RequestMetrics
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner
 from .request import FinishReason, GenerationResult, Request, RequestOutput, TextDelta, Timings
 from .sampler import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -109,6 +109,8 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._by_seq: dict[int, Request] = {}
         self._seq_ids = itertools.count()
+        # The greedy decode step launched ahead of the schedule (``_launch_ahead``), not yet adopted.
+        self._ahead: LaunchedStep | None = None
 
     @classmethod
     def from_contents(
@@ -242,12 +244,20 @@ class Engine:
         # The runner takes the step as flat lists (no object per sequence) and returns one row per
         # sampling sequence, in order.
         run = (seq_ids, plan.token_ids(), plan.num_new, samples)
+        ahead, self._ahead = self._ahead, None
         if all(r.plain_greedy for r in sampling):
             # The LM head fused with the argmax: no [R, V] logits leave the backend.
-            ids, _ = self.runner.step_greedy_packed(*run)
+            launched = self._adopt(ahead, plan, seq_ids, run[1]) if ahead is not None else None
+            if launched is None:
+                launched = self.runner.launch_greedy_packed(*run)
+            if len(sampling) == len(reqs) and self.runner.backend.overlaps_steps:
+                self._ahead = self._launch_ahead(launched, sampling)
+            ids, _ = launched.picks()
             now = time.perf_counter()  # every token of the step came out now
             outputs = [r.accept(t, None, now) for r, t in zip(sampling, ids.tolist())]
         else:
+            if ahead is not None:
+                ahead.out.discard()
             logits = self.runner.step_packed(*run)  # [R, V]
             outputs = [self._sample(r, row) for r, row in zip(sampling, logits)]
         for req, out in zip(sampling, outputs):
@@ -255,6 +265,28 @@ class Engine:
                 self._finished(req)
         self._account(plan, reqs, start, time.perf_counter(), len(outputs), kv_used)
         return outputs
+
+    def _adopt(self, ahead: LaunchedStep, plan: StepPlan, seq_ids: list[int], token_ids: list[int]) -> LaunchedStep | None:
+        """``ahead`` when it is this plan's step (the same sequences, one token each, from the same
+        positions; its tokens are then the picks it was fed on the device), committed; else None.
+
+        A step not taken is left to finish on the device unread: it wrote each of its sequences'
+        K/V one position past the committed ones, which the next step that reaches there rewrites
+        (and a freed block is handed out only to steps launched after it)."""
+        if ahead.batch.seq_ids == seq_ids and ahead.starts == plan.starts and len(token_ids) == len(seq_ids):
+            self.runner.adopt(ahead, token_ids)
+            return ahead
+        ahead.out.discard()
+        return None
+
+    def _launch_ahead(self, launched: LaunchedStep, reqs: list[Request]) -> LaunchedStep | None:
+        """On a backend that overlaps steps, the next decode step of every sequence of ``launched``,
+        fed its picks on the device, so the device runs it while the host handles this step's
+        picks; the next ``step`` adopts it when the schedule is the same. Not when the schedule
+        will differ anyway: a request waits to be admitted, or one takes its last token now."""
+        if self.scheduler.waiting or any(r.tokens_left <= 1 for r in reqs):
+            return None
+        return self.runner.launch_ahead(launched)
 
     def _sample(self, req: Request, logits: np.ndarray) -> RequestOutput:
         token = req.sampler.sample(logits, req.seq.token_ids, req.output_ids)

@@ -3,22 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
 
 from mgx.formats.ir import Graph, IRError, verify
 
-from .backend import Array, Backend, create_backend, value_plan
+from .backend import Array, Backend, StepResult, create_backend, value_plan
 from .batch import BlockTableCache, PagedStep, SeqChunk, StepBatch
 from .block_manager import BlockManager
 from .errors import UnsupportedModelError
 from .kv_cache import KVCacheError
 
-__all__ = ["ModelRunner"]
+__all__ = ["LaunchedStep", "ModelRunner"]
 
 # Room a runner made without a block manager gets: this many full-context sequences.
 _STANDALONE_SEQUENCES = 4
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A greedy step on its way (``ModelRunner.launch_greedy_packed``, ``ModelRunner.launch_ahead``)."""
+
+    batch: StepBatch
+    out: StepResult
+    starts: list[int]  # each sequence's first position in this step
+
+    def picks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [R] int64, their logits [R] float32) of the R sampling sequences; waits for the device."""
+        return ModelRunner._greedy(self.batch, self.out.result())
 
 
 class ModelRunner:
@@ -94,8 +108,43 @@ class ModelRunner:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``step_greedy`` on tokens already packed (see ``step_packed``): (ids [R] int64, their logits
         [R] float32) of the R sampling sequences, in order."""
-        batch, out = self._run_packed(seq_ids, token_ids, num_new, samples, greedy=self.backend.has_greedy_head)
-        return self._greedy(batch, out)
+        return self.launch_greedy_packed(seq_ids, token_ids, num_new, samples).picks()
+
+    def launch_greedy_packed(
+        self, seq_ids: list[int], token_ids: Sequence[int], num_new: Sequence[int], samples: Sequence[bool]
+    ) -> LaunchedStep:
+        """``step_greedy_packed`` up to the launch: its tokens are committed, its picks come with
+        ``picks()`` (on a backend that overlaps steps, while the device still runs it)."""
+        greedy = self.backend.has_greedy_head
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one step: {seq_ids}")
+        starts = self.blocks.num_computed_many(seq_ids)
+        batch = StepBatch.packed(seq_ids, np.asarray(token_ids, dtype=np.int64), num_new, starts, samples)
+        self._check_tokens(batch)
+        out = self._launch(batch, starts, num_new, greedy)
+        assert out is not None  # _launch raises when blocks run out
+        return LaunchedStep(batch, out, starts)
+
+    def launch_ahead(self, prev: LaunchedStep) -> LaunchedStep | None:
+        """Launch the decode step after ``prev`` before its picks reach the host: every sequence of
+        ``prev`` adds the token ``prev`` picks for it, which goes to the step on the device.
+
+        Nothing is committed until ``adopt`` (the host learns the tokens only then). None where it
+        cannot be: ``prev`` not a greedy step in which every sequence picks, or no free block."""
+        b = prev.batch
+        s = len(b.seq_ids)
+        if not b.greedy or b.sample_rows.size != s:
+            return None
+        ones = [1] * s
+        starts = self.blocks.num_computed_many(b.seq_ids)
+        batch = StepBatch.packed(b.seq_ids, np.zeros(s, dtype=np.int64), ones, starts, [True] * s)
+        out = self._launch(batch, starts, ones, True, tokens_from=prev.out)
+        return None if out is None else LaunchedStep(batch, out, starts)
+
+    def adopt(self, ahead: LaunchedStep, token_ids: list[int]) -> None:
+        """The schedule took ``ahead`` (``launch_ahead``) with these token ids: commit them."""
+        ahead.batch.token_ids = np.asarray(token_ids, dtype=np.int64)
+        self.blocks.commit_step(ahead.batch.seq_ids, token_ids, [1] * len(token_ids))
 
     @staticmethod
     def _greedy(batch: StepBatch, out: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -132,14 +181,30 @@ class ModelRunner:
 
     def _execute_step(self, batch: StepBatch, starts: list[int], sizes: Sequence[int], greedy: bool) -> Any:
         """Blocks for the checked ``batch``, the forward, then the commit of its tokens."""
+        out = self._launch(batch, starts, sizes, greedy)
+        assert out is not None  # _launch raises when blocks run out
+        return out.result()
+
+    def _launch(
+        self, batch: StepBatch, starts: list[int], sizes: Sequence[int], greedy: bool, tokens_from: StepResult | None = None
+    ) -> StepResult | None:
+        """Blocks for ``batch``, the launch, then the commit of its tokens (none with ``tokens_from``:
+        the host does not know them yet). Out of blocks: raises, or None with ``tokens_from``."""
         blocks, seq_ids = self.blocks, batch.seq_ids
         batch.greedy = greedy
         room = blocks.prepare_step(seq_ids, sizes)  # allocates only what the scheduler did not
         if room is None:
+            if tokens_from is not None:
+                return None
             self._raise_out_of_blocks(seq_ids, starts, sizes)
         tables = self._block_tables(room.tables)
         batch.paged = PagedStep.build(batch, room.tables, blocks.block_size, room.state_slots, tables)
-        out = self.execute(batch)
+        if tokens_from is not None:
+            return self.backend.launch(self.run_ops, batch, self.kv, tokens_from)
+        if self.backend.overlaps_steps:
+            out = self.backend.launch(self.run_ops, batch, self.kv)
+        else:
+            out = StepResult(self.execute(batch))  # (``execute`` is where tests and benches hook in)
         blocks.commit_step(seq_ids, batch.token_ids.tolist(), sizes)
         return out
 

@@ -161,6 +161,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate before ``max_tokens``."""
+        return self._max_tokens - len(self.output_ids)
+
     def accept(self, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
         """Append a sampled token; returns this step's output (finished when the request stops)."""
         self.seq.token_ids.append(token)

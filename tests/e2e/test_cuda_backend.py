@@ -444,7 +444,7 @@ def test_graph_fill_leaves_no_stale_block_table_entries() -> None:
     rng = np.random.default_rng(3)
     for lengths in ([5, 2, 7], [1, 3], None, [10, 1, 1, 1], [2], [9, 9]):
         if lengths is None:
-            backend._fill(st, None)
+            backend._fill(st, None, st.host)
             want = np.full((bucket, width), -1, dtype=np.int32)
             want[:, 0] = 99
         else:
@@ -453,7 +453,7 @@ def test_graph_fill_leaves_no_stale_block_table_entries() -> None:
             batch = StepBatch.packed(list(range(len(lengths))), np.arange(len(lengths)), [1] * len(lengths),
                                      positions, [True] * len(lengths))  # fmt: skip
             batch.paged = PagedStep.build(batch, tables, block)
-            backend._fill(st, batch)
+            backend._fill(st, batch, st.host)
             want = np.full((bucket, width), -1, dtype=np.int32)
             for i, t in enumerate(tables):
                 want[i, : len(t)] = t
@@ -503,6 +503,114 @@ def test_replay_captures_again_only_when_a_table_outgrows_the_graph(monkeypatch:
         np.testing.assert_array_equal(st.block_tables[0, : lengths[0]].numpy(), np.arange(lengths[0]))
     # bucket 2: 64 blocks, then 128 (for 100), then 300 (the whole context); bucket 1: 128, then 256.
     assert captured == [(2, 64), (1, 128), (2, 128), (1, 256), (2, 300)]
+
+
+@pytest.mark.interpreted
+def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch``'s graph path on the CPU with a stand-in graph whose replay picks token + 1 (its
+    logit: the position): a step fed by the launch just before it (``tokens_from``) gets that
+    launch's picks on the device, unread by the host; fed by an older launch, the host's copy. A
+    launch's pinned slot goes back to its graph once its picks are read or discarded."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Graph, _Step
+    from mgx.runtime.batch import PagedStep, StepBatch
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
+    backend._max_blocks, backend.use_graphs = 64, True
+
+    def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
+        packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
+        st = _Step(token_ids=packed[:bucket], positions=packed[bucket : 2 * bucket],
+                   context_lens=packed[2 * bucket : 3 * bucket], block_tables=packed[3 * bucket :].view(bucket, width),
+                   query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), sample_rows=torch.arange(bucket),
+                   max_query_len=1, max_context_len=width, packed=packed, host=torch.zeros_like(packed))  # fmt: skip
+        ids, top = torch.zeros(bucket, dtype=torch.int64), torch.zeros(bucket)
+
+        def replay() -> None:
+            ids.copy_(st.token_ids.long() + 1)
+            top.copy_(st.positions.float())
+
+        return _Graph(types.SimpleNamespace(replay=replay), st, (ids, top))
+
+    monkeypatch.setattr(backend, "_capture", capture)
+
+    def decode(tokens: list[int], positions: list[int]) -> StepBatch:
+        s = len(tokens)
+        batch = StepBatch.packed(list(range(s)), np.array(tokens), [1] * s, positions, [True] * s)
+        batch.paged = PagedStep.build(batch, [[i] for i in range(s)], 16)
+        batch.greedy = True
+        return batch
+
+    first = backend.launch(None, decode([5, 9], [3, 7]), None)
+    ahead_batch = decode([0, 0], [4, 8])
+    ahead = backend.launch(None, ahead_batch, None, tokens_from=first)
+    assert ahead_batch.token_ids.tolist() == [0, 0]  # the host never saw the picks it was fed
+    assert [a.tolist() for a in first.result()] == [[6, 10], [3.0, 7.0]]
+    assert [a.tolist() for a in ahead.result()] == [[7, 11], [4.0, 8.0]]
+    other = backend.launch(None, decode([1, 1], [5, 9]), None)
+    late_batch = decode([0, 0], [5, 9])
+    late = backend.launch(None, late_batch, None, tokens_from=ahead)  # not the last launch: via the host
+    assert late_batch.token_ids.tolist() == [7, 11] and late.result()[0].tolist() == [8, 12]
+    other.discard()
+    g = backend._graphs[(2, True)]
+    assert len(g.free) == 2 and g.free[0] is not g.free[1]  # two launches were in flight at most
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["dense", "int4-tiled"])
+def test_gpu_engine_launching_steps_ahead_matches_waiting_for_each(pipeline: str) -> None:
+    """fp32 on the GPU: greedy requests (one stopping on a token, one added mid-run) through an
+    engine whose decode graphs run ahead of the host (the next step fed the picks on the device)
+    give the tokens of an engine without graphs; most decode steps were launched ahead."""
+    engine_run, adopted = _engine_run(compiled("gqa", pipeline, target="cuda"), "cuda")
+    assert engine_run(True) == engine_run(False)
+    assert sum(a is not None for a in adopted) >= 10 and any(a is None for a in adopted)
+
+
+def _engine_run(graph, device: str):  # noqa: ANN001, ANN202
+    """(run(graphs) -> each request's tokens, the steps adopted or dropped (None) by graph runs)."""
+    from mgx.runtime import Engine
+    from mgx.runtime.sampler import SamplingParams
+
+    from _tiny_graph import tiny_contents
+
+    contents = tiny_contents(vocab_size=graph.arch.vocab_size)
+    contents.graph = graph
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, graph.arch.vocab_size, n).tolist() for n in (7, 3, 12)]
+    adopted: list[object] = []
+
+    def greedy(n: int, *stop: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop_token_ids=stop)
+
+    def engine(graphs: bool) -> Engine:
+        out = Engine.from_contents(contents, backend=CUDABackend(graph, device=device, dtype="f32", graphs=graphs))
+        assert out.runner.backend.overlaps_steps is (graphs and device == "cuda")
+        return out
+
+    stop = engine(False).generate(prompts[0], max_tokens=16, temperature=0.0, ignore_eos=True).token_ids[5]
+
+    def run(graphs: bool) -> dict[str, list[int]]:
+        e = engine(graphs)
+        if graphs:
+            adopt = e._adopt
+            e._adopt = lambda *a: adopted.append(got := adopt(*a)) or got
+        e.add_request(prompts[0], greedy(16, stop), request_id="stops")
+        e.add_request(prompts[1], greedy(20), request_id="a")
+        out: dict[str, list[int]] = {}
+        steps = 0
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            steps += 1
+            if steps == 5:
+                e.add_request(prompts[2], greedy(9), request_id="late")
+        assert len(out["stops"]) < 16 and len(out["a"]) == 20 and len(out["late"]) == 9
+        return out
+
+    return run, adopted
 
 
 @pytest.mark.gpu

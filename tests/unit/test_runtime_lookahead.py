@@ -1,0 +1,140 @@
+"""The engine launching the next greedy decode step before it reads this step's picks.
+
+On the GPU a greedy graph launch returns at once and the next step is fed the picks on the device;
+here the CPU backend stands in (``overlaps_steps`` forced on: a step launched ahead runs at once,
+fed the picks it would get on the device). Every run is checked against the same requests on an
+engine that launches nothing ahead: same tokens, same finish reasons, same blocks left in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from mgx.runtime import Engine
+from mgx.runtime.sampler import SamplingParams
+
+from _tiny_graph import tiny_contents
+
+PROMPTS = [[5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 2, 9, 1], [7]]
+
+
+def _engine(ahead: bool) -> Engine:
+    engine = Engine.from_contents(tiny_contents(), backend="cpu")
+    engine.runner.backend.overlaps_steps = ahead
+    return engine
+
+
+def _drive(engine: Engine, script: Callable[[Engine, int], None]) -> dict[str, tuple[list[int], str | None]]:
+    """Step to the end, calling ``script(engine, step)`` before each step; every request's output."""
+    tokens: dict[str, list[int]] = {}
+    finish: dict[str, str | None] = {}
+    step = 0
+    script(engine, step)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        step += 1
+        script(engine, step)
+    return {r: (t, finish.get(r)) for r, t in tokens.items()}
+
+
+def _compare(script: Callable[[Engine, int], None]) -> tuple[int, int]:
+    """The script on both engines: equal outputs and blocks; (steps adopted, steps dropped) with ahead."""
+    want_engine, got_engine = _engine(False), _engine(True)
+    want = _drive(want_engine, script)
+    adopted, dropped = [], []
+    adopt = got_engine._adopt
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        out = adopt(*args)
+        (adopted if out is not None else dropped).append(1)
+        return out
+
+    got_engine._adopt = spy
+    got = _drive(got_engine, script)
+    assert got == want
+    assert got_engine.blocks.num_free_blocks == want_engine.blocks.num_free_blocks
+    assert want_engine._ahead is None  # never launched without overlaps_steps
+    return len(adopted), len(dropped)
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:  # noqa: ANN003
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_a_batch_decodes_the_same_with_steps_launched_ahead() -> None:
+    """Requests of different lengths: every decode step but those after a prefill or before a
+    request's last token is the one launched ahead."""
+
+    def script(engine: Engine, step: int) -> None:
+        if step == 0:
+            for p, n in zip(PROMPTS, (9, 5, 12, 1)):
+                engine.add_request(p, _greedy(n))
+
+    adopted, dropped = _compare(script)
+    assert adopted >= 5 and dropped == 0
+
+
+def test_a_stop_token_and_a_late_request_drop_the_step_launched_ahead() -> None:
+    """A request that stops on a token (unknown when the next step was launched) and one added
+    mid-run change the schedule: the step launched ahead is dropped and the tokens are unchanged."""
+    baseline = _engine(False).generate(PROMPTS[0], max_tokens=8, temperature=0.0, ignore_eos=True).token_ids
+    stop = baseline[4]
+    first = baseline.index(stop)  # the request stops after this many + 1 tokens
+
+    def script(engine: Engine, step: int) -> None:
+        if step == 0:
+            engine.add_request(PROMPTS[0], _greedy(8, stop_token_ids=(stop,)), request_id="stops")
+            engine.add_request(PROMPTS[1], _greedy(10), request_id="runs")
+        if step == 4:
+            engine.add_request(PROMPTS[2], _greedy(6), request_id="late")
+
+    adopted, dropped = _compare(script)
+    assert dropped >= 2 and adopted >= 5
+    assert first < 7  # the stop came before max_tokens, so it was a surprise to the launch
+
+
+def test_sampling_and_aborted_requests_next_to_steps_launched_ahead() -> None:
+    """A sampling request (no fused argmax: nothing is launched ahead while it runs) and a request
+    aborted between steps: outputs as without launching ahead."""
+
+    def script(engine: Engine, step: int) -> None:
+        if step == 0:
+            engine.add_request(PROMPTS[0], _greedy(12), request_id="greedy")
+            engine.add_request(PROMPTS[3], _greedy(12), request_id="aborted")
+        if step == 3:
+            engine.abort("aborted")
+        if step == 6:
+            engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, temperature=1.0, seed=5), request_id="sampled")
+
+    adopted, dropped = _compare(script)
+    assert adopted >= 3 and dropped >= 1
+
+
+def test_a_step_launched_ahead_is_fed_the_picks_and_commits_nothing_until_adopted() -> None:
+    """``launch_ahead`` alone: the step's tokens are the previous step's picks; the block manager
+    counts them only once ``adopt`` says the schedule took the step."""
+    engine = _engine(True)
+    runner = engine.runner
+    prompt = PROMPTS[2]
+    first = runner.launch_greedy_packed([0], prompt, [len(prompt)], [True])
+    ahead = runner.launch_ahead(first)
+    assert ahead is not None and ahead.starts == [len(prompt)]
+    (pick,) = first.picks()[0].tolist()
+    assert ahead.batch.token_ids.tolist() == [pick]
+    assert runner.length(0) == len(prompt)  # not committed yet
+    runner.adopt(ahead, [pick])
+    assert runner.length(0) == len(prompt) + 1
+    ids, _ = engine.runner.step_greedy_packed([1], [*prompt, pick], [len(prompt) + 1], [True])
+    assert ahead.picks()[0].tolist() == ids.tolist()  # what a full forward of the same tokens picks
+
+
+@pytest.mark.parametrize("samples", [[True, False], [False, True]])
+def test_nothing_is_launched_ahead_of_a_step_in_which_a_sequence_does_not_pick(samples: list[bool]) -> None:
+    runner = _engine(True).runner
+    first = runner.launch_greedy_packed([0, 1], [*PROMPTS[0], *PROMPTS[1]], [4, 3], samples)
+    assert runner.launch_ahead(first) is None
