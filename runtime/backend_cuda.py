@@ -23,6 +23,11 @@ holds it; the rows past the real ones point at a scratch KV block that no sequen
 is captured the first time its bucket is needed; prefill
 and mixed steps run eagerly. ``MGX_CUDA_GRAPHS=0`` turns graphs off.
 
+Steps launched ahead: a greedy decode step's ``launch`` replays its graph and returns; the picks
+follow into a pinned slot (read by ``result()``) and stay on the device, where the engine's next
+step, launched before the host has read them, takes them as its tokens (``tokens_from``). The GPU
+then runs one step while the host handles the one before. ``MGX_CUDA_AHEAD=0`` turns this off.
+
 The same code runs on a CPU device under ``TRITON_INTERPRET=1`` (``device="cpu"``): that is how CI
 checks this backend's plumbing without a GPU (no pinned memory, no graphs there).
 """
@@ -251,8 +256,9 @@ class CUDABackend(Backend):
         if graphs is None:
             graphs = os.environ.get("MGX_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(graphs) and self.device.type == "cuda"
-        # Greedy decode steps replay graphs without waiting for their picks (``launch``).
-        self.overlaps_steps = self.use_graphs
+        # Greedy decode steps replay graphs without waiting for their picks (``launch``), so the
+        # engine launches the next one ahead; MGX_CUDA_AHEAD=0 makes it wait for each step.
+        self.overlaps_steps = self.use_graphs and os.environ.get("MGX_CUDA_AHEAD", "1") != "0"
         self._last_launch: StepResult | None = None  # whose device picks are intact
         self._fuse = self._find_fusions()
         # Tensors in a layout the kernels do not read (cpu_tile16) are unpacked and uploaded by
