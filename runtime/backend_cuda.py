@@ -442,7 +442,8 @@ class CUDABackend(Backend):
     ) -> StepResult:
         """A greedy decode step replays its graph and returns without waiting: its picks reach a
         pinned buffer behind it, and stay on the device for the next launch (``tokens_from``).
-        Other steps (prefill, mixed, sampling, beyond the largest bucket) run to the end first."""
+        Other steps (prefill, mixed, sampling, beyond the largest bucket), and every step with
+        ``overlaps_steps`` off (``MGX_CUDA_AHEAD=0``), run to the end first."""
         paged = batch.paged
         assert paged is not None, "the runner attaches the paged view before running ops"
         s = len(batch.seq_ids)
@@ -450,12 +451,12 @@ class CUDABackend(Backend):
         graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
         fed = None  # the previous launch's picks, where they are still on the device
         if tokens_from is not None:
-            if graphed and batch.greedy and tokens_from is self._last_launch:
+            if graphed and batch.greedy and self.overlaps_steps and tokens_from is self._last_launch:
                 fed = tokens_from.device_ids()
             if fed is None:
                 batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
         self._last_launch = None
-        if graphed and batch.greedy:
+        if graphed and batch.greedy and self.overlaps_steps:
             out: StepResult = self._launch_graph(run_ops, batch, fed)
         elif graphed:
             out = StepResult(self._replay(run_ops, batch))
@@ -543,7 +544,7 @@ class CUDABackend(Backend):
         ids, top = g.out
         pin = self.device.type == "cuda"
         return _Slot(
-            host=torch.empty_like(g.step.host, pin_memory=pin),
+            host=torch.empty(g.step.host.shape, dtype=g.step.host.dtype, pin_memory=pin),
             ids=torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin),
             top=torch.empty(top.shape, dtype=top.dtype, pin_memory=pin),
             done=torch.cuda.Event() if pin else _NoEvent(),

@@ -518,7 +518,7 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
-    backend._max_blocks, backend.use_graphs = 64, True
+    backend._max_blocks, backend.use_graphs, backend.overlaps_steps = 64, True, True
 
     def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
         packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
