@@ -243,6 +243,18 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], args.new)
     row["decode_b1_tok_s"] = n / dt
     row["decode_b1_bw_frac"] = per_token * n / dt / bw
+    backend = engine.runner.backend
+    if getattr(backend, "overlaps_steps", False):  # A/B: the same run waiting for every step's picks
+        backend.overlaps_steps = False
+        try:
+            _, dt_wait, n_wait = run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], args.new)
+            row["decode_b1_tok_s_not_ahead"] = n_wait / dt_wait
+            for b in args.batches[-1:]:
+                _, dt_wait, n_wait = run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)],
+                                               args.batch_new)  # fmt: skip
+                row[f"decode_b{b}_tok_s_not_ahead"] = n_wait / dt_wait
+        finally:
+            backend.overlaps_steps = True
     gpu_ms = replay_ms(engine, 1)
     if gpu_ms is not None:  # the step's GPU time alone: the rest of a step's wall time is the host's
         row["graph_b1_ms"] = gpu_ms

@@ -168,8 +168,10 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
-    chosen = sum(bool(e.config.get("native")) for e in found)
-    natives = f"native GEMV chosen for {chosen}" if kernels is not None else "native GEMV not timed (no nvcc or image)"
+    chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]
+    natives = f"native GEMV chosen for {len(chosen)}" + (f" ({', '.join(chosen)})" if chosen else "")
+    if kernels is None:
+        natives = "native GEMV not timed (no nvcc or image)"
     if rejected:
         natives += f"; native GEMV rejected (wrong results) for {', '.join(rejected)}"
     return PassResult(

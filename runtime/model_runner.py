@@ -115,13 +115,8 @@ class ModelRunner:
     ) -> LaunchedStep:
         """``step_greedy_packed`` up to the launch: its tokens are committed, its picks come with
         ``picks()`` (on a backend that overlaps steps, while the device still runs it)."""
-        greedy = self.backend.has_greedy_head
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a sequence appears twice in one step: {seq_ids}")
-        starts = self.blocks.num_computed_many(seq_ids)
-        batch = StepBatch.packed(seq_ids, np.asarray(token_ids, dtype=np.int64), num_new, starts, samples)
-        self._check_tokens(batch)
-        out = self._launch(batch, starts, num_new, greedy)
+        batch, starts = self._packed_batch(seq_ids, token_ids, num_new, samples)
+        out = self._launch(batch, starts, num_new, self.backend.has_greedy_head)
         assert out is not None  # _launch raises when blocks run out
         return LaunchedStep(batch, out, starts)
 
@@ -171,13 +166,19 @@ class ModelRunner:
         samples: Sequence[bool],
         greedy: bool,
     ) -> tuple[StepBatch, Any]:
+        batch, starts = self._packed_batch(seq_ids, token_ids, num_new, samples)
+        return batch, self._execute_step(batch, starts, num_new, greedy)
+
+    def _packed_batch(
+        self, seq_ids: list[int], token_ids: Sequence[int], num_new: Sequence[int], samples: Sequence[bool]
+    ) -> tuple[StepBatch, list[int]]:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence appears twice in one step: {seq_ids}")
         starts = self.blocks.num_computed_many(seq_ids)
         # Positions continue each sequence's cached tokens, so there is nothing to check there.
         batch = StepBatch.packed(seq_ids, np.asarray(token_ids, dtype=np.int64), num_new, starts, samples)
         self._check_tokens(batch)
-        return batch, self._execute_step(batch, starts, num_new, greedy)
+        return batch, starts
 
     def _execute_step(self, batch: StepBatch, starts: list[int], sizes: Sequence[int], greedy: bool) -> Any:
         """Blocks for the checked ``batch``, the forward, then the commit of its tokens."""

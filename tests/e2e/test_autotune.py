@@ -173,7 +173,8 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
         m = int(e.shape_key.rsplit("M=", 1)[1])
         fallback = LinearConfig(**{**e.config, "native": ""})
         assert fallback == min(candidates(m), key=fake_seconds)
-    assert f"native GEMV chosen for {sum(1 for e in entries if e.config['native'])}" in result.summary
+    chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in entries if e.config["native"]]
+    assert f"native GEMV chosen for {len(chosen)} ({', '.join(chosen)})" in result.summary
 
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     backend.use_tunings(result.stats["autotune"])
