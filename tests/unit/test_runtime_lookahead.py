@@ -138,3 +138,52 @@ def test_nothing_is_launched_ahead_of_a_step_in_which_a_sequence_does_not_pick(s
     runner = _engine(True).runner
     first = runner.launch_greedy_packed([0, 1], [*PROMPTS[0], *PROMPTS[1]], [4, 3], samples)
     assert runner.launch_ahead(first) is None
+
+
+def test_preemption_stop_strings_and_aborts_with_steps_launched_ahead() -> None:
+    """A KV cache too small for the batch (preemptions), staggered arrivals, chunked prefill, stop
+    strings and stop ids, aborts: the streamed outputs (text, tokens, finish and stop reasons) equal
+    those of the same engine launching nothing ahead, and every block is free at the end."""
+    import random
+
+    from mgx.runtime import EngineConfig
+
+    rng = random.Random(0)
+    jobs = []
+    for i in range(24):
+        prompt = [rng.randrange(2, 300) for _ in range(rng.randint(3, 40))]
+        stop = ["e"] if i % 4 == 0 else []
+        jobs.append((prompt, SamplingParams(max_tokens=rng.randint(1, 18), temperature=0.0, stop=stop,
+                                            stop_token_ids=(prompt[0],))))  # fmt: skip
+
+    def run(ahead: bool) -> tuple[list, Engine]:
+        probe = Engine.from_contents(tiny_contents(), backend="cpu")
+        block = probe.runner.backend.kv_bytes_per_block(16)
+        config = EngineConfig(kv_memory=8 * block, max_num_seqs=12, max_tokens_per_step=48)
+        engine = Engine.from_contents(tiny_contents(), backend="cpu", config=config)
+        engine.runner.backend.overlaps_steps = ahead
+        adopt = engine._adopt
+        engine._adopt = lambda *a: adopted.append(taken := adopt(*a)) or taken
+        stagger, todo, rids, got = random.Random(3), list(jobs), [], {}
+        while todo or engine.has_unfinished():
+            for _ in range(stagger.randint(0, 3)):
+                if todo:
+                    rids.append(engine.add_request(*todo.pop(0)))
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append((out.text, out.token_ids, out.finish_reason, out.stop_reason))
+            for rid in rids[5::7]:
+                if len(got.get(rid, ())) >= 3:
+                    engine.abort(rid)
+        b = engine.blocks
+        assert b.num_used_blocks == 0 and all(r == 0 for r in b.blocks.ref_count)
+        return [got.get(r) for r in rids], engine
+
+    adopted: list[object] = []
+    want, _ = run(False)
+    assert not adopted
+    got, engine = run(True)
+    assert got == want
+    assert engine.metrics.counters.preemptions > 0
+    # Requests wait for blocks most of the run (nothing is launched ahead then); the tail runs ahead.
+    assert sum(a is not None for a in adopted) >= 3 and any(a is None for a in adopted)
+    assert {s[-1][2] for s in want if s} >= {"stop", "length"}
