@@ -571,12 +571,13 @@ def test_gpu_engine_launching_steps_ahead_matches_waiting_for_each(pipeline: str
 
 def _engine_run(graph, device: str):  # noqa: ANN001, ANN202
     """(run(graphs) -> each request's tokens, the steps adopted or dropped (None) by graph runs)."""
-    from mgx.runtime import Engine
+    from mgx.runtime import Engine, EngineConfig
     from mgx.runtime.sampler import SamplingParams
 
     from _tiny_graph import tiny_contents
 
     contents = tiny_contents(vocab_size=graph.arch.vocab_size)
+    config = EngineConfig(kv_memory="64MiB")
     contents.graph = graph
     rng = np.random.default_rng(4)
     prompts = [rng.integers(2, graph.arch.vocab_size, n).tolist() for n in (7, 3, 12)]
@@ -586,7 +587,8 @@ def _engine_run(graph, device: str):  # noqa: ANN001, ANN202
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop_token_ids=stop)
 
     def engine(graphs: bool) -> Engine:
-        out = Engine.from_contents(contents, backend=CUDABackend(graph, device=device, dtype="f32", graphs=graphs))
+        backend = CUDABackend(graph, device=device, dtype="f32", graphs=graphs)
+        out = Engine.from_contents(contents, backend=backend, config=config)
         assert out.runner.backend.overlaps_steps is (graphs and device == "cuda")
         return out
 
