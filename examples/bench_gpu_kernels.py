@@ -399,7 +399,7 @@ HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16} 
 
 
 def bench_decode(copy_gbps: float) -> None:
-    cases = [(1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 4096), (64, 8192)] if DEVICE == "cuda" else [(2, 40)]
+    cases = [(1, 640), (1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 4096), (64, 8192)] if DEVICE == "cuda" else [(2, 40)]
     for batch, ctx in cases:
         _decode_case(batch, ctx, copy_gbps)
 
@@ -433,6 +433,13 @@ def _decode_case(batch: int, ctx: int, copy_gbps: float) -> None:
                  config=f"block_n,warps,stages={cfg} splits={splits}", rel_err=f"{err:.1e}")  # fmt: skip
     row["frac_copy_bw"] = row["GB/s"] / copy_gbps
     print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth", flush=True)
+    if cfg is not None and splits > 1:  # the same launch with the splits merging themselves (no second kernel)
+        counters = att.new_decode_counters(DEVICE, batch, hk)
+        bn, w, s = cfg
+        ms = bench(lambda: att.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
+                                                      scale=scale, max_context_len=ctx, block_n=bn, num_warps=w,
+                                                      num_stages=s, counters=counters))  # fmt: skip
+        record("decode", case, "MGX paged decode, merged by the last split", ms, nbytes, config=f"{cfg}")
     if DEVICE == "cuda" and batch * ctx <= 8 * 32768:
         # Orientation: torch SDPA over contiguous K/V (no paging), the same bytes.
         kk = torch.randn(batch, hk, ctx, d, device=DEVICE, dtype=torch.bfloat16)

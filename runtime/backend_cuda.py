@@ -54,6 +54,7 @@ from mgx.kernels.cuda.gemv import gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton.attention import (
     decode_splits,
+    new_decode_counters,
     paged_attention_decode,
     paged_attention_prefill,
     write_kv,
@@ -278,6 +279,10 @@ class CUDABackend(Backend):
         # find it zeroed on its first replay (zeros written during a capture come only then).
         widest = max((self._weights[id(op)].n for op in graph.ops if op.kind == "linear"), default=1)
         self._split_ws = new_split_workspace(self.device, SPLIT_MAX_M * widest, SPLIT_MAX_M * widest // 4)
+        # Decode attention's arrival counters (its splits merge themselves), zeroed now for the same
+        # reason, for the largest graph bucket; larger eager decode steps merge in a second kernel.
+        hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
+        self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk)
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -703,9 +708,10 @@ class CUDABackend(Backend):
             if out is not None:
                 return out
         if st.max_query_len == 1 and q.shape[0] == st.context_lens.shape[0]:
+            counters = self._decode_counters if q.shape[0] * a.num_kv_heads <= self._decode_counters.numel() else None
             return paged_attention_decode(
                 q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
-                num_splits=st.decode_splits, max_context_len=st.max_context_len,
+                num_splits=st.decode_splits, max_context_len=st.max_context_len, counters=counters,
             )  # fmt: skip
         return paged_attention_prefill(
             q, kc, vc, st.block_tables, st.context_lens, st.query_start_loc, st.positions,

@@ -9,7 +9,9 @@ cache write (``write_kv`` or ``rope_and_write_kv``) runs first.
 
 Decode runs one program per (sequence, kv head, split): the G = Hq/Hk query heads that share a kv
 head are the rows of one tile, so each K/V byte is read once for all of them; long contexts are
-split so that the grid fills the GPU, and a second kernel merges the splits' partial softmaxes.
+split so that the grid fills the GPU, and the splits' partial softmaxes are merged: by a second
+kernel, or, given zeroed ``counters``, by the split of each (sequence, kv head) that finishes last
+(it counts arrivals, merges, and zeroes its counter for the next launch), one launch fewer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "paged_attention_prefill",
     "paged_attention_ref",
     "decode_splits",
+    "new_decode_counters",
 ]
 
 LOG2E = 1.4426950408889634
@@ -45,11 +48,11 @@ def _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE: tl.constexpr, HK: tl.co
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, cnt_ptr,
     stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -89,14 +92,45 @@ def _decode_kernel(
         m = m_new
 
     if SPLIT:
-        row = (s * (HK * G) + hq).to(tl.int64) * num_splits + p  # [BLOCK_G] into [S, Hq, splits]
+        first = (s * (HK * G) + hq).to(tl.int64) * num_splits  # [BLOCK_G]: split 0 of each row of [S, Hq, splits]
+        row = first + p
         tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=gd_mask)
         tl.store(part_m_ptr + row, m, mask=g < G)
         tl.store(part_l_ptr + row, denom, mask=g < G)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores are issued before the release below
+            cnt = cnt_ptr + s * HK + h
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
+                _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, first, out_ptr + s.to(tl.int64) * stride_o,
+                              hq, g < G, d, gd_mask, num_splits, D, BLOCK_G)  # fmt: skip
+                tl.store(cnt, 0)
     else:
         out = acc / denom[:, None]
         dst = out_ptr + s.to(tl.int64) * stride_o + hq[:, None] * D + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, hq, g_mask, d, gd_mask, num_splits,
+                  D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """Rows ``hq`` of one sequence's output from the partial softmaxes of its ``num_splits`` splits
+    (rows ``first + split`` of the [S * Hq, splits] partials), merged one split after another. Loads
+    bypass L1 (``.cg``): the other splits' stores are in L2."""
+    m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # a finite floor: empty splits (m = -inf) weigh 0
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros(gd_mask.shape, tl.float32)
+    for p in range(0, num_splits):
+        row = first + p
+        m_p = tl.load(part_m_ptr + row, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        l_p = tl.load(part_l_ptr + row, mask=g_mask, other=0.0, cache_modifier=".cg")
+        o_p = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=gd_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, m_p)
+        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_p - m_new)
+        denom = denom * alpha + l_p * beta
+        acc = acc * alpha[:, None] + o_p * beta[:, None]
+        m = m_new
+    out = acc / tl.where(g_mask, denom, 1.0)[:, None]
+    tl.store(dst_ptr + hq[:, None] * D + d[None, :], out.to(dst_ptr.dtype.element_ty), mask=gd_mask)
 
 
 @triton.jit
@@ -187,6 +221,12 @@ def write_kv(
     write_kv_launch(k, v, positions, k_cache, v_cache, block_table, query_start_loc)
 
 
+def new_decode_counters(device: torch.device | str, num_seqs: int, num_kv_heads: int) -> torch.Tensor:
+    """Zeroed arrival counters for ``paged_attention_decode`` of up to ``num_seqs`` sequences. Made
+    before a CUDA graph's capture (zeros written while capturing appear only at its first replay)."""
+    return torch.zeros(max(1, num_seqs * num_kv_heads), dtype=torch.int32, device=device)
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sms: int, block_n: int = 64) -> int:
     """How many pieces to cut each context into so that about two waves of programs fill the GPU."""
     programs = max(1, num_seqs * num_kv_heads)
@@ -220,6 +260,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -228,6 +269,8 @@ def paged_attention_decode(
 
     ``num_splits`` fixes the split of the context (a CUDA graph needs it fixed); by default it is
     chosen from ``max_context_len`` (read from ``context_lens`` when not given, which synchronizes).
+    ``counters``: zeroed int32, at least S * Hk of them (``new_decode_counters``), left zeroed: split
+    programs merge their partials themselves instead of a second kernel (one stream at a time).
     """
     q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
     n = q.shape[0]
@@ -239,17 +282,21 @@ def paged_attention_decode(
         num_splits = decode_splits(n, hk, max_context_len, num_sms(q.device), block_n)
     g = hq // hk
     split = num_splits > 1
+    merge = split and counters is not None
+    if merge and (counters.dtype != torch.int32 or counters.numel() < n * hk):
+        raise ValueError(f"decode counters: {counters.numel()} {counters.dtype}; this launch needs {n * hk} int32")
     f32 = torch.float32
     part_o = torch.empty((n, hq, num_splits, d), dtype=f32, device=q.device) if split else out
     part_m = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
     part_l = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
     _decode_kernel[(n, hk, num_splits)](
-        q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l,
+        q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l, counters if merge else out,
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, SPLIT=split, MERGE=merge, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
-    if split:
+    if split and not merge:
         _decode_merge_kernel[(n, hq)](
             part_o, part_m, part_l, out, out.stride(0), num_splits,
             HQ=hq, D=d, BLOCK_P=next_pow2(num_splits), BLOCK_D=next_pow2(d), num_warps=4,

@@ -58,6 +58,31 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize("model", ["gqa", "window-partial-rotary"])
+def test_interpreted_split_decode_attention_merges_in_its_last_split(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode attention split 3 ways over 16-token tiles (forced: the tiny contexts would not split)
+    merges its partials in the split that arrives last, through the backend's counters: the
+    reference's tokens and logits, and the counters are zero again after every step."""
+    from mgx.kernels.triton import attention
+    from mgx.runtime import backend_cuda
+
+    monkeypatch.setattr(attention, "decode_splits", lambda *a, **k: 3)
+    merges = []
+    decode = attention.paged_attention_decode
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        merges.append(kw.get("counters") is not None)
+        return decode(*args, **kw, block_n=16)
+
+    monkeypatch.setattr(backend_cuda, "paged_attention_decode", spy)
+    graph = compiled(model, "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    _check(graph, backend, steps=3)
+    assert merges and all(merges)
+    assert not backend._decode_counters.any()
+
+
+@pytest.mark.interpreted
 @pytest.mark.parametrize(("model", "refuse"), [("gqa", ()), ("gqa", ("gqa",)), ("window-partial-rotary", ())])
 def test_interpreted_fresh_prompts_take_a_fused_sdpa_kernel_and_match_the_reference(
     model: str, refuse: tuple[str, ...], monkeypatch: pytest.MonkeyPatch

@@ -169,8 +169,10 @@ def test_driver_reads_the_cubin_arch() -> None:
     assert driver.device_sm(torch.cuda.current_device()) == 10 * major + minor
 
 
-def test_decode_step_replays_in_a_cuda_graph(native) -> None:
-    """Native RMSNorm, RoPE + cache write and split decode attention captured once, replayed on new data."""
+@pytest.mark.parametrize("merge", ["kernel", "last split"])
+def test_decode_step_replays_in_a_cuda_graph(native, merge: str) -> None:
+    """Native RMSNorm, RoPE + cache write and split decode attention captured once, replayed on new
+    data; the splits merged by a second kernel or by the last split (counters made before capture)."""
     hq, hk, d, page = 32, 8, 128, 16
     b = paged_batch([3000, 70, 1, 513], [1, 1, 1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
                     dtype=torch.bfloat16, device="cuda")  # fmt: skip
@@ -178,13 +180,14 @@ def test_decode_step_replays_in_a_cuda_graph(native) -> None:
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d)
     q, k, v = b.q.clone(), b.k.clone(), b.v.clone()
+    counters = att.new_decode_counters("cuda", 4, hk) if merge == "last split" else None
 
     def step():
         normed = crms.rms_norm(hidden, w, 1e-5, kernels=native)
         rope.rope_and_write_kv(q, k, v, b.positions, inv, b.k_cache, b.v_cache, b.block_table, b.query_start_loc,
                                head_dim=d)  # fmt: skip
         return normed, att.paged_attention_decode(q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
-                                                  scale=d**-0.5, num_splits=8)  # fmt: skip
+                                                  scale=d**-0.5, num_splits=8, counters=counters)  # fmt: skip
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -207,6 +210,7 @@ def test_decode_step_replays_in_a_cuda_graph(native) -> None:
         want = att.paged_attention_ref(want_q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
                                        b.query_start_loc, b.positions, scale=d**-0.5)  # fmt: skip
         assert rel_err(out, want) < 1e-2
+        assert counters is None or not counters.any()
 
 
 @pytest.mark.parametrize("scheme", ["none", "w8a16", "int4", "int4-sym", "sparse24", "sparse24-nibble", "sparse24_int4"])
@@ -254,11 +258,14 @@ def test_prefill_window_tile_sizes(block_m: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("splits", [None, 1, 64])
-def test_decode_long_context(splits) -> None:
+@pytest.mark.parametrize("merge", ["kernel", "last split"])
+def test_decode_long_context(splits, merge: str) -> None:
     b = paged_batch([32768, 5, 9000], [1, 1, 1], num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                     dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    counters = att.new_decode_counters("cuda", 3, 8) if merge == "last split" else None
     out = att.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.09,
-                                     num_splits=splits)  # fmt: skip
+                                     num_splits=splits, counters=counters)  # fmt: skip
+    assert counters is None or not counters.any()
     want = att.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc,
                                    b.positions, scale=0.09)  # fmt: skip
     assert rel_err(out, want) < 1e-2

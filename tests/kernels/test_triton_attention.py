@@ -73,17 +73,25 @@ def test_paged_attention_prefill(case: str) -> None:
 
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("window", [0, 5])
-def test_paged_attention_decode(num_splits: int | None, window: int) -> None:
+@pytest.mark.parametrize("merge", ["kernel", "last split"])
+def test_paged_attention_decode(num_splits: int | None, window: int, merge: str) -> None:
+    """Split partials merged by the second kernel, or by the split that arrives last (counters),
+    which leaves the counters zeroed for the next launch."""
     g = torch.Generator().manual_seed(5 + window)
     hq, hk, d = 8, 2, 16
     b = paged_batch([1, 13, 40], [1, 1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=8,
                     device=DEVICE, generator=g)  # fmt: skip
-    out = torch.full_like(b.q, float("nan"))
-    got = attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
-                                           sliding_window=window, num_splits=num_splits, out=out, block_n=16)  # fmt: skip
+    counters = attention.new_decode_counters(DEVICE, 3, hk) if merge == "last split" else None
     want = attention.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
                                          b.query_start_loc, b.positions, scale=0.3, sliding_window=window)  # fmt: skip
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for _ in range(2 if counters is not None else 1):  # the second launch finds the counters zeroed again
+        out = torch.full_like(b.q, float("nan"))
+        got = attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                               sliding_window=window, num_splits=num_splits, out=out, block_n=16,
+                                               counters=counters)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if counters is not None:
+            assert not counters.any()
     np.testing.assert_allclose(got.cpu().numpy(), oracle(b, num_heads=hq, num_kv_heads=hk, head_dim=d, scale=0.3,
                                                          window=window), atol=1e-5, rtol=1e-5)  # fmt: skip
 
