@@ -280,9 +280,11 @@ class CUDABackend(Backend):
         widest = max((self._weights[id(op)].n for op in graph.ops if op.kind == "linear"), default=1)
         self._split_ws = new_split_workspace(self.device, SPLIT_MAX_M * widest, SPLIT_MAX_M * widest // 4)
         # Decode attention's arrival counters (its splits merge themselves), zeroed now for the same
-        # reason, for the largest graph bucket; larger eager decode steps merge in a second kernel.
+        # reason, for the largest graph bucket; larger eager decode steps, and all with
+        # MGX_CUDA_SPLIT_MERGE=0, merge in a second kernel.
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
-        self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk)
+        merge = os.environ.get("MGX_CUDA_SPLIT_MERGE", "1") != "0"
+        self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if merge else None
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -708,7 +710,9 @@ class CUDABackend(Backend):
             if out is not None:
                 return out
         if st.max_query_len == 1 and q.shape[0] == st.context_lens.shape[0]:
-            counters = self._decode_counters if q.shape[0] * a.num_kv_heads <= self._decode_counters.numel() else None
+            counters = self._decode_counters
+            if counters is not None and q.shape[0] * a.num_kv_heads > counters.numel():
+                counters = None
             return paged_attention_decode(
                 q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
                 num_splits=st.decode_splits, max_context_len=st.max_context_len, counters=counters,
