@@ -433,13 +433,27 @@ def _decode_case(batch: int, ctx: int, copy_gbps: float) -> None:
                  config=f"block_n,warps,stages={cfg} splits={splits}", rel_err=f"{err:.1e}")  # fmt: skip
     row["frac_copy_bw"] = row["GB/s"] / copy_gbps
     print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth", flush=True)
-    if cfg is not None and splits > 1:  # the same launch with the splits merging themselves (no second kernel)
+    if cfg is not None:
+        # The decode layer as the backend ran it (RoPE + K/V write, decode, merge: three launches)
+        # against one launch doing all three (RoPE in the prologue, splits merging themselves).
+        from mgx.kernels.triton.rope import rope_and_write_kv
+
         counters = att.new_decode_counters(DEVICE, batch, hk)
+        inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device=DEVICE, dtype=torch.float32) / d)
+        qq, kk = b.q.clone(), b.k.clone()
         bn, w, s = cfg
+        kw = dict(scale=scale, max_context_len=ctx, block_n=bn, num_warps=w, num_stages=s)
+
+        def apart() -> None:
+            rope_and_write_kv(qq, kk, b.v, b.positions, inv, b.k_cache, b.v_cache, b.block_table, b.query_start_loc,
+                              head_dim=d)  # fmt: skip
+            att.paged_attention_decode(qq, b.k_cache, b.v_cache, b.block_table, b.context_lens, **kw)
+
+        rope = att.DecodeRope(b.k, b.v, inv)
+        record("decode", case, "RoPE + K/V write, decode, merge (3 launches)", bench(apart), nbytes, config=f"{cfg}")
         ms = bench(lambda: att.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
-                                                      scale=scale, max_context_len=ctx, block_n=bn, num_warps=w,
-                                                      num_stages=s, counters=counters))  # fmt: skip
-        record("decode", case, "MGX paged decode, merged by the last split", ms, nbytes, config=f"{cfg}")
+                                                      counters=counters, rope=rope, **kw))  # fmt: skip
+        record("decode", case, "the same in one launch (RoPE prologue, splits merge)", ms, nbytes, config=f"{cfg}")
     if DEVICE == "cuda" and batch * ctx <= 8 * 32768:
         # Orientation: torch SDPA over contiguous K/V (no paging), the same bytes.
         kk = torch.randn(batch, hk, ctx, d, device=DEVICE, dtype=torch.bfloat16)

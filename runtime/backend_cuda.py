@@ -53,6 +53,7 @@ from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
 from mgx.kernels.cuda.gemv import gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton.attention import (
+    DecodeRope,
     decode_splits,
     new_decode_counters,
     paged_attention_decode,
@@ -279,12 +280,13 @@ class CUDABackend(Backend):
         # find it zeroed on its first replay (zeros written during a capture come only then).
         widest = max((self._weights[id(op)].n for op in graph.ops if op.kind == "linear"), default=1)
         self._split_ws = new_split_workspace(self.device, SPLIT_MAX_M * widest, SPLIT_MAX_M * widest // 4)
-        # Decode attention's arrival counters (its splits merge themselves), zeroed now for the same
-        # reason, for the largest graph bucket; larger eager decode steps, and all with
-        # MGX_CUDA_SPLIT_MERGE=0, merge in a second kernel.
+        # Decode attention in one launch: RoPE and the K/V write in its prologue, and its splits
+        # merging themselves through arrival counters (zeroed now for the same reason as the
+        # workspace, for the largest graph bucket; larger eager steps merge in a second kernel).
+        # MGX_CUDA_DECODE_FUSION=0: rope_and_write_kv, decode and the merge kernel apart.
+        self._decode_fusion = os.environ.get("MGX_CUDA_DECODE_FUSION", "1") != "0"
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
-        merge = os.environ.get("MGX_CUDA_SPLIT_MERGE", "1") != "0"
-        self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if merge else None
+        self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -699,6 +701,11 @@ class CUDABackend(Backend):
         st = self._cur
         kc, vc = kv.k[a.layer], kv.v[a.layer]
         rope_op = self._pending.pop(id(op), None)
+        decode = st.max_query_len == 1 and q.shape[0] == st.context_lens.shape[0]
+        if decode and rope_op is not None and self._decode_fusion:
+            inv_freq, head_dim, rotary_dim, scaling = self._inv_freq[id(rope_op)]
+            if head_dim == a.head_dim:
+                return self._decode(q, kc, vc, a, DecodeRope(k, v, inv_freq, rotary_dim, scaling))
         if rope_op is not None:
             inv_freq, head_dim, rotary_dim, scaling = self._inv_freq[id(rope_op)]
             rope_and_write_kv(q, k, v, st.positions, inv_freq, kc, vc, st.block_tables, st.query_start_loc,
@@ -709,17 +716,22 @@ class CUDABackend(Backend):
             out = self._sdpa_fresh(q, k, v, st.fresh, a)
             if out is not None:
                 return out
-        if st.max_query_len == 1 and q.shape[0] == st.context_lens.shape[0]:
-            counters = self._decode_counters
-            if counters is not None and q.shape[0] * a.num_kv_heads > counters.numel():
-                counters = None
-            return paged_attention_decode(
-                q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
-                num_splits=st.decode_splits, max_context_len=st.max_context_len, counters=counters,
-            )  # fmt: skip
+        if decode:
+            return self._decode(q, kc, vc, a, None)
         return paged_attention_prefill(
             q, kc, vc, st.block_tables, st.context_lens, st.query_start_loc, st.positions,
             scale=a.scale, sliding_window=a.window, max_query_len=st.max_query_len,
+        )  # fmt: skip
+
+    def _decode(self, q: Array, kc: Array, vc: Array, a: AttentionAttrs, rope: DecodeRope | None) -> Array:
+        """Decode attention of the step's one row per sequence (``rope``: q, k unrotated, K/V unwritten)."""
+        st = self._cur
+        counters = self._decode_counters
+        if counters is not None and q.shape[0] * a.num_kv_heads > counters.numel():
+            counters = None
+        return paged_attention_decode(
+            q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
+            num_splits=st.decode_splits, max_context_len=st.max_context_len, counters=counters, rope=rope,
         )  # fmt: skip
 
     def _sdpa_fresh(self, q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: AttentionAttrs) -> Array | None:

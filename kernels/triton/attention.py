@@ -17,13 +17,14 @@ kernel, or, given zeroed ``counters``, by the split of each (sequence, kv head) 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_float, dot_precision, next_pow2, num_sms, rows_of
-from .rope import check_cache, write_kv_launch
+from ._common import cast_as, cdiv, check_float, dot_precision, next_pow2, num_sms, rows_of
+from .rope import _rotate, check_cache, write_kv_launch
 
 __all__ = [
     "write_kv",
@@ -33,6 +34,7 @@ __all__ = [
     "paged_attention_ref",
     "decode_splits",
     "new_decode_counters",
+    "DecodeRope",
 ]
 
 LOG2E = 1.4426950408889634
@@ -49,14 +51,16 @@ def _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE: tl.constexpr, HK: tl.co
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, cnt_ptr,
+    k_ptr, v_ptr, inv_ptr, stride_k, stride_v, attention_scaling,
     stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE: tl.constexpr, ROT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
+    s64 = s.to(tl.int64)
     ctx = tl.load(ctx_ptr + s)
     lo = ctx * 0
     if window > 0:
@@ -69,7 +73,34 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     hq = h * G + g
     gd_mask = (g < G)[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + s.to(tl.int64) * stride_q + hq[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
+    if ROT > 0:
+        # RoPE in the prologue (as rope_and_write_kv would): q's G heads here, at position ctx - 1;
+        # the program whose share holds that position turns k and writes it and v to the cache
+        # before reading the cache (no other program reads that slot).
+        half = ROT // 2
+        rot = d < ROT
+        first = d < half
+        inv = tl.load(inv_ptr + tl.where(first, d, d - half), mask=rot, other=0.0).to(tl.float32)
+        angle = (ctx - 1).to(tl.float32) * inv
+        cos = tl.cos(angle) * attention_scaling
+        sin = tl.sin(angle) * attention_scaling
+        partner = tl.where(first, d + half, d - half)
+        sign = tl.where(first, -1.0, 1.0)
+        q = _rotate(q_ptr + h * (G * D), s64 * stride_q, G, cos, sin, partner, sign, rot, BLOCK_G, BLOCK_D, D)
+        q = cast_as(q, q_ptr.dtype.element_ty)
+        if (start <= ctx - 1) & (ctx - 1 < end):
+            one = tl.arange(0, 2)
+            kmask = (one < 1)[:, None] & (d < D)[None, :]
+            k_new = _rotate(k_ptr + h * D, s64 * stride_k, 1, cos, sin, partner, sign, rot, 2, BLOCK_D, D)
+            page = tl.load(bt_ptr + s64 * stride_bt + (ctx - 1) // PAGE).to(tl.int64)
+            dst = (page * PAGE + (ctx - 1) % PAGE) * (HK * D) + h * D
+            k_new = cast_as(k_new, k_ptr.dtype.element_ty)
+            tl.store(kc_ptr + dst + one[:, None] * D + d[None, :], k_new.to(kc_ptr.dtype.element_ty), mask=kmask)
+            v_new = tl.load(v_ptr + s64 * stride_v + h * D + d, mask=d < D, other=0.0)
+            tl.store(vc_ptr + dst + d, v_new.to(vc_ptr.dtype.element_ty), mask=d < D)
+            tl.debug_barrier()  # every thread's cache writes land before the reads below
+    else:
+        q = tl.load(q_ptr + s64 * stride_q + hq[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
@@ -221,6 +252,18 @@ def write_kv(
     write_kv_launch(k, v, positions, k_cache, v_cache, block_table, query_start_loc)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRope:
+    """What ``paged_attention_decode`` needs to rotate q and k and write this step's K/V itself:
+    k, v [S, Hk*D] of the new tokens (k unrotated) and ``rope_and_write_kv``'s RoPE parameters."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    inv_freq: torch.Tensor
+    rotary_dim: int | None = None
+    attention_scaling: float = 1.0
+
+
 def new_decode_counters(device: torch.device | str, num_seqs: int, num_kv_heads: int) -> torch.Tensor:
     """Zeroed arrival counters for ``paged_attention_decode`` of up to ``num_seqs`` sequences. Made
     before a CUDA graph's capture (zeros written while capturing appear only at its first replay)."""
@@ -261,6 +304,7 @@ def paged_attention_decode(
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    rope: DecodeRope | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -271,11 +315,24 @@ def paged_attention_decode(
     chosen from ``max_context_len`` (read from ``context_lens`` when not given, which synchronizes).
     ``counters``: zeroed int32, at least S * Hk of them (``new_decode_counters``), left zeroed: split
     programs merge their partials themselves instead of a second kernel (one stream at a time).
+    ``rope``: q is not yet rotated, and this step's k and v are not yet in the cache: the kernel does
+    what ``rope_and_write_kv`` would first (q itself is left as it was), one launch fewer.
     """
     q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
     n = q.shape[0]
     if n == 0:
         return out
+    k_new = v_new = inv = q
+    rot, scaling = 0, 1.0
+    if rope is not None:
+        k_new, v_new = rows_of("k", rope.k, hk * d), rows_of("v", rope.v, hk * d)
+        rot = d if rope.rotary_dim is None else int(rope.rotary_dim)
+        if k_new.shape[0] != n or v_new.shape[0] != n or not (0 < rot <= d and rot % 2 == 0):
+            raise ValueError(f"decode rope: k {tuple(k_new.shape)}, v {tuple(v_new.shape)} for {n} rows; "
+                             f"rotary_dim {rot} of head_dim {d}")  # fmt: skip
+        if rope.inv_freq.shape != (rot // 2,):
+            raise ValueError(f"inv_freq must be [{rot // 2}], got {tuple(rope.inv_freq.shape)}")
+        inv, scaling = rope.inv_freq, float(rope.attention_scaling)
     if num_splits is None:
         if max_context_len is None:
             max_context_len = int(context_lens.max())
@@ -291,9 +348,10 @@ def paged_attention_decode(
     part_l = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
     _decode_kernel[(n, hk, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l, counters if merge else out,
+        k_new, v_new, inv, k_new.stride(0), v_new.stride(0), scaling,
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, SPLIT=split, MERGE=merge, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     if split and not merge:

@@ -96,6 +96,35 @@ def test_paged_attention_decode(num_splits: int | None, window: int, merge: str)
                                                          window=window), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rotary_dim", "window", "num_splits"), [(None, 0, 3), (8, 0, 1), (None, 6, 2)])
+def test_decode_with_rope_equals_rope_and_write_kv_then_decode(dtype, rotary_dim, window: int, num_splits: int) -> None:
+    """``rope=`` in decode: the kernel turns q and k at position ctx - 1 (transformers' roundings)
+    and writes this step's k and v into the cache itself; the same cache, to the bit, and the same
+    output as ``rope_and_write_kv`` followed by plain decode, with the caller's q, k, v untouched."""
+    from mgx.kernels.triton.rope import rope_and_write_kv
+
+    g = torch.Generator().manual_seed(11)
+    hq, hk, d = 8, 2, 16
+    b = paged_batch([1, 13, 40], [1, 1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=8,
+                    dtype=dtype, device=DEVICE, generator=g)  # fmt: skip
+    rot = rotary_dim or d
+    inv = (1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)).to(DEVICE)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    q, k, v = b.q.clone(), b.k.clone(), b.v.clone()
+    rope = attention.DecodeRope(k, v, inv, rotary_dim, attention_scaling=0.9)
+    got = attention.paged_attention_decode(q, kc, vc, b.block_table, b.context_lens, scale=0.3, sliding_window=window,
+                                           num_splits=num_splits, block_n=8, rope=rope, counters=attention.new_decode_counters(DEVICE, 3, hk))  # fmt: skip
+    assert torch.equal(q, b.q) and torch.equal(k, b.k) and torch.equal(v, b.v)
+    q2, k2 = b.q.clone(), b.k.clone()
+    rope_and_write_kv(q2, k2, b.v, b.positions, inv, b.k_cache, b.v_cache, b.block_table, b.query_start_loc,
+                      head_dim=d, rotary_dim=rotary_dim, attention_scaling=0.9)  # fmt: skip
+    want = attention.paged_attention_decode(q2, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                            sliding_window=window, num_splits=num_splits, block_n=8)  # fmt: skip
+    assert torch.equal(kc, b.k_cache) and torch.equal(vc, b.v_cache)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_decode_bf16_and_prefill_agree_on_one_token_queries() -> None:
     g = torch.Generator().manual_seed(9)
     b = paged_batch([17, 33], [1, 1], num_heads=4, num_kv_heads=4, head_dim=32, block_size=16,
