@@ -102,8 +102,11 @@ def rms_norm(
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     if t == 0:
         return out if residual is None else (out, res_out)
-    # Groups narrower than the row are rows of their own: [T, F] -> [T*F/group, group].
-    xs = _as_groups(x, group)
+    # Groups narrower than the row are rows of their own: [T, F] -> [T*F/group, group]. Inputs whose
+    # rows are not back to back (q or k split off a fused QKV output) are copied first.
+    xs = _as_groups(x if group == f or x.stride(0) == f else x.contiguous(), group)
+    if residual is not None and group < f and residual.stride(0) != f:
+        residual = residual.contiguous()
     rs = _as_groups(residual, group) if residual is not None else xs
     os_ = _as_groups(out, group)
     ros = _as_groups(res_out, group) if res_out is not None else os_

@@ -31,6 +31,7 @@ HAS_CUDA = torch.cuda.is_available()
 CPU_CASES = [
     ("gqa", "dense"),
     ("qk-norm-bias-fused", "w8a16-tiled"),
+    ("qk-norm-bias-fused", "dense"),  # qk-norm of q, k split off the fused QKV output (rows not back to back)
     ("window-partial-rotary", "int4-rowmajor"),
     ("tied-bf16", "sparse24-int4-tiled"),
 ]

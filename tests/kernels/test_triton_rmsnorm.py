@@ -51,6 +51,22 @@ def test_rms_norm_matches_torch_and_numpy(dtype: torch.dtype, rows: int, cols: i
     np.testing.assert_allclose(got.float().cpu().numpy(), oracle, atol=atol * 3, rtol=rtol)
 
 
+def test_grouped_rms_norm_of_rows_split_off_a_wider_tensor() -> None:
+    """Per-head RMSNorm (qk-norm) of q split off a fused QKV output, whose rows are not back to back:
+    the same as of a contiguous copy (the CUDA backend's fallback when no native kernel loads)."""
+    g = torch.Generator().manual_seed(4)
+    qkv = rand(g, 6, 96)
+    q, _ = torch.split(qkv, [64, 32], dim=1)
+    w = rand(g, 16)
+    assert q.stride(0) == 96
+    want = rmsnorm.rms_norm_ref(q.contiguous(), w, 1e-6, group=16)
+    torch.testing.assert_close(rmsnorm.rms_norm(q, w, 1e-6, group=16), want, atol=1e-5, rtol=1e-5)
+    res = rand(g, 6, 96)[:, :64]
+    out, total = rmsnorm.rms_norm(q, w, 1e-6, group=16, residual=res)
+    torch.testing.assert_close(total, q + res)
+    torch.testing.assert_close(out, rmsnorm.rms_norm_ref(q + res, w, 1e-6, group=16), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_residual_add(dtype: torch.dtype) -> None:
     g = gen(1)
