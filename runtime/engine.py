@@ -283,8 +283,12 @@ class Engine:
         """On a backend that overlaps steps, the next decode step of every sequence of ``launched``,
         fed its picks on the device, so the device runs it while the host handles this step's
         picks; the next ``step`` adopts it when the schedule is the same. Not when the schedule
-        will differ anyway: a request waits to be admitted, or one takes its last token now."""
-        if self.scheduler.waiting or any(r.tokens_left <= 1 for r in reqs):
+        will differ anyway: a request waits and there is room to admit it, or one takes its last
+        token now."""
+        sched = self.scheduler
+        if sched.waiting and len(sched.running) < sched.config.max_num_seqs:
+            return None
+        if any(r.tokens_left <= 1 for r in reqs):
             return None
         return self.runner.launch_ahead(launched)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mgx.runtime import Engine
+from mgx.runtime import Engine, EngineConfig
 from mgx.runtime.sampler import SamplingParams
 
 from _tiny_graph import tiny_contents
@@ -20,8 +20,8 @@ from _tiny_graph import tiny_contents
 PROMPTS = [[5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 2, 9, 1], [7]]
 
 
-def _engine(ahead: bool) -> Engine:
-    engine = Engine.from_contents(tiny_contents(), backend="cpu")
+def _engine(ahead: bool, config: EngineConfig | None = None) -> Engine:
+    engine = Engine.from_contents(tiny_contents(), backend="cpu", config=config)
     engine.runner.backend.overlaps_steps = ahead
     return engine
 
@@ -42,9 +42,9 @@ def _drive(engine: Engine, script: Callable[[Engine, int], None]) -> dict[str, t
     return {r: (t, finish.get(r)) for r, t in tokens.items()}
 
 
-def _compare(script: Callable[[Engine, int], None]) -> tuple[int, int]:
+def _compare(script: Callable[[Engine, int], None], config: EngineConfig | None = None) -> tuple[int, int]:
     """The script on both engines: equal outputs and blocks; (steps adopted, steps dropped) with ahead."""
-    want_engine, got_engine = _engine(False), _engine(True)
+    want_engine, got_engine = _engine(False, config), _engine(True, config)
     want = _drive(want_engine, script)
     adopted, dropped = [], []
     adopt = got_engine._adopt
@@ -77,6 +77,19 @@ def test_a_batch_decodes_the_same_with_steps_launched_ahead() -> None:
 
     adopted, dropped = _compare(script)
     assert adopted >= 5 and dropped == 0
+
+
+def test_requests_waiting_for_a_full_batch_do_not_stop_launching_ahead() -> None:
+    """With the batch at max_num_seqs a waiting request cannot join before one finishes, so steps
+    are still launched ahead (and dropped when one finishes and the next is admitted)."""
+
+    def script(engine: Engine, step: int) -> None:
+        if step == 0:
+            for p, n in zip(PROMPTS, (6, 9, 5, 7)):
+                engine.add_request(p, _greedy(n))
+
+    adopted, dropped = _compare(script, EngineConfig(max_num_seqs=2))
+    assert adopted >= 10 and dropped == 0  # a request finishes on its last token: nothing was launched after it
 
 
 def test_a_stop_token_and_a_late_request_drop_the_step_launched_ahead() -> None:
@@ -145,8 +158,6 @@ def test_preemption_stop_strings_and_aborts_with_steps_launched_ahead() -> None:
     strings and stop ids, aborts: the streamed outputs (text, tokens, finish and stop reasons) equal
     those of the same engine launching nothing ahead, and every block is free at the end."""
     import random
-
-    from mgx.runtime import EngineConfig
 
     rng = random.Random(0)
     jobs = []
