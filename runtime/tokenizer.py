@@ -27,6 +27,10 @@ class Tokenizer:
     ) -> None:
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self._singles: dict[int, str] = {}  # decode([id]) by id: streaming decodes one token alone per step
+        # A byte-level decoder turns each token into its bytes wherever it stands, so after complete
+        # text a token whose own text is complete adds exactly that text (no spaces added or
+        # stripped by position, as sentencepiece's Metaspace does): streaming can skip the window.
+        self.context_free = type(self._tok.decoder).__name__ == "ByteLevel"
         self.chat_template = chat_template
         self.bos_token = self._token_str(bos_token_id)
         self.eos_token = self._token_str(eos_token_ids[0]) if eos_token_ids else ""
@@ -100,7 +104,8 @@ class IncrementalDetokenizer:
 
     The text of ``ids[prefix:read]`` only changes when text is emitted, so it is kept between
     pushes; in steady state it is one token, whose text the tokenizer caches. A push then costs one
-    decode, not two.
+    decode, not two; on a byte-level decoder (``Tokenizer.context_free``), when nothing is held back
+    and the token's own text is complete, none: the token's cached text is what the window adds.
     """
 
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
@@ -112,7 +117,17 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one id; returns the new stable text ("" while a character is incomplete)."""
-        self._ids.append(int(token_id))
+        ids = self._ids
+        ids.append(int(token_id))
+        if self._tok.context_free and self._read == len(ids) - 1:
+            # Nothing is held back. On a byte-level decoder a token whose own bytes are whole
+            # characters (no U+FFFD) adds exactly its own text after the window, even after bytes
+            # that end inside a character (those decode to U+FFFD either way).
+            text = self._tok._decode_window(ids[-1:])
+            if "\ufffd" not in text:
+                if text:
+                    self._prefix, self._read, self._before = self._read, len(ids), text
+                return text
         text = self._pending()
         if not text or text.endswith("\ufffd"):
             return ""

@@ -71,24 +71,64 @@ class _TwoDecodeDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         return text
 
+    def flush(self) -> str:
+        text = self.pending()
+        self.prefix = self.read = len(self.ids)
+        return text
+
     def pending(self) -> str:
         before = self.tok.decode(self.ids[self.prefix : self.read])
         after = self.tok.decode(self.ids[self.prefix :])
         return after[len(before) :] if len(after) > len(before) else ""
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_streaming_equals_decoding_both_windows_every_time(bpe: Tokenizer, seed: int) -> None:
     # Random ids of a byte-level vocabulary split characters anywhere, leave invalid UTF-8 and
-    # special tokens; the cached one-token texts must change nothing, push by push.
+    # special tokens; neither the cached one-token texts nor the byte-level shortcut (a token's own
+    # text when nothing is held back) may change anything, push by push, across a flush, after a
+    # context that ends inside a character.
     rng = random.Random(seed)
+    emoji = bpe.encode("🙂", add_special_tokens=False)
     stream = [rng.randrange(bpe.vocab_size) for _ in range(300)]
-    stream[50:53] = bpe.encode("🙂", add_special_tokens=False)[:3]
+    stream[50:53] = emoji[:3]
+    stream += bpe.encode("plain words, then ünïcödé 日本 🚀", add_special_tokens=False)
+    # Characters cut short and followed by a whole character, an ASCII token, or their own rest.
+    stream += emoji[:2] + bpe.encode("A", add_special_tokens=False) + emoji[:1] + emoji + emoji[1:] + emoji[:3]
     context = [rng.randrange(bpe.vocab_size) for _ in range(seed * 3)]
+    if seed % 2:
+        context += emoji[:2]  # the prompt ends inside a character
+    assert bpe.context_free
     fast, ref = bpe.detokenizer(context), _TwoDecodeDetokenizer(bpe, context)
     for i in stream:
         assert fast.push(i) == ref.push(i)
-    assert fast.flush() == ref.pending()
+    assert fast.flush() == ref.flush()
+    for i in stream[:40]:
+        assert fast.push(i) == ref.push(i)
+    assert fast.flush() == ref.flush()
+
+
+def test_streaming_with_a_metaspace_decoder_decodes_windows() -> None:
+    """Sentencepiece's Metaspace decoder drops the space of a text's first token, so a token's text
+    depends on what precedes it: no shortcut there, and the stream equals the two-window rule."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁the": 1, "▁cat": 2, "s": 3, "▁": 4, "at": 5}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    tok = Tokenizer(json.dumps(json.loads(hf.to_str())))
+    assert not tok.context_free
+    stream = [1, 2, 3, 4, 5, 1, 2]
+    for context in ([], [2]):
+        fast, ref = tok.detokenizer(context), _TwoDecodeDetokenizer(tok, context)
+        assert [fast.push(i) for i in stream] == [ref.push(i) for i in stream]
+        assert fast.flush() == ref.flush()
+    detok = tok.detokenizer()
+    assert "".join(detok.push(i) for i in stream) == "the cats at the cat" == tok.decode(stream)
 
 
 def test_word_level_streaming_keeps_spaces() -> None:
