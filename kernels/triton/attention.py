@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import cast_as, cdiv, check_float, dot_precision, next_pow2, num_sms, rows_of
-from .rope import _rotate, check_cache, write_kv_launch
+from .rope import _angles, _rotate, check_cache, write_kv_launch
 
 __all__ = [
     "write_kv",
@@ -77,15 +77,7 @@ def _decode_kernel(
         # RoPE in the prologue (as rope_and_write_kv would): q's G heads here, at position ctx - 1;
         # the program whose share holds that position turns k and writes it and v to the cache
         # before reading the cache (no other program reads that slot).
-        half = ROT // 2
-        rot = d < ROT
-        first = d < half
-        inv = tl.load(inv_ptr + tl.where(first, d, d - half), mask=rot, other=0.0).to(tl.float32)
-        angle = (ctx - 1).to(tl.float32) * inv
-        cos = tl.cos(angle) * attention_scaling
-        sin = tl.sin(angle) * attention_scaling
-        partner = tl.where(first, d + half, d - half)
-        sign = tl.where(first, -1.0, 1.0)
+        cos, sin, partner, sign, rot = _angles(inv_ptr, ctx - 1, d, attention_scaling, ROT)
         q = _rotate(q_ptr + h * (G * D), s64 * stride_q, G, cos, sin, partner, sign, rot, BLOCK_G, BLOCK_D, D)
         q = cast_as(q, q_ptr.dtype.element_ty)
         if (start <= ctx - 1) & (ctx - 1 < end):

@@ -30,6 +30,20 @@ def _seq_of_token(qsl_ptr, num_seqs, t, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _angles(inv_ptr, pos, d, attention_scaling, ROT: tl.constexpr):
+    """For dims ``d`` at position ``pos``: (cos, sin) scaled by ``attention_scaling``, each dim's
+    rotate-half partner and sign, and which dims turn (the first ROT), as ``_rotate`` takes them."""
+    half = ROT // 2
+    rot = d < ROT
+    first = d < half
+    inv = tl.load(inv_ptr + tl.where(first, d, d - half), mask=rot, other=0.0).to(tl.float32)
+    angle = pos.to(tl.float32) * inv  # the same fp32 product HF takes
+    cos = tl.cos(angle) * attention_scaling
+    sin = tl.sin(angle) * attention_scaling
+    return cos, sin, tl.where(first, d + half, d - half), tl.where(first, -1.0, 1.0), rot
+
+
+@triton.jit
 def _rotate(x_ptr, row, heads, scale_cos, scale_sin, partner, sign, rot,
             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):  # fmt: skip
     """Load heads [heads, D] of one token and rotate their first dims (rot); returns fp32 [BLOCK_H, BLOCK_D].
@@ -64,15 +78,7 @@ def _rope_kv_kernel(
     hk = tl.arange(0, BLOCK_HK)
     kmask = (hk < HK)[:, None] & (d < D)[None, :]
     if ROPE:
-        half = ROT // 2
-        rot = d < ROT
-        first = d < half
-        inv = tl.load(inv_ptr + tl.where(first, d, d - half), mask=rot, other=0.0).to(tl.float32)
-        angle = pos.to(tl.float32) * inv  # the same fp32 product HF takes
-        c = tl.cos(angle) * attention_scaling
-        s = tl.sin(angle) * attention_scaling
-        partner = tl.where(first, d + half, d - half)
-        sign = tl.where(first, -1.0, 1.0)
+        c, s, partner, sign, rot = _angles(inv_ptr, pos, d, attention_scaling, ROT)
         hq = tl.arange(0, BLOCK_HQ)
         qmask = (hq < HQ)[:, None] & (d < D)[None, :]
         q = _rotate(q_ptr, t64 * stride_q, HQ, c, s, partner, sign, rot, BLOCK_HQ, BLOCK_D, D)
