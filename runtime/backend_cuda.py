@@ -458,14 +458,15 @@ class CUDABackend(Backend):
         s = len(batch.seq_ids)
         decode = batch.num_tokens == s and batch.sample_rows.size == s and np.array_equal(batch.sample_rows, np.arange(s))
         graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
+        unwaited = graphed and batch.greedy and self.overlaps_steps
         fed = None  # the previous launch's picks, where they are still on the device
         if tokens_from is not None:
-            if graphed and batch.greedy and self.overlaps_steps and tokens_from is self._last_launch:
+            if unwaited and tokens_from is self._last_launch:
                 fed = tokens_from.device_ids()
             if fed is None:
                 batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
         self._last_launch = None
-        if graphed and batch.greedy and self.overlaps_steps:
+        if unwaited:
             out: StepResult = self._launch_graph(run_ops, batch, fed)
         elif graphed:
             out = StepResult(self._replay(run_ops, batch))
@@ -702,12 +703,10 @@ class CUDABackend(Backend):
         kc, vc = kv.k[a.layer], kv.v[a.layer]
         rope_op = self._pending.pop(id(op), None)
         decode = st.max_query_len == 1 and q.shape[0] == st.context_lens.shape[0]
-        if decode and rope_op is not None and self._decode_fusion:
-            inv_freq, head_dim, rotary_dim, scaling = self._inv_freq[id(rope_op)]
-            if head_dim == a.head_dim:
-                return self._decode(q, kc, vc, a, DecodeRope(k, v, inv_freq, rotary_dim, scaling))
         if rope_op is not None:
             inv_freq, head_dim, rotary_dim, scaling = self._inv_freq[id(rope_op)]
+            if decode and self._decode_fusion and head_dim == a.head_dim:
+                return self._decode(q, kc, vc, a, DecodeRope(k, v, inv_freq, rotary_dim, scaling))
             rope_and_write_kv(q, k, v, st.positions, inv_freq, kc, vc, st.block_tables, st.query_start_loc,
                                  head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scaling)  # fmt: skip
         else:
