@@ -102,12 +102,9 @@ def rms_norm(
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     if t == 0:
         return out if residual is None else (out, res_out)
-    # Groups narrower than the row are rows of their own: [T, F] -> [T*F/group, group]. Inputs whose
-    # rows are not back to back (q or k split off a fused QKV output) are copied first.
-    xs = _as_groups(x if group == f or x.stride(0) == f else x.contiguous(), group)
-    if residual is not None and group < f and residual.stride(0) != f:
-        residual = residual.contiguous()
-    rs = _as_groups(residual, group) if residual is not None else xs
+    # Groups narrower than the row are rows of their own: [T, F] -> [T*F/group, group].
+    xs = _as_groups(x, group, copy=True)
+    rs = _as_groups(residual, group, copy=True) if residual is not None else xs
     os_ = _as_groups(out, group)
     ros = _as_groups(res_out, group) if res_out is not None else os_
     rows = xs.shape[0]
@@ -122,11 +119,15 @@ def rms_norm(
     return out if residual is None else (out, res_out)
 
 
-def _as_groups(t: torch.Tensor, group: int) -> torch.Tensor:
+def _as_groups(t: torch.Tensor, group: int, *, copy: bool = False) -> torch.Tensor:
+    """``t`` [T, F] as [T*F/group, group]. Rows that are not back to back (q or k split off a fused
+    QKV output) are copied first for an input (``copy``); an output buffer must be viewable."""
     if t.shape[1] == group:
         return t
     if t.stride(0) != t.shape[1]:
-        raise ValueError("grouped RMSNorm needs contiguous rows")
+        if not copy:
+            raise ValueError("grouped RMSNorm needs an output with contiguous rows")
+        t = t.contiguous()
     return t.view(-1, group)
 
 
