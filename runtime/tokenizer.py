@@ -27,9 +27,9 @@ class Tokenizer:
     ) -> None:
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self._singles: dict[int, str] = {}  # decode([id]) by id: streaming decodes one token alone per step
-        # A byte-level decoder turns each token into its bytes wherever it stands, so after complete
-        # text a token whose own text is complete adds exactly that text (no spaces added or
-        # stripped by position, as sentencepiece's Metaspace does): streaming can skip the window.
+        # A byte-level decoder turns each token into its bytes wherever it stands, so a token whose
+        # own text has no U+FFFD adds exactly that text (no spaces added or stripped by position, as
+        # sentencepiece's Metaspace does): streaming can skip the window (IncrementalDetokenizer.push).
         self.context_free = type(self._tok.decoder).__name__ == "ByteLevel"
         self.chat_template = chat_template
         self.bos_token = self._token_str(bos_token_id)
