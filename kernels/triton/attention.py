@@ -311,6 +311,8 @@ def paged_attention_decode(
     what ``rope_and_write_kv`` would first (q itself is left as it was), one launch fewer.
     """
     q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two of at least 16 (tl.dot's smallest K), got {block_n}")
     n = q.shape[0]
     if n == 0:
         return out

@@ -114,13 +114,13 @@ def test_decode_with_rope_equals_rope_and_write_kv_then_decode(dtype, rotary_dim
     q, k, v = b.q.clone(), b.k.clone(), b.v.clone()
     rope = attention.DecodeRope(k, v, inv, rotary_dim, attention_scaling=0.9)
     got = attention.paged_attention_decode(q, kc, vc, b.block_table, b.context_lens, scale=0.3, sliding_window=window,
-                                           num_splits=num_splits, block_n=8, rope=rope, counters=attention.new_decode_counters(DEVICE, 3, hk))  # fmt: skip
+                                           num_splits=num_splits, block_n=16, rope=rope, counters=attention.new_decode_counters(DEVICE, 3, hk))  # fmt: skip
     assert torch.equal(q, b.q) and torch.equal(k, b.k) and torch.equal(v, b.v)
     q2, k2 = b.q.clone(), b.k.clone()
     rope_and_write_kv(q2, k2, b.v, b.positions, inv, b.k_cache, b.v_cache, b.block_table, b.query_start_loc,
                       head_dim=d, rotary_dim=rotary_dim, attention_scaling=0.9)  # fmt: skip
     want = attention.paged_attention_decode(q2, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
-                                            sliding_window=window, num_splits=num_splits, block_n=8)  # fmt: skip
+                                            sliding_window=window, num_splits=num_splits, block_n=16)  # fmt: skip
     assert torch.equal(kc, b.k_cache) and torch.equal(vc, b.v_cache)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
@@ -162,3 +162,14 @@ def test_decode_splits_fill_the_gpu() -> None:
     assert attention.decode_splits(1, 8, 8192, 132) == 33
     assert attention.decode_splits(64, 8, 32768, 132) == 1
     assert attention.decode_splits(1, 8, 100, 132) == 1
+
+
+@pytest.mark.parametrize("block_n", [8, 48])
+def test_decode_refuses_a_tile_tl_dot_cannot_take(block_n: int) -> None:
+    """A tile under 16 rows compiles in the interpreter but not for a GPU (tl.dot's smallest K):
+    refused up front on every device, with the reason."""
+    b = paged_batch([5], [1], num_heads=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
+                    device=DEVICE, generator=torch.Generator().manual_seed(1))  # fmt: skip
+    with pytest.raises(ValueError, match=f"block_n must be a power of two of at least 16.*got {block_n}"):
+        attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                         num_splits=1, block_n=block_n)  # fmt: skip
