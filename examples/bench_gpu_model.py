@@ -279,6 +279,12 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         profile_prefill(engine, rng.integers(3, vocab_hi, args.prefill).tolist())
     row["prefill_tok_s"] = args.prefill / pf
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
+    # A/B of the batch-1 graph without each decode fusion (the same weights, recaptured).
+    prompt = rng.integers(3, vocab_hi, args.prompt).tolist()
+    for attr, key in (("_norm_gemv", "graph_b1_ms_norm_apart"), ("_decode_fusion", "graph_b1_ms_attention_apart")):
+        gpu_ms = graph_ms_without(engine, attr, prompt)
+        if gpu_ms is not None:
+            row[key] = gpu_ms
     add_row(row)
     del engine
     if DEVICE == "cuda":
@@ -332,6 +338,22 @@ def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 50
+
+
+def graph_ms_without(engine, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
+    """``replay_ms`` of the batch-1 graph captured with the backend's switch ``attr`` off (None where
+    the backend has it off already); the graph is dropped after, to be captured anew when next needed."""
+    backend = engine.runner.backend
+    if not getattr(backend, attr, False) or DEVICE != "cuda":
+        return None
+    setattr(backend, attr, False)
+    try:
+        backend._graphs.pop((1, True), None)
+        run_steps(engine, [prompt], 8)
+        return replay_ms(engine, 1)
+    finally:
+        setattr(backend, attr, True)
+        backend._graphs.pop((1, True), None)
 
 
 def cold_start(path: Path, cache_dir: Path) -> float:

@@ -15,7 +15,9 @@ Fusions, each with the results of running the ops one by one: an ``add`` followe
 ``rms_norm`` of its output is one kernel; a ``linear`` whose output only feeds a one-input
 ``silu_mul`` (the fused gate/up projection) computes the SiLU product in its epilogue; a ``rope``
 whose outputs only feed the ``attention`` op rotates q and k in the same kernel that writes k and v
-into the paged cache (the attention prologue).
+into the paged cache (the attention prologue). At batch 1, where the artifact's native GEMVs take
+the projection, an ``add`` and the ``rms_norm`` after it are not a kernel of their own: they run in
+the prologue of the GEMV that reads the norm (``NormPrologue``; ``MGX_CUDA_NORM_GEMV=0``: apart).
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -50,7 +52,7 @@ from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
-from mgx.kernels.cuda.gemv import gemv, gemv_applies
+from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton.attention import (
     DecodeRope,
@@ -236,6 +238,7 @@ class _Fusions:
     norm_after_add: dict[int, Op] = field(default_factory=dict)  # id(add) -> the rms_norm it computes
     silu_after_linear: dict[int, Op] = field(default_factory=dict)  # id(linear) -> the silu_mul it computes
     rope_into_attention: dict[int, Op] = field(default_factory=dict)  # id(rope) -> the attention it joins
+    linear_after_norm: dict[int, Op] = field(default_factory=dict)  # id(rms_norm after an add) -> its one reader
 
 
 class CUDABackend(Backend):
@@ -287,6 +290,7 @@ class CUDABackend(Backend):
         self._decode_fusion = os.environ.get("MGX_CUDA_DECODE_FUSION", "1") != "0"
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
+        self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "1") != "0"  # add + RMSNorm in a GEMV's prologue
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -328,6 +332,10 @@ class CUDABackend(Backend):
                 f.silu_after_linear[id(op)] = nxt
             elif op.kind == "rope" and nxt.kind == "attention" and nxt.inputs[:2] == op.outputs and only_next:
                 f.rope_into_attention[id(op)] = nxt
+        after_add = {id(norm) for norm in f.norm_after_add.values()}
+        for op, nxt in zip(ops, ops[1:]):
+            if id(op) in after_add and nxt.kind == "linear" and nxt.inputs == op.outputs and users.get(op.outputs[0]) == [nxt]:
+                f.linear_after_norm[id(op)] = nxt
         return f
 
     def _upload(self, tensors: dict[str, Tensor]) -> tuple[dict[str, torch.Tensor], UploadStats]:
@@ -661,6 +669,13 @@ class CUDABackend(Backend):
     def linear(self, op: Op, x: Array) -> Array:
         w, m = self._weights[id(op)], x.shape[0]
         silu = self._fuse.silu_after_linear.get(id(op))
+        normed = self._pending.pop(id(op), None)
+        if normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
+            kind, norm = normed
+            out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None, kind=kind, norm=norm)
+            if silu is not None:
+                self._pending[id(silu)] = out
+            return out
         if (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
             # Dense weights and several rows: cuBLAS (the Triton GEMM has nothing to dequantize and
             # is slower); quantized weights and a long prefill: dequantize once, then cuBLAS. A fused
@@ -773,9 +788,35 @@ class CUDABackend(Backend):
         if norm_op is None:
             return a + b
         weight, eps, group = self._norm[id(norm_op)]
+        total = self._norm_into_gemv(norm_op, a, b, weight, eps, group)
+        if total is not None:
+            return total
         normed, total = rms_norm(a, weight, eps, group=group, residual=b, kernels=self.cuda_kernels)
         self._pending[id(norm_op)] = normed
         return total
+
+    def _norm_into_gemv(self, norm_op: Op, a: Array, b: Array, weight: Array | None, eps: float, group: int) -> Array | None:
+        """One row whose norm feeds one linear that a native GEMV takes: the add and the norm become
+        that GEMV's prologue. Returns the sum it will write (the add's output), or None where it cannot.
+        A stored tuning decides (autotune timed this projection with the norm on both sides): its
+        native kind, or none where Triton won; untuned, quantized weights only (as for a plain row),
+        the tensor-core kernel for int4 where it applies, else the CUDA-core one."""
+        lin = self._fuse.linear_after_norm.get(id(norm_op))
+        if lin is None or not self._norm_gemv or a.shape[0] != 1 or group != a.shape[1]:
+            return None
+        w, bias = self._weights[id(lin)], self._bias[id(lin)]
+        silu = self._fuse.silu_after_linear.get(id(lin))
+        config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, 1)
+        if (config is None and w.scheme == "none") or (config is not None and not config.native):
+            return None
+        kinds = [config.native] if config is not None else [k for k in ("mma", "gemv") if (k, w.scheme) in GEMV_ENTRIES]
+        norm = NormPrologue(b, weight, eps, torch.empty_like(a))
+        for kind in kinds:
+            if gemv_applies(self.cuda_kernels, a, w, bias, kind=kind, norm=norm):
+                self._pending[id(norm_op)] = a  # the norm op's value: a stand-in no kernel reads
+                self._pending[id(lin)] = (kind, norm)
+                return norm.total
+        return None
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
         x, w = self._sampled(x), self._weights[id(op)]

@@ -49,9 +49,21 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// Words of 8 bf16 columns of x: from global memory through the read-only cache, or (the RMSNorm
+// prologue's row) from shared memory.
+template <bool kShared>
+__device__ __forceinline__ uint4 x_word(const uint4* __restrict__ x, int t) {
+  if constexpr (kShared) {
+    return x[t];
+  } else {
+    return __ldg(x + t);
+  }
+}
+
 // x[8t .. 8t + 7] as fp32 (bf16 -> fp32 is a shift of the bits).
-__device__ __forceinline__ void load_x(const __nv_bfloat16* __restrict__ x, int t, float (&xf)[8]) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + t);
+template <bool kShared>
+__device__ __forceinline__ void load_x(const uint4* __restrict__ x, int t, float (&xf)[8]) {
+  const uint4 u = x_word<kShared>(x, t);
   const uint32_t v[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -195,8 +207,8 @@ struct Bf16Weights {
   }
 };
 
-template <class Codes, int R>
-__device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
+template <class Codes, int R, bool kSharedX>
+__device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
                           const uint8_t* __restrict__ w, const Codes codes, const float* __restrict__ row_scale,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, int silu_f) {
   using Word = typename Codes::Word;
@@ -220,7 +232,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* 
       const int t = base + u * blockDim.x;
       if (t >= words) break;
       float xf[8];
-      load_x(x, t, xf);
+      load_x<kSharedX>(x, t, xf);
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r] += codes(q[u][r], xf, row[r], t);
     }
@@ -257,8 +269,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // Nibbles p and p + 4 of `w` (columns p and p + 4 of its word) as the bf16 pair (128 + q_p, 128 + q_p+4).
 __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
 
-template <bool kSilu>
-__device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
+template <bool kSilu, bool kSharedX>
+__device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
                               const uint8_t* __restrict__ w, const float* __restrict__ scales,
                               const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
                               long long stride_w, long long stride_s, int group_shift, int silu_f) {
@@ -290,10 +302,10 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat
       float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
       const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
       const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
-      const uint4* xs = reinterpret_cast<const uint4*>(x) + s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..]
+      const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint4 xx = __ldg(xs + j);
+        const uint4 xx = x_word<kSharedX>(x, xw + j);
         const uint32_t b0 = __byte_perm(xx.x, xx.z, 0x5410), b1 = __byte_perm(xx.x, xx.z, 0x7632);  // (x0,x4), (x1,x5)
         const uint32_t b2 = __byte_perm(xx.y, xx.w, 0x5410), b3 = __byte_perm(xx.y, xx.w, 0x7632);  // (x2,x6), (x3,x7)
         mma_bf16(d, nibble_pair(wl[j], 0), nibble_pair(wh[j], 0), nibble_pair(wl[j], 1), nibble_pair(wh[j], 1), b0, b1);
@@ -327,43 +339,149 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const __nv_bfloat
   store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
 }
 
+// ---- RMSNorm in the prologue --------------------------------------------------------------------
+//
+// The row a GEMV multiplies is often rms_norm(res + delta) * g (a decoder layer's input norms). With
+// NormIn every block computes that row itself into shared memory first, exactly as rmsnorm.cu rounds
+// it (res + delta to bf16; the normalized value to bf16 before g multiplies it), and block 0 writes
+// res + delta for the layers after it: one kernel instead of the norm's and the GEMV's. Sums of
+// squares are fp32 in another order than rmsnorm.cu's, so 1/rms may differ from its in the last bit.
+constexpr int kMaxNormK = 8192;  // columns of a normalized row (16 KB of shared memory)
+
+struct NormIn {
+  const __nv_bfloat16* res;    // [K]
+  const __nv_bfloat16* delta;  // [K] added to res first; nullptr: none
+  const __nv_bfloat16* g;      // [K] the norm's weight; nullptr: none
+  __nv_bfloat16* res_out;      // [K] res + delta (block 0 writes it); never res or delta
+  float eps;
+};
+
+__device__ __forceinline__ float lo_bf16(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_bf16(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+// Fills xs[0 .. K/8) with the normalized row; every thread of the block returns after it is complete.
+__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k) {
+  __shared__ float part[kMaxThreads / 32];
+  const int words = k >> 3;
+  float ss = 0.0f;
+  for (int j = threadIdx.x; j < words; j += blockDim.x) {
+    uint4 a = __ldg(reinterpret_cast<const uint4*>(in.res) + j);
+    if (in.delta != nullptr) {
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(in.delta) + j);
+      a = make_uint4(pack_bf16(lo_bf16(a.x) + lo_bf16(b.x), hi_bf16(a.x) + hi_bf16(b.x)),
+                     pack_bf16(lo_bf16(a.y) + lo_bf16(b.y), hi_bf16(a.y) + hi_bf16(b.y)),
+                     pack_bf16(lo_bf16(a.z) + lo_bf16(b.z), hi_bf16(a.z) + hi_bf16(b.z)),
+                     pack_bf16(lo_bf16(a.w) + lo_bf16(b.w), hi_bf16(a.w) + hi_bf16(b.w)));
+      if (blockIdx.x == 0) reinterpret_cast<uint4*>(in.res_out)[j] = a;
+    }
+    const uint32_t v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ss += lo_bf16(v[i]) * lo_bf16(v[i]) + hi_bf16(v[i]) * hi_bf16(v[i]);
+    xs[j] = a;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  ss = 0.0f;
+  for (int i = 0; i < (blockDim.x >> 5); ++i) ss += part[i];
+  const float rstd = rsqrtf(ss / static_cast<float>(k) + in.eps);
+  for (int j = threadIdx.x; j < words; j += blockDim.x) {
+    const uint4 a = xs[j];
+    const uint4 g = in.g != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.g) + j) : make_uint4(0, 0, 0, 0);
+    const uint32_t v[4] = {a.x, a.y, a.z, a.w}, gv[4] = {g.x, g.y, g.z, g.w};
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float lo = round_bf16(lo_bf16(v[i]) * rstd), hi = round_bf16(hi_bf16(v[i]) * rstd);
+      if (in.g != nullptr) {
+        lo *= lo_bf16(gv[i]);
+        hi *= hi_bf16(gv[i]);
+      }
+      o[i] = pack_bf16(lo, hi);
+    }
+    xs[j] = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+  __syncthreads();
+}
+
+// One function per entry pair below; x is global memory (kSharedX false) or the prologue's row.
+template <bool kSharedX>
+__device__ __forceinline__ void gemv_int4(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
+                                          const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                                          long long stride_w, long long stride_s, int group_shift, int silu_f) {
+  const Int4Codes codes{scales, zeros, stride_s, group_shift};
+  gemv_rows<Int4Codes, kRows, kSharedX>(out, x, w, codes, nullptr, bias, n, k, stride_w, silu_f);
+}
+
+template <bool kSharedX>
+__device__ __forceinline__ void gemv_w8a16(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
+                                           const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
+  gemv_rows<Int8Codes, kRows, kSharedX>(out, x, reinterpret_cast<const uint8_t*>(w), Int8Codes{}, scales, bias, n, k,
+                                        stride_w, silu_f);
+}
+
+template <bool kSharedX>
+__device__ __forceinline__ void gemv_bf16(__nv_bfloat16* out, const uint4* x, const __nv_bfloat16* w,
+                                          const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
+  gemv_rows<Bf16Weights, kRows, kSharedX>(out, x, reinterpret_cast<const uint8_t*>(w), Bf16Weights{}, nullptr, bias, n,
+                                          k, stride_w, silu_f);
+}
+
+template <bool kSharedX>
+__device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
+                                             const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                                             long long stride_w, long long stride_s, int group_shift, int silu_f) {
+  if (silu_f > 0) {
+    gemv_int4_mma<true, kSharedX>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+  } else {
+    gemv_int4_mma<false, kSharedX>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+  }
+}
+
 }  // namespace mgx_gemv
+
+// Each GEMV has two entry points: NAME(out, x, ...) reads x [K]; NAME_norm(out, res_out, res, delta,
+// g, eps, ...) multiplies rms_norm(res + delta) * g instead (NormIn; K <= kMaxNormK) and writes
+// res + delta to res_out when delta is given. The remaining parameters are the same.
+#define MGX_UNPAREN(...) __VA_ARGS__
+#define MGX_GEMV_ENTRIES(NAME, THREADS, FN, PARAMS, ARGS)                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
+      MGX_ENTRY(NAME)(__nv_bfloat16* out, const __nv_bfloat16* x, MGX_UNPAREN PARAMS) {                           \
+    mgx_gemv::FN<false>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS);                                \
+  }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
+      MGX_ENTRY(NAME##_norm)(__nv_bfloat16* out, __nv_bfloat16* res_out, const __nv_bfloat16* res,                \
+                             const __nv_bfloat16* delta, const __nv_bfloat16* g, float eps, MGX_UNPAREN PARAMS) { \
+    __shared__ uint4 xs[mgx_gemv::kMaxNormK / 8];                                                                 \
+    mgx_gemv::norm_prologue(xs, mgx_gemv::NormIn{res, delta, g, res_out, eps}, k);                                \
+    mgx_gemv::FN<true>(out, xs, MGX_UNPAREN ARGS);                                                                \
+  }
 
 // out [N] (or [F] with silu_f = F > 0, W holding 2F rows: gate then up) from x [K]; bias [N] or null;
 // zeros null for symmetric int4; stride_w in bytes. Grid: ceil(outputs / 4) blocks (2 with silu_f) of blockDim.x threads.
-extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
-    MGX_ENTRY(mgx_gemv_int4_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const uint8_t* w, const float* scales,
-                                  const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                                  long long stride_s, int group_shift, int silu_f) {
-  const mgx_gemv::Int4Codes codes{scales, zeros, stride_s, group_shift};
-  mgx_gemv::gemv_rows<mgx_gemv::Int4Codes, mgx_gemv::kRows>(out, x, w, codes, nullptr, bias, n, k, stride_w, silu_f);
-}
+MGX_GEMV_ENTRIES(mgx_gemv_int4_bf16, mgx_gemv::kMaxThreads, gemv_int4,
+                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                  long long stride_w, long long stride_s, int group_shift, int silu_f),
+                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
 
-extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
-    MGX_ENTRY(mgx_gemv_w8a16_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const int8_t* w, const float* scales,
-                                   const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
-  mgx_gemv::gemv_rows<mgx_gemv::Int8Codes, mgx_gemv::kRows>(out, x, reinterpret_cast<const uint8_t*>(w),
-                                                            mgx_gemv::Int8Codes{}, scales, bias, n, k, stride_w,
-                                                            silu_f);
-}
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_bf16, mgx_gemv::kMaxThreads, gemv_w8a16,
+                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                  int silu_f),
+                 (w, scales, bias, n, k, stride_w, silu_f))
 
-extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
-    MGX_ENTRY(mgx_gemv_bf16_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* w,
-                                  const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
-  mgx_gemv::gemv_rows<mgx_gemv::Bf16Weights, mgx_gemv::kRows>(out, x, reinterpret_cast<const uint8_t*>(w),
-                                                              mgx_gemv::Bf16Weights{}, nullptr, bias, n, k, stride_w,
-                                                              silu_f);
-}
+MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, mgx_gemv::kMaxThreads, gemv_bf16,
+                 (const __nv_bfloat16* w, const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f),
+                 (w, bias, n, k, stride_w, silu_f))
 
 // The tensor-core int4 GEMV: groups of a multiple of 128, K % 128 == 0, 16-byte aligned rows. Grid:
 // ceil(outputs / 16) blocks (8 with silu_f) of kMmaWarps warps.
-extern "C" __global__ void __launch_bounds__(mgx_gemv::kMmaWarps * 32)
-    MGX_ENTRY(mgx_gemv_int4_mma_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const uint8_t* w,
-                                      const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n,
-                                      int k, long long stride_w, long long stride_s, int group_shift, int silu_f) {
-  if (silu_f > 0) {
-    mgx_gemv::gemv_int4_mma<true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
-  } else {
-    mgx_gemv::gemv_int4_mma<false>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
-  }
-}
+MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc,
+                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                  long long stride_w, long long stride_s, int group_shift, int silu_f),
+                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))

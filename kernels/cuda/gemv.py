@@ -4,7 +4,9 @@ weights, optionally fused with the SiLU-gated product of a gate/up projection.
 Two kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), and ``mma`` on the tensor
 cores (int4 with groups of a multiple of 128, sm_80 and newer). ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
-launches it. Which runs a shape is the autotune pass's choice (``LinearConfig.native``, checked
+launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
+computed by every block first (a decoder layer's add + RMSNorm and the projection after it, in one
+launch: the ``_norm`` entry points). Which runs a shape is the autotune pass's choice (``LinearConfig.native``, checked
 against the Triton kernel's result first); untuned, the CUDA backend runs ``gemv`` for quantized
 weights only. The launch goes on torch's current stream, so it is captured into
 CUDA graphs like any other kernel.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +24,8 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "ROWS", "gemv", "gemv_applies", "gemv_threads"]
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
+           "gemv_threads"]  # fmt: skip
 
 KINDS = ("gemv", "mma")
 ENTRIES = {  # (kind, scheme) -> entry point
@@ -30,6 +34,7 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "none"): f"mgx_gemv_bf16_bf16_v{KERNEL_ABI}",
     ("mma", "int4"): f"mgx_gemv_int4_mma_bf16_v{KERNEL_ABI}",
 }
+NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
     ("gemv", "int4"): "int4 GEMV",
     ("gemv", "w8a16"): "w8a16 GEMV",
@@ -43,6 +48,32 @@ _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 colum
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
 UNROLL = 4  # kUnroll in gemv.cu
 MAX_THREADS = 256  # kMaxThreads in gemv.cu
+MAX_NORM_K = 8192  # kMaxNormK in gemv.cu: the widest row the RMSNorm prologue normalizes
+
+
+@dataclass(frozen=True, slots=True)
+class NormPrologue:
+    """The GEMV multiplies rms_norm(x + delta) * weight (transformers' roundings, as ``rms_norm``)
+    instead of x: ``delta`` None adds nothing; ``weight`` None multiplies by nothing; ``total``
+    receives x + delta (required with delta, and neither x nor delta). All bf16 [1, K] (weight [K])."""
+
+    delta: torch.Tensor | None
+    weight: torch.Tensor | None
+    eps: float
+    total: torch.Tensor | None = None
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether the prologue can read these operands next to the row x [1, K]."""
+        k = x.shape[1]
+        if k > MAX_NORM_K or (self.delta is None) != (self.total is None):
+            return False
+        for t in (self.delta, self.weight, self.total):
+            if t is not None and (t.dtype != torch.bfloat16 or t.numel() != k or not t.is_contiguous()
+                                  or t.device != x.device or t.data_ptr() % 16):  # fmt: skip
+                return False
+        return self.total is None or all(
+            t is None or self.total.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in (x, self.delta)
+        )
 
 
 def gemv_threads(k: int) -> int:
@@ -62,13 +93,18 @@ def _sm(arch: str) -> int:
 
 
 def gemv_applies(
-    kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None, kind: str = "gemv"
+    kernels: CudaKernels | None,
+    x: torch.Tensor,
+    w: GpuWeight,
+    bias: torch.Tensor | None = None,
+    kind: str = "gemv",
+    norm: NormPrologue | None = None,
 ) -> bool:
     """Whether ``gemv`` of ``kind`` runs x @ W^T here: loaded kernels holding its entry for the scheme,
     one bf16 row on their device, int4 (groups of 8 or more; ``mma``: of a multiple of 128 and K too),
     w8a16 or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
-    loads need."""
-    entry = ENTRIES.get((kind, w.scheme))
+    loads need; with ``norm``, its entry point too and operands it can read."""
+    entry = (NORM_ENTRIES if norm is not None else ENTRIES).get((kind, w.scheme))
     if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
         return False
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:
@@ -85,6 +121,8 @@ def gemv_applies(
         return False
     if w.scales is not None and (w.scales.stride(-1) != 1 or (w.zeros is not None and w.zeros.stride(-1) != 1)):
         return False
+    if norm is not None and not norm.applies(x):
+        return False
     return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 
 
@@ -97,9 +135,11 @@ def gemv(
     silu_mul: bool = False,
     out: torch.Tensor | None = None,
     kind: str = "gemv",
+    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ W[N, K]^T (+ bias) -> [1, N] bf16; with ``silu_mul`` W holds gate rows then up rows
-    and the result is silu(gate) * up, [1, N/2]. The caller checks ``gemv_applies`` first."""
+    and the result is silu(gate) * up, [1, N/2]; with ``norm``, rms_norm(x + norm.delta) * norm.weight
+    takes x's place. The caller checks ``gemv_applies`` first."""
     if silu_mul and w.n % 2:
         raise ValueError(f"fused gate/up width {w.n} is odd")
     n_out = w.n // 2 if silu_mul else w.n
@@ -122,6 +162,10 @@ def gemv(
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
+    entry = ENTRIES[kind, w.scheme]
+    if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
+        entry = NORM_ENTRIES[kind, w.scheme]
+        args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernels.module.launch(ENTRIES[kind, w.scheme], (-(-n_out // per_block),), (threads,), args, stream)
+    kernels.module.launch(entry, (-(-n_out // per_block),), (threads,), args, stream)
     return out

@@ -36,9 +36,17 @@ def reference_gemv(scale: float = 1.0, calls: list | None = None):  # noqa: ANN2
     call's (scheme, kind) goes to ``calls``."""
     from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
 
-    def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv"):  # noqa: ANN001, ANN202
+    from mgx.kernels.triton.rmsnorm import rms_norm_ref
+
+    def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv", norm=None):  # noqa: ANN001, ANN202
         if calls is not None:
-            calls.append((w.scheme, kind))
+            calls.append((w.scheme, kind) if norm is None else (w.scheme, kind, "norm"))
+        if norm is not None:  # the prologue: x is the residual
+            if norm.delta is None:
+                x = rms_norm_ref(x, norm.weight, norm.eps)
+            else:
+                x, total = rms_norm_ref(x, norm.weight, norm.eps, residual=norm.delta)
+                norm.total.copy_(total)
         return (scale * (linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias)).to(x.dtype)
 
     return gemv
@@ -148,7 +156,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
     # Only the CUDA-core kind applies here (the tensor-core one needs groups of 128).
-    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": k is kernels and x.shape[0] == 1
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: k is kernels and x.shape[0] == 1
                         and kind == "gemv")  # fmt: skip
     monkeypatch.setattr(cg, "gemv", reference_gemv())
     timer = autotune_pass._time
@@ -181,7 +189,8 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     backend.cuda_kernels = kernels
     ran: list[tuple[str, int]] = []
     monkeypatch.setattr(backend_cuda, "gemv_applies", cg.gemv_applies)
-    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, *a, **k: ran.append(("native", w.n)) or cg.gemv(x, w, *a, **k))
+    monkeypatch.setattr(backend_cuda, "gemv", lambda x, w, *a, **k: ran.append(("native" if k.get("norm") is None else "native+norm", w.n))
+                        or cg.gemv(x, w, *a, **k))  # fmt: skip
     real = backend_cuda.linear_silu_mul
     monkeypatch.setattr(backend_cuda, "linear_silu_mul", lambda x, w, *a, **k: ran.append(("triton silu", w.n)) or real(x, w, *a, **k))
     runner, want = ModelRunner(graph, backend), ModelRunner(graph, "reference")
@@ -194,18 +203,21 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
     assert [int(i) for i in got_ids] == want_ids
     layers = sum(op.kind == "attention" for op in graph.ops)
-    assert sum(k == "native" for k, _ in ran) == 3 * layers  # the decode row: qkv, o and down of each layer
+    assert sum(k.startswith("native") for k, _ in ran) == 3 * layers  # the decode row: qkv, o and down of each layer
+    # The qkv projections after a residual add (all but the first layer's) with the add + norm in the prologue.
+    assert sum(k == "native+norm" for k, _ in ran) == layers - 1
     assert sum(k == "triton silu" for k, _ in ran) == layers  # the fused gate/up stays on Triton
 
 
 @pytest.mark.interpreted
 def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch) -> None:
     """Without stored tunings the backend runs the native GEMV for int4/W8A16 rows (faster at the
-    model level on the H200) and the Triton GEMV for dense weights (not measured faster)."""
+    model level on the H200), with the add + RMSNorm before a projection in its prologue, and the
+    Triton GEMV for dense weights (not measured faster)."""
     calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": x.shape[0] == 1)
+    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: x.shape[0] == 1)
     monkeypatch.setattr(backend_cuda, "gemv", reference_gemv(calls=calls))
-    for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv")})):
+    for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv"), ("w8a16", "gemv", "norm")})):
         calls.clear()
         graph = compiled("gqa", pipeline, target="cuda")
         backend = CUDABackend(graph, device="cpu", dtype="f32")
@@ -223,7 +235,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
 
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
-    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv": x.shape[0] == 1)
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: x.shape[0] == 1)
     monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
     timer = autotune_pass._time
     monkeypatch.setattr(autotune_pass, "_time", lambda fn, r: -1.0 if fn.__defaults__[0].native else timer(fn, r))

@@ -226,6 +226,12 @@ def test_fusions_are_found() -> None:
     assert len(backend._fuse.rope_into_attention) == layers
     assert len(backend._fuse.silu_after_linear) == layers  # the fused gate/up projection
     assert len(backend._fuse.norm_after_add) >= 2 * layers - 1
+    # Each norm after an add feeds one projection (the fused QKV of the next layer, the fused gate/up),
+    # except the last, which feeds the LM head: 2 per layer but the first layer's input norm.
+    readers = backend._fuse.linear_after_norm
+    assert len(readers) == 2 * layers - 1 and {id(n) for n in backend._fuse.norm_after_add.values()} >= set(readers)
+    assert {op.kind for op in readers.values()} == {"linear"}
+    assert sum(id(op) in backend._fuse.silu_after_linear for op in readers.values()) == layers
 
 
 def test_bad_compute_dtype_is_a_clear_error() -> None:

@@ -253,3 +253,48 @@ def test_gpu_image_for_another_gpu_falls_back_with_one_warning(
         and native.other in engine.kernels_note
     )
     assert tokens == _golden(built)
+
+
+@pytest.fixture(scope="module")
+def fused_native(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny llama with fused QKV and gate/up projections and this GPU's kernels: every input norm
+    after a residual add feeds one projection, which the GEMV's RMSNorm prologue can take."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
+    from mgx.compiler.pipeline import compile_model
+    from mgx.compiler.spec import load_spec
+
+    from _tiny_hf import build_model_dir, write_spec
+
+    base = tmp_path_factory.mktemp("fused")
+    folder = build_model_dir(base / "llama", "llama")
+    extra = "target: cuda\npasses:\n  - fuse_qkv\n  - fuse_gate_up\n  - cuda_kernels\n"
+    spec_path = write_spec(folder, "llama", "fp32", ["Hello world", "The quick brown fox"], 24, extra=extra)
+    return compile_model(load_spec(spec_path), base / "fused.mgx", None, Progress(enabled=False))
+
+
+@pytest.mark.gpu
+def test_gpu_add_and_norm_run_in_the_gemv_prologue_at_batch_1(fused_native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 at batch 1: the native ``_norm`` GEMVs take every add + RMSNorm before a projection (one
+    launch each instead of two); MGX_CUDA_NORM_GEMV=0 runs them apart. Same greedy tokens, top-1
+    logits within 2% (1/rms may differ in its last bit between the two)."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.runtime import Engine
+
+    monkeypatch.setenv("MGX_CUDA_DTYPE", "bf16")
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MGX_CUDA_NORM_GEMV", switch)
+        engine = Engine(fused_native.output, backend="cuda")
+        kernels = engine.runner.backend.cuda_kernels
+        assert kernels is not None
+        launches: list[str] = []
+        launch = kernels.module.launch
+        monkeypatch.setattr(kernels.module, "launch", lambda name, *a, _l=launch, _s=launches, **k: _s.append(name) or _l(name, *a, **k))
+        runs = [engine.greedy_with_logits(list(c.prompt_ids), 24) for c in fused_native.golden.cases]
+        results[switch] = (runs, {n for n in launches if n in cg.NORM_ENTRIES.values()})
+    (fused, used), (apart, unused) = results["1"], results["0"]
+    assert used == {cg.NORM_ENTRIES["gemv", "none"]} and not unused
+    for (ids, top1), (ids0, top10) in zip(fused, apart, strict=True):
+        assert ids == ids0
+        np.testing.assert_allclose(top1, top10, rtol=2e-2, atol=2e-2)

@@ -80,6 +80,55 @@ def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, kind: 
         assert rel_err(got, want) < 4e-3
 
 
+@pytest.mark.parametrize(("scheme", "kw", "kind"), GEMV_CASES)
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4098, 2176), (6, 256)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, kind: str, n: int, k: int, silu: bool) -> None:
+    """The ``_norm`` entries: the row is rms_norm(res + delta) * g, computed by every block. The sum
+    they write is bf16(res + delta) to the bit; the output is within one bf16 rounding of the fp32
+    reference on the torch RMSNorm's row (rel. error < 4e-3), and of the native RMSNorm then GEMV
+    (< 4e-3: 1/rms may differ in its last bit, the sums of squares running in another order). Also
+    without delta (a first layer's norm) and without a weight (a folded norm)."""
+    from mgx.kernels.cuda import gemv as cg
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + 1)
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
+    res = (3 * torch.randn(1, k, device="cuda", generator=gen)).to(torch.bfloat16)
+    delta = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    ref = lin.linear_silu_mul_ref if silu else lin.linear_ref
+    for d, weight in ((delta, g), (None, g), (delta, None)):
+        total = None if d is None else torch.full_like(res, float("nan"))
+        norm = cg.NormPrologue(d, weight, 1e-5, total)
+        assert cg.gemv_applies(native, res, w, kind=kind, norm=norm)
+        got = cg.gemv(res, w, kernels=native, silu_mul=silu, kind=kind, norm=norm)
+        if d is None:
+            normed = trms.rms_norm_ref(res, weight, 1e-5)
+            apart = crms.rms_norm(res, weight, 1e-5, kernels=native)
+        else:
+            normed, want_total = trms.rms_norm_ref(res, weight, 1e-5, residual=d)
+            assert torch.equal(total, want_total)
+            apart, _ = crms.rms_norm(res, weight, 1e-5, residual=d, kernels=native)
+        assert rel_err(got, ref(normed, w)) < 4e-3
+        assert rel_err(got, cg.gemv(apart, w, kernels=native, silu_mul=silu, kind=kind)) < 4e-3
+
+
+def test_native_gemv_rmsnorm_prologue_declines_what_it_cannot_take(native) -> None:
+    from mgx.kernels.cuda import gemv as cg
+
+    w = make_weight("none", 64, 1024, device="cuda")
+    res, delta = (torch.randn(1, 1024, device="cuda").to(torch.bfloat16) for _ in range(2))
+    total = torch.empty_like(res)
+    assert cg.gemv_applies(native, res, w, norm=cg.NormPrologue(delta, None, 1e-6, total))
+    assert not cg.gemv_applies(native, res, w, norm=cg.NormPrologue(delta, None, 1e-6, None))  # nowhere for the sum
+    assert not cg.gemv_applies(native, res, w, norm=cg.NormPrologue(delta, None, 1e-6, res))  # the sum over its input
+    assert not cg.gemv_applies(native, res, w, norm=cg.NormPrologue(delta.float(), None, 1e-6, total))
+    assert not cg.gemv_applies(native, res, w, norm=cg.NormPrologue(delta, torch.ones(512, device="cuda"), 1e-6, total))
+    wide = torch.randn(1, cg.MAX_NORM_K + 8, device="cuda").to(torch.bfloat16)
+    assert not cg.gemv_applies(native, wide, make_weight("none", 64, cg.MAX_NORM_K + 8, device="cuda"),
+                               norm=cg.NormPrologue(None, None, 1e-6))  # fmt: skip
+
+
 def test_native_gemv_replays_in_a_cuda_graph_and_declines_what_it_cannot_take(native) -> None:
     from mgx.kernels.cuda import gemv as cg
 

@@ -39,3 +39,25 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma")  # int4 only
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4")}
     assert set(cg.LABELS) == set(cg.ENTRIES)
+
+
+def test_rmsnorm_prologue_operands_and_entry_names() -> None:
+    """What the ``_norm`` entries can read next to the row (the kernel itself: tests/gpu), and that
+    each GEMV entry has its ``_norm`` twin of the same ABI version."""
+    x, delta = (torch.randn(1, 256).to(torch.bfloat16) for _ in range(2))
+    total, g = torch.empty_like(x), torch.ones(256, dtype=torch.bfloat16)
+    assert cg.NormPrologue(delta, g, 1e-6, total).applies(x)
+    assert cg.NormPrologue(None, None, 1e-6).applies(x)  # a first layer's norm: nothing added, no sum
+    assert not cg.NormPrologue(delta, g, 1e-6).applies(x)  # a sum with nowhere to go
+    assert not cg.NormPrologue(None, g, 1e-6, total).applies(x)  # and the other way round
+    assert not cg.NormPrologue(delta, g, 1e-6, x).applies(x)  # the sum over the row it reads
+    assert not cg.NormPrologue(delta, g, 1e-6, delta).applies(x)
+    assert not cg.NormPrologue(delta, g.float(), 1e-6, total).applies(x)  # bf16 only
+    assert not cg.NormPrologue(delta[:, :128], g, 1e-6, total).applies(x)  # a delta of another width
+    assert not cg.NormPrologue(torch.randn(1, 257).to(torch.bfloat16)[:, 1:], g, 1e-6, total).applies(x)  # unaligned
+    wide = torch.randn(1, cg.MAX_NORM_K + 8).to(torch.bfloat16)
+    assert not cg.NormPrologue(None, None, 1e-6).applies(wide)  # past the prologue's shared memory
+    assert set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    for key, name in cg.ENTRIES.items():
+        base, version = name.rsplit("_v", 1)
+        assert cg.NORM_ENTRIES[key] == f"{base}_norm_v{version}"
