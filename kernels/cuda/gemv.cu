@@ -49,6 +49,8 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Words of 8 bf16 columns of x: from global memory through the read-only cache, or (the RMSNorm
 // prologue's row) from shared memory.
 template <bool kShared>
@@ -154,12 +156,12 @@ __device__ __forceinline__ void store(__nv_bfloat16* __restrict__ out, const flo
   }
 }
 
-// The rows block `blockIdx.x` reads: R consecutive outputs from n0, or (silu_f > 0) R/2 gate rows and
+// The rows of output group `blk`: R consecutive outputs from n0, or (silu_f > 0) R/2 gate rows and
 // the up rows F below them. Rows past the end repeat the last one (computed, never stored).
 template <int R>
-__device__ __forceinline__ int block_rows(int (&row)[R], int n, int silu_f) {
+__device__ __forceinline__ int block_rows(int (&row)[R], int n, int silu_f, int blk) {
   const int per = silu_f > 0 ? R / 2 : R;
-  const int n0 = blockIdx.x * per;
+  const int n0 = blk * per;
   const int n_out = silu_f > 0 ? silu_f : n;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -207,138 +209,6 @@ struct Bf16Weights {
   }
 };
 
-template <class Codes, int R, bool kSharedX>
-__device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
-                          const uint8_t* __restrict__ w, const Codes codes, const float* __restrict__ row_scale,
-                          const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, int silu_f) {
-  using Word = typename Codes::Word;
-  int row[R];
-  const int n0 = block_rows<R>(row, n, silu_f);
-  const int words = k >> 3;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (int base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
-    Word q[kUnroll][R];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * blockDim.x;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        q[u][r] = t < words ? load_stream(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t) : Word{};
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * blockDim.x;
-      if (t >= words) break;
-      float xf[8];
-      load_x<kSharedX>(x, t, xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += codes(q[u][r], xf, row[r], t);
-    }
-  }
-  block_sum<R>(acc);
-  store<R>(out, acc, row, n0, silu_f > 0 ? silu_f : n, row_scale, bias, silu_f > 0);
-}
-
-// ---- int4 on the tensor cores ----------------------------------------------------------------------
-//
-// One warp computes 16 rows (mma.m16n8k16 A = W tile, B = x in its 8 columns alike, D column 0 kept)
-// over 128 columns at a time, one int4 group of 128 (or a part of a longer one). Lane (g = lane / 4,
-// t = lane % 4) loads 16 bytes (32 codes) of rows g and g + 8 at columns 128 i + 32 t; LOP3 turns
-// each word's nibbles j and j + 4 into one bf16 pair 128 + q (exact), and the same k-slots of B get
-// x at those two columns, so every lane with the same t agrees on which column a k-slot holds. A
-// second MMA with A = 1 gives the sum of x over the 128 columns; then the row's total is
-// s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory.
-constexpr int kMmaWarps = 8;   // warps per block
-constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();  // bf16 MMA needs sm_80; the launcher never picks this kernel on older GPUs
-#else
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
-// Nibbles p and p + 4 of `w` (columns p and p + 4 of its word) as the bf16 pair (128 + q_p, 128 + q_p+4).
-__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
-
-template <bool kSilu, bool kSharedX>
-__device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
-                              const uint8_t* __restrict__ w, const float* __restrict__ scales,
-                              const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
-                              long long stride_w, long long stride_s, int group_shift, int silu_f) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int n_out = kSilu ? silu_f : n;
-  const int n0 = blockIdx.x * (kSilu ? 8 : 16);
-  // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
-  // block_rows<16>, which the epilogue takes (rows past the end repeat the last one, never stored).
-  const int lo = min(n0 + g, n_out - 1);
-  const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
-  const uint8_t* w_lo = w + lo * stride_w;
-  const uint8_t* w_hi = w + hi * stride_w;
-  const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
-  const int steps = k >> 7;
-  float acc_lo = 0.0f, acc_hi = 0.0f;
-  for (int s0 = warp; s0 < steps; s0 += kMmaWarps * kMmaUnroll) {
-    uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
-#pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
-      const int s = s0 + u * kMmaWarps;
-      q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
-      q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
-      const int s = s0 + u * kMmaWarps;
-      if (s >= steps) break;
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
-      float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
-      const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
-      const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
-      const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint4 xx = x_word<kSharedX>(x, xw + j);
-        const uint32_t b0 = __byte_perm(xx.x, xx.z, 0x5410), b1 = __byte_perm(xx.x, xx.z, 0x7632);  // (x0,x4), (x1,x5)
-        const uint32_t b2 = __byte_perm(xx.y, xx.w, 0x5410), b3 = __byte_perm(xx.y, xx.w, 0x7632);  // (x2,x6), (x3,x7)
-        mma_bf16(d, nibble_pair(wl[j], 0), nibble_pair(wh[j], 0), nibble_pair(wl[j], 1), nibble_pair(wh[j], 1), b0, b1);
-        mma_bf16(d, nibble_pair(wl[j], 2), nibble_pair(wh[j], 2), nibble_pair(wl[j], 3), nibble_pair(wh[j], 3), b2, b3);
-        mma_bf16(sx, ones, ones, ones, ones, b0, b1);
-        mma_bf16(sx, ones, ones, ones, ones, b2, b3);
-      }
-      const int grp = (s << 7) >> group_shift;
-      const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
-      const float z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
-      const float z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
-      acc_lo = fmaf(__ldg(scales + at_lo), fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
-      acc_hi = fmaf(__ldg(scales + at_hi), fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
-    }
-  }
-  __shared__ float part[kMmaWarps][16];
-  if (t == 0) {
-    part[warp][g] = acc_lo;
-    part[warp][g + 8] = acc_hi;
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  float total[16];
-#pragma unroll
-  for (int r = 0; r < 16; ++r) {
-    total[r] = 0.0f;
-    for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
-  }
-  int row[16];  // the same rows as lo and hi above, for the bias
-  block_rows<16>(row, n, silu_f);
-  store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
-}
-
 // ---- RMSNorm in the prologue --------------------------------------------------------------------
 //
 // The row a GEMV multiplies is often rms_norm(res + delta) * g (a decoder layer's input norms). With
@@ -346,7 +216,6 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
 // it (res + delta to bf16; the normalized value to bf16 before g multiplies it), and block 0 writes
 // res + delta for the layers after it: one kernel instead of the norm's and the GEMV's. Sums of
 // squares are fp32 in another order than rmsnorm.cu's, so 1/rms may differ from its in the last bit.
-constexpr int kMaxNormK = 8192;  // columns of a normalized row (16 KB of shared memory)
 
 struct NormIn {
   const __nv_bfloat16* res;    // [K]
@@ -410,57 +279,236 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k) {
   __syncthreads();
 }
 
-// One function per entry pair below; x is global memory (kSharedX false) or the prologue's row.
-template <bool kSharedX>
+// Output groups of R rows (R/2 gate/up pairs with silu_f) for a grid of any size: block b takes groups
+// b, b + gridDim.x, ... (the plain launches give each block one; the _norm ones fewer blocks than groups,
+// so that each computes the normalized row once for several). With kNorm, x is the block's shared
+// row: the first group's weights are sent towards L2 first, then the prologue fills x.
+template <class Codes, int R, bool kNorm>
+__device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
+                          const uint8_t* __restrict__ w, const Codes codes, const float* __restrict__ row_scale,
+                          const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, int silu_f,
+                          const NormIn* norm) {
+  using Word = typename Codes::Word;
+  const int n_out = silu_f > 0 ? silu_f : n;
+  const int per = silu_f > 0 ? R / 2 : R;
+  const int groups = (n_out + per - 1) / per;
+  const int words = k >> 3;
+  for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {
+  int row[R];
+  const int n0 = block_rows<R>(row, n, silu_f, blk);
+  if constexpr (kNorm) {
+    if (blk == blockIdx.x) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = threadIdx.x + u * blockDim.x;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (t < words) prefetch_l2(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t);
+      }
+      norm_prologue(const_cast<uint4*>(x), *norm, k);
+    }
+  }
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
+    Word q[kUnroll][R];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * blockDim.x;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        q[u][r] = t < words ? load_stream(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t) : Word{};
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * blockDim.x;
+      if (t >= words) break;
+      float xf[8];
+      load_x<kNorm>(x, t, xf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] += codes(q[u][r], xf, row[r], t);
+    }
+  }
+  block_sum<R>(acc);
+  store<R>(out, acc, row, n0, n_out, row_scale, bias, silu_f > 0);
+  __syncthreads();  // block_sum's shared partials serve the next group
+  }
+}
+
+// ---- int4 on the tensor cores ----------------------------------------------------------------------
+//
+// One warp computes 16 rows (mma.m16n8k16 A = W tile, B = x in its 8 columns alike, D column 0 kept)
+// over 128 columns at a time, one int4 group of 128 (or a part of a longer one). Lane (g = lane / 4,
+// t = lane % 4) loads 16 bytes (32 codes) of rows g and g + 8 at columns 128 i + 32 t; LOP3 turns
+// each word's nibbles j and j + 4 into one bf16 pair 128 + q (exact), and the same k-slots of B get
+// x at those two columns, so every lane with the same t agrees on which column a k-slot holds. A
+// second MMA with A = 1 gives the sum of x over the 128 columns; then the row's total is
+// s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory.
+constexpr int kMmaWarps = 8;   // warps per block
+constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // bf16 MMA needs sm_80; the launcher never picks this kernel on older GPUs
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Nibbles p and p + 4 of `w` (columns p and p + 4 of its word) as the bf16 pair (128 + q_p, 128 + q_p+4).
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
+
+template <bool kSilu, bool kNorm>
+__device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
+                              const uint8_t* __restrict__ w, const float* __restrict__ scales,
+                              const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
+                              long long stride_w, long long stride_s, int group_shift, int silu_f, const NormIn* norm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n_out = kSilu ? silu_f : n;
+  const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
+  const int steps = k >> 7;
+  for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
+  const int n0 = blk * (kSilu ? 8 : 16);
+  // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
+  // block_rows<16>, which the epilogue takes (rows past the end repeat the last one, never stored).
+  const int lo = min(n0 + g, n_out - 1);
+  const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
+  const uint8_t* w_lo = w + lo * stride_w;
+  const uint8_t* w_hi = w + hi * stride_w;
+  if constexpr (kNorm) {
+    if (blk == blockIdx.x) {
+#pragma unroll
+      for (int u = 0; u < kMmaUnroll; ++u) {
+        const int s = warp + u * kMmaWarps;
+        if (s < steps) {
+          prefetch_l2(reinterpret_cast<const uint4*>(w_lo + s * 64) + t);
+          prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
+        }
+      }
+      norm_prologue(const_cast<uint4*>(x), *norm, k);
+    }
+  }
+  const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
+  float acc_lo = 0.0f, acc_hi = 0.0f;
+  for (int s0 = warp; s0 < steps; s0 += kMmaWarps * kMmaUnroll) {
+    uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int s = s0 + u * kMmaWarps;
+      q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
+      q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int s = s0 + u * kMmaWarps;
+      if (s >= steps) break;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
+      float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
+      const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
+      const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
+      const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 xx = x_word<kNorm>(x, xw + j);
+        const uint32_t b0 = __byte_perm(xx.x, xx.z, 0x5410), b1 = __byte_perm(xx.x, xx.z, 0x7632);  // (x0,x4), (x1,x5)
+        const uint32_t b2 = __byte_perm(xx.y, xx.w, 0x5410), b3 = __byte_perm(xx.y, xx.w, 0x7632);  // (x2,x6), (x3,x7)
+        mma_bf16(d, nibble_pair(wl[j], 0), nibble_pair(wh[j], 0), nibble_pair(wl[j], 1), nibble_pair(wh[j], 1), b0, b1);
+        mma_bf16(d, nibble_pair(wl[j], 2), nibble_pair(wh[j], 2), nibble_pair(wl[j], 3), nibble_pair(wh[j], 3), b2, b3);
+        mma_bf16(sx, ones, ones, ones, ones, b0, b1);
+        mma_bf16(sx, ones, ones, ones, ones, b2, b3);
+      }
+      const int grp = (s << 7) >> group_shift;
+      const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
+      const float z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
+      const float z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
+      acc_lo = fmaf(__ldg(scales + at_lo), fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
+      acc_hi = fmaf(__ldg(scales + at_hi), fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
+    }
+  }
+  __shared__ float part[kMmaWarps][16];
+  if (t == 0) {
+    part[warp][g] = acc_lo;
+    part[warp][g + 8] = acc_hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      total[r] = 0.0f;
+      for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
+    }
+    int row[16];  // the same rows as lo and hi above, for the bias
+    block_rows<16>(row, n, silu_f, blk);
+    store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
+  }
+  __syncthreads();  // part[] serves the next group
+  }
+}
+
+// One function per entry pair below; x is global memory (kNorm false) or the block's shared row that
+// the RMSNorm prologue fills (norm: its operands).
+template <bool kNorm>
 __device__ __forceinline__ void gemv_int4(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                           const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                                          long long stride_w, long long stride_s, int group_shift, int silu_f) {
+                                          long long stride_w, long long stride_s, int group_shift, int silu_f,
+                                          const NormIn* norm) {
   const Int4Codes codes{scales, zeros, stride_s, group_shift};
-  gemv_rows<Int4Codes, kRows, kSharedX>(out, x, w, codes, nullptr, bias, n, k, stride_w, silu_f);
+  gemv_rows<Int4Codes, kRows, kNorm>(out, x, w, codes, nullptr, bias, n, k, stride_w, silu_f, norm);
 }
 
-template <bool kSharedX>
+template <bool kNorm>
 __device__ __forceinline__ void gemv_w8a16(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
-                                           const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
-  gemv_rows<Int8Codes, kRows, kSharedX>(out, x, reinterpret_cast<const uint8_t*>(w), Int8Codes{}, scales, bias, n, k,
-                                        stride_w, silu_f);
+                                           const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
+                                           const NormIn* norm) {
+  gemv_rows<Int8Codes, kRows, kNorm>(out, x, reinterpret_cast<const uint8_t*>(w), Int8Codes{}, scales, bias, n, k,
+                                     stride_w, silu_f, norm);
 }
 
-template <bool kSharedX>
+template <bool kNorm>
 __device__ __forceinline__ void gemv_bf16(__nv_bfloat16* out, const uint4* x, const __nv_bfloat16* w,
-                                          const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f) {
-  gemv_rows<Bf16Weights, kRows, kSharedX>(out, x, reinterpret_cast<const uint8_t*>(w), Bf16Weights{}, nullptr, bias, n,
-                                          k, stride_w, silu_f);
+                                          const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
+                                          const NormIn* norm) {
+  gemv_rows<Bf16Weights, kRows, kNorm>(out, x, reinterpret_cast<const uint8_t*>(w), Bf16Weights{}, nullptr, bias, n,
+                                       k, stride_w, silu_f, norm);
 }
 
-template <bool kSharedX>
+template <bool kNorm>
 __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                              const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                                             long long stride_w, long long stride_s, int group_shift, int silu_f) {
+                                             long long stride_w, long long stride_s, int group_shift, int silu_f,
+                                             const NormIn* norm) {
   if (silu_f > 0) {
-    gemv_int4_mma<true, kSharedX>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+    gemv_int4_mma<true, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   } else {
-    gemv_int4_mma<false, kSharedX>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f);
+    gemv_int4_mma<false, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   }
 }
 
 }  // namespace mgx_gemv
 
 // Each GEMV has two entry points: NAME(out, x, ...) reads x [K]; NAME_norm(out, res_out, res, delta,
-// g, eps, ...) multiplies rms_norm(res + delta) * g instead (NormIn; K <= kMaxNormK) and writes
-// res + delta to res_out when delta is given. The remaining parameters are the same.
+// g, eps, ...) multiplies rms_norm(res + delta) * g instead (NormIn; 2K bytes of dynamic shared
+// memory, K <= MAX_NORM_K in gemv.py) and writes res + delta to res_out when delta is given. The remaining
+// parameters are the same; a _norm grid may be smaller than the number of output groups.
 #define MGX_UNPAREN(...) __VA_ARGS__
 #define MGX_GEMV_ENTRIES(NAME, THREADS, FN, PARAMS, ARGS)                                                          \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME)(__nv_bfloat16* out, const __nv_bfloat16* x, MGX_UNPAREN PARAMS) {                           \
-    mgx_gemv::FN<false>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS);                                \
+    mgx_gemv::FN<false>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS, nullptr);                       \
   }                                                                                                               \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME##_norm)(__nv_bfloat16* out, __nv_bfloat16* res_out, const __nv_bfloat16* res,                \
                              const __nv_bfloat16* delta, const __nv_bfloat16* g, float eps, MGX_UNPAREN PARAMS) { \
-    __shared__ uint4 xs[mgx_gemv::kMaxNormK / 8];                                                                 \
-    mgx_gemv::norm_prologue(xs, mgx_gemv::NormIn{res, delta, g, res_out, eps}, k);                                \
-    mgx_gemv::FN<true>(out, xs, MGX_UNPAREN ARGS);                                                                \
+    extern __shared__ uint4 xs[];                                                                                 \
+    const mgx_gemv::NormIn in{res, delta, g, res_out, eps};                                                       \
+    mgx_gemv::FN<true>(out, xs, MGX_UNPAREN ARGS, &in);                                                           \
   }
 
 // out [N] (or [F] with silu_f = F > 0, W holding 2F rows: gate then up) from x [K]; bias [N] or null;

@@ -15,6 +15,7 @@ CUDA graphs like any other kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from dataclasses import dataclass
 
@@ -48,7 +49,10 @@ _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 colum
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
 UNROLL = 4  # kUnroll in gemv.cu
 MAX_THREADS = 256  # kMaxThreads in gemv.cu
-MAX_NORM_K = 8192  # kMaxNormK in gemv.cu: the widest row the RMSNorm prologue normalizes
+MAX_NORM_K = 8192  # the widest row the RMSNorm prologue normalizes (2 bytes a column of shared memory)
+# Blocks per SM of a _norm launch: each block normalizes the row once and then takes output groups
+# b, b + grid, ... (one block per group would repeat the prologue thousands of times).
+NORM_BLOCKS_PER_SM = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,11 @@ class NormPrologue:
         return self.total is None or all(
             t is None or self.total.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in (x, self.delta)
         )
+
+
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemv_threads(k: int) -> int:
@@ -162,10 +171,11 @@ def gemv(
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
-    entry = ENTRIES[kind, w.scheme]
+    entry, blocks, shared = ENTRIES[kind, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
-        entry = NORM_ENTRIES[kind, w.scheme]
+        entry, shared = NORM_ENTRIES[kind, w.scheme], 2 * w.k
+        blocks = min(blocks, NORM_BLOCKS_PER_SM * _sms(x.device.index))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernels.module.launch(entry, (-(-n_out // per_block),), (threads,), args, stream)
+    kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared)
     return out

@@ -257,8 +257,9 @@ def test_gpu_image_for_another_gpu_falls_back_with_one_warning(
 
 @pytest.fixture(scope="module")
 def fused_native(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A tiny llama with fused QKV and gate/up projections and this GPU's kernels: every input norm
-    after a residual add feeds one projection, which the GEMV's RMSNorm prologue can take."""
+    """A tiny llama with fused QKV and gate/up projections, W8A16, and this GPU's kernels: every input
+    norm after a residual add feeds one projection, which the GEMV's RMSNorm prologue can take (untuned,
+    the backend runs the native GEMV for quantized weights)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
     from mgx.compiler.pipeline import compile_model
@@ -268,7 +269,7 @@ def fused_native(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     base = tmp_path_factory.mktemp("fused")
     folder = build_model_dir(base / "llama", "llama")
-    extra = "target: cuda\npasses:\n  - fuse_qkv\n  - fuse_gate_up\n  - cuda_kernels\n"
+    extra = "target: cuda\npasses:\n  - fuse_qkv\n  - fuse_gate_up\n  - quantize_w8a16\n  - cuda_kernels\n"
     spec_path = write_spec(folder, "llama", "fp32", ["Hello world", "The quick brown fox"], 24, extra=extra)
     return compile_model(load_spec(spec_path), base / "fused.mgx", None, Progress(enabled=False))
 
@@ -294,7 +295,7 @@ def test_gpu_add_and_norm_run_in_the_gemv_prologue_at_batch_1(fused_native: Any,
         runs = [engine.greedy_with_logits(list(c.prompt_ids), 24) for c in fused_native.golden.cases]
         results[switch] = (runs, {n for n in launches if n in cg.NORM_ENTRIES.values()})
     (fused, used), (apart, unused) = results["1"], results["0"]
-    assert used == {cg.NORM_ENTRIES["gemv", "none"]} and not unused
+    assert used == {cg.NORM_ENTRIES["gemv", "w8a16"]} and not unused
     for (ids, top1), (ids0, top10) in zip(fused, apart, strict=True):
         assert ids == ids0
         np.testing.assert_allclose(top1, top10, rtol=2e-2, atol=2e-2)
