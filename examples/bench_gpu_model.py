@@ -279,12 +279,12 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         profile_prefill(engine, rng.integers(3, vocab_hi, args.prefill).tolist())
     row["prefill_tok_s"] = args.prefill / pf
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
-    # A/B of the batch-1 graph without each decode fusion (the same weights, recaptured).
+    # A/B of the batch-1 graph with each decode fusion switched the other way (the same weights, recaptured).
     prompt = rng.integers(3, vocab_hi, args.prompt).tolist()
-    for attr, key in (("_norm_gemv", "graph_b1_ms_norm_apart"), ("_decode_fusion", "graph_b1_ms_attention_apart")):
-        gpu_ms = graph_ms_without(engine, attr, prompt)
-        if gpu_ms is not None:
-            row[key] = gpu_ms
+    for attr, on, off in (("_norm_gemv", "norm_apart", "norm_in_gemv"), ("_decode_fusion", "attention_apart", "attention_fused")):
+        flipped = graph_ms_flipped(engine, attr, prompt)
+        if flipped is not None:
+            row[f"graph_b1_ms_{on if getattr(engine.runner.backend, attr) else off}"] = flipped
     add_row(row)
     del engine
     if DEVICE == "cuda":
@@ -340,19 +340,20 @@ def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
     return start.elapsed_time(end) / 50
 
 
-def graph_ms_without(engine, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
-    """``replay_ms`` of the batch-1 graph captured with the backend's switch ``attr`` off (None where
-    the backend has it off already); the graph is dropped after, to be captured anew when next needed."""
+def graph_ms_flipped(engine, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
+    """``replay_ms`` of the batch-1 graph captured with the backend's switch ``attr`` the other way
+    (None without one); the graph is dropped after, to be captured anew when next needed."""
     backend = engine.runner.backend
-    if not getattr(backend, attr, False) or DEVICE != "cuda":
+    if not hasattr(backend, attr) or DEVICE != "cuda":
         return None
-    setattr(backend, attr, False)
+    was = getattr(backend, attr)
+    setattr(backend, attr, not was)
     try:
         backend._graphs.pop((1, True), None)
         run_steps(engine, [prompt], 8)
         return replay_ms(engine, 1)
     finally:
-        setattr(backend, attr, True)
+        setattr(backend, attr, was)
         backend._graphs.pop((1, True), None)
 
 

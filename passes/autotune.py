@@ -8,10 +8,7 @@ batch buckets, and a prefill chunk), each candidate launch configuration of the 
 is timed on random activations with the weight's real bytes, and the fastest is kept. At one row the
 native CUDA GEMV (``kernels/cuda/gemv.cu``, built with nvcc for the build GPU when nvcc is there) is
 timed too, and where it beats the best Triton configuration the entry says so (``native``; the Triton
-configuration stays in the entry as the fallback for a runtime without the native code). A projection
-whose input is an RMSNorm after a residual add is timed with that norm on both sides: the native GEMV
-with the norm in its prologue (as the CUDA backend runs it at one row) against the norm kernel and
-then the Triton one. The graph is
+configuration stays in the entry as the fallback for a runtime without the native code). The graph is
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 """
@@ -96,24 +93,6 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
     return float(do_bench(fn, warmup=5, rep=repeats, return_mode="median")) / 1e3
 
 
-def _fed_by_norm_after_add(graph: ir.Graph) -> dict[int, ir.Op]:
-    """id(linear) -> the rms_norm of a residual add that is its input and that nothing else reads."""
-    producer = {name: op for op in graph.ops for name in op.outputs}
-    readers: dict[str, int] = {}
-    for op in graph.ops:
-        for name in op.inputs:
-            readers[name] = readers.get(name, 0) + 1
-    found = {}
-    for op in graph.ops:
-        norm = producer.get(op.inputs[0]) if op.kind == "linear" and op.inputs else None
-        if norm is None or norm.kind != "rms_norm" or readers.get(norm.outputs[0]) != 1:
-            continue
-        add = producer.get(norm.inputs[0])
-        if add is not None and add.kind == "add":
-            found[id(op)] = norm
-    return found
-
-
 def _kernel_of(graph: ir.Graph, op: ir.Op) -> str:
     if op.kind == "lm_head":
         return "lm_head_argmax"
@@ -132,8 +111,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
 
     from mgx.formats.artifact import AutotuneEntry
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
-    from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies
-    from mgx.kernels.cuda.rmsnorm import rms_norm
+    from mgx.kernels.cuda.gemv import gemv, gemv_applies
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
@@ -146,7 +124,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     entries: dict[str, AutotuneEntry] = {}
     timed = 0
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
-    fed_by_norm = _fed_by_norm_after_add(graph)
     for op in graph.ops:
         if op.kind not in ("linear", "lm_head"):
             continue
@@ -174,35 +151,17 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             one_row = best is not None and m == 1 and kernel != "lm_head_argmax"
             kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k)]
             silu = kernel == "linear_silu_mul"
-            norm_op, prologue = fed_by_norm.get(id(op)), None
-            if kinds and norm_op is not None and int(norm_op.attrs["group"]) == w.k:
-                # x is the residual, the norm's input is x + delta: both sides run the norm.
-                eps, delta = float(norm_op.attrs["eps"]), torch.randn_like(x)
-                g = (1 + 0.1 * torch.randn(w.k, device=device)).to(dtype)
-                prologue = NormPrologue(delta, g, eps, torch.empty_like(x))
-                kinds = [k for k in kinds if gemv_applies(kernels, x, w, kind=k, norm=prologue)]
-
-                def apart(c=best[1], x=x, w=w, f=launch[kernel], g=g, eps=eps, d=delta):  # noqa: ANN001, ANN202
-                    return f(rms_norm(x, g, eps, residual=d, kernels=kernels)[0], w, config=c)
-
-                best = (_time(apart, opts.repeats), best[1])
-                timed += 1
-            else:
-
-                def apart(c=best[1], x=x, w=w, f=launch[kernel]):  # noqa: ANN001, ANN202
-                    return f(x, w, config=c)
-
             # A candidate must first give the Triton kernel's result (within one rounding of the output
             # dtype): a native kernel that disagrees is reported, never chosen.
-            want = apart() if kinds else None
+            want = launch[kernel](x, w, config=best[1]) if kinds else None
             for kind in kinds:
-                err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind, norm=prologue), want)
+                err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
                 if err > NATIVE_TOLERANCE:
                     rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
                     continue
                 native = dataclasses.replace(best[1], native=kind)
-                seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind, p=prologue: gemv(x, w, kernels=kernels,
-                                silu_mul=s, kind=d, norm=p), opts.repeats)  # fmt: skip
+                seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: gemv(x, w, kernels=kernels, silu_mul=s,
+                                                                                 kind=d), opts.repeats)  # fmt: skip
                 timed += 1
                 if seconds < best[0]:
                     best = (seconds, native)

@@ -15,9 +15,11 @@ Fusions, each with the results of running the ops one by one: an ``add`` followe
 ``rms_norm`` of its output is one kernel; a ``linear`` whose output only feeds a one-input
 ``silu_mul`` (the fused gate/up projection) computes the SiLU product in its epilogue; a ``rope``
 whose outputs only feed the ``attention`` op rotates q and k in the same kernel that writes k and v
-into the paged cache (the attention prologue). At batch 1, where the artifact's native GEMVs take
-the projection, an ``add`` and the ``rms_norm`` after it are not a kernel of their own: they run in
-the prologue of the GEMV that reads the norm (``NormPrologue``; ``MGX_CUDA_NORM_GEMV=0``: apart).
+into the paged cache (the attention prologue). With ``MGX_CUDA_NORM_GEMV=1``, at batch 1, where
+the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm`` after it run in the
+prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
+default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
+3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms).
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -290,7 +292,7 @@ class CUDABackend(Backend):
         self._decode_fusion = os.environ.get("MGX_CUDA_DECODE_FUSION", "1") != "0"
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
-        self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "1") != "0"  # add + RMSNorm in a GEMV's prologue
+        self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -798,9 +800,8 @@ class CUDABackend(Backend):
     def _norm_into_gemv(self, norm_op: Op, a: Array, b: Array, weight: Array | None, eps: float, group: int) -> Array | None:
         """One row whose norm feeds one linear that a native GEMV takes: the add and the norm become
         that GEMV's prologue. Returns the sum it will write (the add's output), or None where it cannot.
-        A stored tuning decides (autotune timed this projection with the norm on both sides): its
-        native kind, or none where Triton won; untuned, quantized weights only (as for a plain row),
-        the tensor-core kernel for int4 where it applies, else the CUDA-core one."""
+        As for a plain row: the stored tuning's native kind, none where Triton won; untuned,
+        quantized weights only, the tensor-core kernel for int4 where it applies, else the CUDA-core one."""
         lin = self._fuse.linear_after_norm.get(id(norm_op))
         if lin is None or not self._norm_gemv or a.shape[0] != 1 or group != a.shape[1]:
             return None

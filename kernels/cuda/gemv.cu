@@ -279,9 +279,9 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k) {
   __syncthreads();
 }
 
-// Output groups of R rows (R/2 gate/up pairs with silu_f) for a grid of any size: block b takes groups
-// b, b + gridDim.x, ... (the plain launches give each block one; the _norm ones fewer blocks than groups,
-// so that each computes the normalized row once for several). With kNorm, x is the block's shared
+// Output groups of R rows (R/2 gate/up pairs with silu_f): block b takes group b (the plain launches,
+// a block per group) or, with kNorm, groups b, b + gridDim.x, ... (fewer blocks than groups, so that
+// each computes the normalized row once for several). With kNorm, x is the block's shared
 // row: the first group's weights are sent towards L2 first, then the prologue fills x.
 template <class Codes, int R, bool kNorm>
 __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
@@ -332,6 +332,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
   }
   block_sum<R>(acc);
   store<R>(out, acc, row, n0, n_out, row_scale, bias, silu_f > 0);
+  if constexpr (!kNorm) break;  // the plain launches have a block per group
   __syncthreads();  // block_sum's shared partials serve the next group
   }
 }
@@ -448,6 +449,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
     block_rows<16>(row, n, silu_f, blk);
     store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
   }
+  if constexpr (!kNorm) break;  // as in gemv_rows
   __syncthreads();  // part[] serves the next group
   }
 }

@@ -35,7 +35,6 @@ def reference_gemv(scale: float = 1.0, calls: list | None = None):  # noqa: ANN2
     """A stand-in for the native GEMV without a GPU: the reference product (times ``scale``); each
     call's (scheme, kind) goes to ``calls``."""
     from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
-
     from mgx.kernels.triton.rmsnorm import rms_norm_ref
 
     def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv", norm=None):  # noqa: ANN001, ANN202
@@ -184,6 +183,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in entries if e.config["native"]]
     assert f"native GEMV chosen for {len(chosen)} ({', '.join(chosen)})" in result.summary
 
+    monkeypatch.setenv("MGX_CUDA_NORM_GEMV", "1")  # and the add + RMSNorm in the prologue where it runs
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     backend.use_tunings(result.stats["autotune"])
     backend.cuda_kernels = kernels
@@ -210,14 +210,18 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
 
 
 @pytest.mark.interpreted
-def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch) -> None:
+@pytest.mark.parametrize("norm_gemv", ["0", "1"])
+def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch, norm_gemv: str) -> None:
     """Without stored tunings the backend runs the native GEMV for int4/W8A16 rows (faster at the
-    model level on the H200), with the add + RMSNorm before a projection in its prologue, and the
-    Triton GEMV for dense weights (not measured faster)."""
-    calls: list[tuple[str, str]] = []
+    model level on the H200) and the Triton GEMV for dense weights (not measured faster); with
+    MGX_CUDA_NORM_GEMV=1 the W8A16 projections after a residual add take the add + norm in their
+    prologue (the reference stand-in computes it, and the greedy steps still run)."""
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setenv("MGX_CUDA_NORM_GEMV", norm_gemv)
     monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: x.shape[0] == 1)
     monkeypatch.setattr(backend_cuda, "gemv", reference_gemv(calls=calls))
-    for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv"), ("w8a16", "gemv", "norm")})):
+    fused = {("w8a16", "gemv", "norm")} if norm_gemv == "1" else set()
+    for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv")} | fused)):
         calls.clear()
         graph = compiled("gqa", pipeline, target="cuda")
         backend = CUDABackend(graph, device="cpu", dtype="f32")
