@@ -281,10 +281,13 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
     # A/B of the batch-1 graph with each decode fusion switched the other way (the same weights, recaptured).
     prompt = rng.integers(3, vocab_hi, args.prompt).tolist()
-    for attr, on, off in (("_norm_gemv", "norm_apart", "norm_in_gemv"), ("_decode_fusion", "attention_apart", "attention_fused")):
-        flipped = graph_ms_flipped(engine, attr, prompt)
+    backend = engine.runner.backend
+    for obj, attr, on, off in ((backend, "_norm_gemv", "norm_apart", "norm_in_gemv"),
+                               (backend, "_decode_fusion", "attention_apart", "attention_fused"),
+                               (backend.cuda_kernels, "overlap", "not_overlapped", "overlapped")):  # fmt: skip
+        flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
-            row[f"graph_b1_ms_{on if getattr(engine.runner.backend, attr) else off}"] = flipped
+            row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
     add_row(row)
     del engine
     if DEVICE == "cuda":
@@ -340,20 +343,26 @@ def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
     return start.elapsed_time(end) / 50
 
 
-def graph_ms_flipped(engine, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
-    """``replay_ms`` of the batch-1 graph captured with the backend's switch ``attr`` the other way
-    (None without one); the graph is dropped after, to be captured anew when next needed."""
+def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
+    """``replay_ms`` of the batch-1 graph captured with the switch ``obj.attr`` (the backend's, its
+    native kernels') the other way (None without one); the graph is dropped after, to be captured
+    anew when next needed. Native kernels are only overlapped where ``allow_overlap`` says they can be."""
     backend = engine.runner.backend
-    if not hasattr(backend, attr) or DEVICE != "cuda":
+    if obj is None or not hasattr(obj, attr) or DEVICE != "cuda":
         return None
-    was = getattr(backend, attr)
-    setattr(backend, attr, not was)
+    was = getattr(obj, attr)
+    if attr == "overlap" and not was:
+        major, minor = torch.cuda.get_device_capability()
+        if not obj.allow_overlap(10 * major + minor):
+            return None
+    else:
+        setattr(obj, attr, not was)
     try:
         backend._graphs.pop((1, True), None)
         run_steps(engine, [prompt], 8)
         return replay_ms(engine, 1)
     finally:
-        setattr(backend, attr, was)
+        setattr(obj, attr, was)
         backend._graphs.pop((1, True), None)
 
 

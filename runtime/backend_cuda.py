@@ -19,7 +19,10 @@ into the paged cache (the attention prologue). With ``MGX_CUDA_NORM_GEMV=1``, at
 the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm`` after it run in the
 prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
 default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
-3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms).
+3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms). With ``MGX_CUDA_PDL=1``
+the native kernels are launched overlapped (programmatic dependent launches, sm_90 and newer): each
+may start while the kernel before it finishes, requesting its weights before it waits for that
+kernel's output. Off by default until measured.
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -436,7 +439,11 @@ class CUDABackend(Backend):
             stored = ", ".join(sorted(images)) or "none"
             return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
         gemvs = [GEMV_LABELS[key] for key, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
-        return f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
+        note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
+        if os.environ.get("MGX_CUDA_PDL", "0") == "1":
+            overlapped = self.cuda_kernels.allow_overlap(sm)
+            note += ", launched overlapped" if overlapped else ", not overlapped (needs sm_90, cuLaunchKernelEx, newer code)"
+        return note
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         if num_state_slots:

@@ -11,11 +11,31 @@ import ctypes
 import struct
 from collections.abc import Sequence
 
-__all__ = ["CudaDriverError", "CudaModule", "cubin_sm", "device_sm"]
+__all__ = ["CudaDriverError", "CudaModule", "LaunchAttribute", "LaunchConfig", "cubin_sm", "device_sm"]
 
 CUDA_SUCCESS = 0
 _ATTR_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _ATTR_CC_MINOR = 76
+_LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an id, then a 64-byte value union at offset 8 (72 bytes)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h): grid, block, dynamic shared memory, stream, attributes (56 bytes)."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 class CudaDriverError(RuntimeError):
@@ -45,6 +65,8 @@ def _driver() -> ctypes.CDLL:
         lib.cuModuleUnload.argtypes = [vp]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
         lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
+        if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 12.0 and newer drivers
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
         _check(lib, "cuInit", lib.cuInit(0))
         _lib = lib
     return _lib
@@ -114,12 +136,30 @@ class CudaModule:
         args: Sequence[ctypes._SimpleCData],
         stream: int = 0,
         shared_bytes: int = 0,
+        overlap: bool = False,
     ) -> None:
-        """Launch kernel ``name`` on ``stream`` (a CUstream handle, e.g. torch's ``cuda_stream``)."""
+        """Launch kernel ``name`` on ``stream`` (a CUstream handle, e.g. torch's ``cuda_stream``).
+
+        ``overlap``: a programmatic dependent launch (sm_90 and newer; ``supports_overlap``): the kernel
+        may start while the one before it on the stream finishes, so it must wait for it
+        (griddepcontrol.wait) before it reads anything that kernel wrote, or writes anything at all."""
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        if overlap:
+            attr = LaunchAttribute(id=_LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value = (1).to_bytes(4, "little") + bytes(60)  # programmaticStreamSerializationAllowed
+            config = LaunchConfig((gx, gy, gz), (bx, by, bz), shared_bytes, ctypes.c_void_p(stream),
+                                  ctypes.pointer(attr), 1)  # fmt: skip
+            rc = self._lib.cuLaunchKernelEx(ctypes.byref(config), self.function(name), params, None)
+            _check(self._lib, f"cuLaunchKernelEx({name})", rc)
+            return
         rc = self._lib.cuLaunchKernel(
             self.function(name), gx, gy, gz, bx, by, bz, shared_bytes, ctypes.c_void_p(stream), params, None
         )
         _check(self._lib, f"cuLaunchKernel({name})", rc)
+
+    @property
+    def supports_overlap(self) -> bool:
+        """Whether this driver has cuLaunchKernelEx (programmatic dependent launches)."""
+        return hasattr(self._lib, "cuLaunchKernelEx")

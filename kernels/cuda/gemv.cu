@@ -282,7 +282,8 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k) {
 // Output groups of R rows (R/2 gate/up pairs with silu_f): block b takes group b (the plain launches,
 // a block per group) or, with kNorm, groups b, b + gridDim.x, ... (fewer blocks than groups, so that
 // each computes the normalized row once for several). With kNorm, x is the block's shared
-// row: the first group's weights are sent towards L2 first, then the prologue fills x.
+// row, which the prologue fills after the block's first weights are sent towards L2. A thread waits
+// for the kernel before (mgx_abi.cuh) once its first weights are requested, before it reads x.
 template <class Codes, int R, bool kNorm>
 __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
                           const uint8_t* __restrict__ w, const Codes codes, const float* __restrict__ row_scale,
@@ -293,11 +294,12 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const int per = silu_f > 0 ? R / 2 : R;
   const int groups = (n_out + per - 1) / per;
   const int words = k >> 3;
+  mgx_pdl_release();
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {
   int row[R];
   const int n0 = block_rows<R>(row, n, silu_f, blk);
   if constexpr (kNorm) {
-    if (blk == blockIdx.x) {
+    if (blk == blockIdx.x) {  // the weights are no kernel's output: on their way before the wait
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int t = threadIdx.x + u * blockDim.x;
@@ -305,6 +307,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
         for (int r = 0; r < R; ++r)
           if (t < words) prefetch_l2(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t);
       }
+      mgx_pdl_wait();
       norm_prologue(const_cast<uint4*>(x), *norm, k);
     }
   }
@@ -320,6 +323,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
       for (int r = 0; r < R; ++r)
         q[u][r] = t < words ? load_stream(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t) : Word{};
     }
+    if (base == threadIdx.x) mgx_pdl_wait();  // the first weights are on their way; x may be the last kernel's
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int t = base + u * blockDim.x;
@@ -374,6 +378,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
   const int steps = k >> 7;
+  mgx_pdl_release();
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
   const int n0 = blk * (kSilu ? 8 : 16);
   // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
@@ -383,7 +388,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   const uint8_t* w_lo = w + lo * stride_w;
   const uint8_t* w_hi = w + hi * stride_w;
   if constexpr (kNorm) {
-    if (blk == blockIdx.x) {
+    if (blk == blockIdx.x) {  // as in gemv_rows
 #pragma unroll
       for (int u = 0; u < kMmaUnroll; ++u) {
         const int s = warp + u * kMmaWarps;
@@ -392,6 +397,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
           prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
         }
       }
+      mgx_pdl_wait();
       norm_prologue(const_cast<uint4*>(x), *norm, k);
     }
   }
@@ -405,6 +411,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
       q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
     }
+    if (s0 == warp) mgx_pdl_wait();  // as in gemv_rows
 #pragma unroll
     for (int u = 0; u < kMmaUnroll; ++u) {
       const int s = s0 + u * kMmaWarps;

@@ -177,5 +177,5 @@ def gemv(
         blocks = min(blocks, NORM_BLOCKS_PER_SM * _sms(x.device.index))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared)
+    kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

@@ -16,11 +16,12 @@ import torch
 
 from .driver import CudaDriverError, CudaModule, cubin_sm, device_sm
 
-__all__ = ["KERNEL_ABI", "CudaKernels", "arch_runs_on", "load_cuda_kernels", "rms_norm", "reset_fallback_warning"]
+__all__ = ["KERNEL_ABI", "OVERLAP_MARKER", "CudaKernels", "arch_runs_on", "load_cuda_kernels", "rms_norm", "reset_fallback_warning"]
 
 MAX_VEC = 4  # kMaxVec in rmsnorm.cu
 MAX_THREADS = 512  # kMaxThreads in rmsnorm.cu
 KERNEL_ABI = 1  # MGX_KERNEL_ABI in rmsnorm.cu: the suffix of every entry point's name
+OVERLAP_MARKER = f"mgx_overlap_aware_v{KERNEL_ABI}"  # in images whose kernels may be launched overlapped
 _ENTRY = {
     dtype: f"mgx_rms_norm_{name}_v{KERNEL_ABI}"
     for dtype, name in ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16"))
@@ -37,6 +38,16 @@ class CudaKernels:
         self.arch = arch
         self.device = device
         self._has: dict[str, bool] = {}
+        # Launch overlapped with the kernel before (programmatic dependent launches, mgx_abi.cuh);
+        # set through ``allow_overlap``.
+        self.overlap = False
+
+    def allow_overlap(self, sm: int) -> bool:
+        """Launch the kernels overlapped from now on where they can be: sm_90 or newer, a driver with
+        cuLaunchKernelEx, and code whose kernels wait for their predecessor (OVERLAP_MARKER).
+        Returns whether they will be."""
+        self.overlap = sm >= 90 and self.module.supports_overlap and self.has(OVERLAP_MARKER)
+        return self.overlap
 
     def has(self, entry: str) -> bool:
         """Whether the module holds ``entry`` (kernels added after the RMSNorm are optional: an
@@ -181,5 +192,5 @@ def rms_norm(
         ctypes.c_longlong(so), ctypes.c_longlong(sro), ctypes.c_float(eps),
     ]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernels.module.launch(_ENTRY[x.dtype], ((rows + rpb - 1) // rpb,), (tpr, rpb), args, stream)
+    kernels.module.launch(_ENTRY[x.dtype], ((rows + rpb - 1) // rpb,), (tpr, rpb), args, stream, overlap=kernels.overlap)
     return out if residual is None else (out, res_out)

@@ -299,3 +299,25 @@ def test_gpu_add_and_norm_run_in_the_gemv_prologue_at_batch_1(fused_native: Any,
     for (ids, top1), (ids0, top10) in zip(fused, apart, strict=True):
         assert ids == ids0
         np.testing.assert_allclose(top1, top10, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_launches_give_the_same_tokens(fused_native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MGX_CUDA_PDL=1 launches the native kernels overlapped (sm_90 and newer): the same kernels, so
+    the same greedy tokens and top-1 logits to the bit as ordinary launches; the kernel note says so."""
+    import torch
+
+    from mgx.runtime import Engine
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("overlapped launches need sm_90")
+    monkeypatch.setenv("MGX_CUDA_DTYPE", "bf16")
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MGX_CUDA_PDL", switch)
+        engine = Engine(fused_native.output, backend="cuda")
+        assert engine.runner.backend.cuda_kernels.overlap is (switch == "1")
+        assert engine.kernels_note.endswith(", launched overlapped") is (switch == "1")
+        results[switch] = [engine.greedy_with_logits(list(c.prompt_ids), 24) for c in fused_native.golden.cases]
+    assert results["1"] == results["0"]
+
