@@ -59,6 +59,7 @@ from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
 from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
+from mgx.kernels.triton._common import num_sms
 from mgx.kernels.triton.attention import (
     DecodeRope,
     decode_splits,
@@ -95,6 +96,10 @@ from .kv_cache import KVCache
 __all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS", "graph_table_width"]
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# Decode splits merge themselves (the last to finish merges all) up to this many; past it the merge
+# kernel runs. On the H200 (8B heads, batch 1) the self-merge won at 10 splits (640 tokens: 14.0 vs
+# 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us).
+SELF_MERGE_MAX_SPLITS = 16
 GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
 SDPA_MAX_SEQS = 4  # fresh prompts per step that torch's SDPA takes one by one (more: the varlen kernel)
 # How fresh prompts reach SDPA's fused kernels, in the order tried: query heads mapped to KV heads by
@@ -749,12 +754,15 @@ class CUDABackend(Backend):
     def _decode(self, q: Array, kc: Array, vc: Array, a: AttentionAttrs, rope: DecodeRope | None) -> Array:
         """Decode attention of the step's one row per sequence (``rope``: q, k unrotated, K/V unwritten)."""
         st = self._cur
+        splits = st.decode_splits
+        if splits is None:  # as the kernel would choose them
+            splits = decode_splits(q.shape[0], a.num_kv_heads, st.max_context_len, num_sms(q.device))
         counters = self._decode_counters
-        if counters is not None and q.shape[0] * a.num_kv_heads > counters.numel():
+        if counters is not None and (q.shape[0] * a.num_kv_heads > counters.numel() or splits > SELF_MERGE_MAX_SPLITS):
             counters = None
         return paged_attention_decode(
             q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
-            num_splits=st.decode_splits, max_context_len=st.max_context_len, counters=counters, rope=rope,
+            num_splits=splits, max_context_len=st.max_context_len, counters=counters, rope=rope,
         )  # fmt: skip
 
     def _sdpa_fresh(self, q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: AttentionAttrs) -> Array | None:

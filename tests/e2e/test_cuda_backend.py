@@ -59,19 +59,22 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("model", ["gqa", "window-partial-rotary"])
-def test_interpreted_split_decode_attention_merges_in_its_last_split(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("model", "most"), [("gqa", 16), ("window-partial-rotary", 16), ("gqa", 2)])
+def test_interpreted_split_decode_attention_merges_in_its_last_split(model: str, most: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode attention split 3 ways over 16-token tiles (forced: the tiny contexts would not split)
-    merges its partials in the split that arrives last, through the backend's counters: the
-    reference's tokens and logits, and the counters are zero again after every step."""
+    merges its partials in the split that arrives last, through the backend's counters, up to
+    SELF_MERGE_MAX_SPLITS splits (past it, here forced to 2, the merge kernel runs): the reference's
+    tokens and logits either way, and the counters are zero again after every step."""
     from mgx.kernels.triton import attention
     from mgx.runtime import backend_cuda
 
-    monkeypatch.setattr(attention, "decode_splits", lambda *a, **k: 3)
+    monkeypatch.setattr(backend_cuda, "decode_splits", lambda *a, **k: 3)
+    monkeypatch.setattr(backend_cuda, "SELF_MERGE_MAX_SPLITS", most)
     merges = []
     decode = attention.paged_attention_decode
 
     def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        assert kw["num_splits"] == 3
         merges.append(kw.get("counters") is not None)
         return decode(*args, **kw, block_n=16)
 
@@ -79,7 +82,7 @@ def test_interpreted_split_decode_attention_merges_in_its_last_split(model: str,
     graph = compiled(model, "dense")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     _check(graph, backend, steps=3)
-    assert merges and all(merges)
+    assert merges and all(merges) is (3 <= most) and any(merges) is (3 <= most)
     assert not backend._decode_counters.any()
 
 
