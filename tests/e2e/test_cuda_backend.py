@@ -325,29 +325,58 @@ BF16_TOKENS = 32
 BF16_NEAR_TIE = 0.05  # at a parting step: HF logit of MGX's token >= HF top logit - this * max(1, |top|)
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
-    """transformers' greedy tokens and fp32 logits: its bf16 model up to the final hidden state, the
-    LM head in fp32 (bf16 logits come in steps of 0.125 at magnitudes 16-32, which turns near-ties
-    into exact ties that the lowest token id wins; MGX's head takes its argmax in fp32)."""
-    ids = torch.tensor([prompt], device="cuda")
+def _hf_greedy(hf, prompt: list[int], n: int, *, cache: bool = True) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
+    """transformers' greedy tokens and fp32 logits: its model up to the final hidden state, the LM
+    head in fp32 (bf16 logits come in steps of 0.125 at magnitudes 16-32, which turns near-ties into
+    exact ties that the lowest token id wins; MGX's head takes its argmax in fp32).
+
+    ``cache``: decoding as transformers' ``generate`` does, one new token a step against its KV cache
+    (the prompt's K/V from the prefill, each new token's from a one-row forward, as in MGX); without
+    it, the whole sequence again every step (every row's K/V from a forward of all rows)."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor([prompt], device=device)
     head = hf.get_output_embeddings().weight.float()
-    tokens, logits = [], []
+    tokens, logits, past = [], [], None
     with torch.no_grad():
         for _ in range(n):
-            h = hf.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0, -1]
+            if cache:
+                out = hf.base_model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            else:
+                out = hf.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            h = out.last_hidden_state[0, -1]
             logits.append(h.float() @ head.T)
             tokens.append(int(logits[-1].argmax()))
             ids = torch.cat([ids, ids.new_tensor([[tokens[-1]]])], dim=1)
     return tokens, logits
 
 
-def _bf16_agreement(name: str, engine, hf, prompts: list[list[int]]) -> int:  # noqa: ANN001
+def test_transformers_reference_decodes_the_same_with_and_without_its_cache() -> None:
+    """The bf16 rule's reference on the CPU, in fp32 (where the two ways agree to rounding): a tiny
+    llama's greedy tokens with transformers' KV cache equal those of recomputing the whole sequence,
+    and the logits agree within 1e-4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    hf = LlamaForCausalLM(config).eval()
+    prompt = [5, 17, 3, 88, 42]
+    cached, cached_logits = _hf_greedy(hf, prompt, 8)
+    full, full_logits = _hf_greedy(hf, prompt, 8, cache=False)
+    assert cached == full
+    for a, b in zip(cached_logits, full_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def _bf16_agreement(name: str, engine, hf, prompts: list[list[int]], *, cache: bool = True) -> int:  # noqa: ANN001
     """Greedy 32 tokens from MGX and transformers (both bf16) per prompt: asserts that wherever they
-    part, MGX's token is a near-tie in transformers' logits at that step; returns how many agree."""
+    part, MGX's token is a near-tie in transformers' logits at that step; returns how many agree.
+    ``cache``: transformers decodes with its KV cache (as ``generate``; else recomputing all rows)."""
     agree = 0
     for prompt in prompts:
         ours, _ = engine.greedy_with_logits(prompt, BF16_TOKENS)
-        theirs, logits = _hf_greedy(hf, prompt, BF16_TOKENS)
+        theirs, logits = _hf_greedy(hf, prompt, BF16_TOKENS, cache=cache)
         if ours == theirs:
             agree += 1
             continue
@@ -357,7 +386,8 @@ def _bf16_agreement(name: str, engine, hf, prompts: list[list[int]]) -> int:  # 
             f"{name}: token {step} is {ours[step]} (HF logit {float(logits[step][ours[step]]):.3f}), "
             f"transformers chose {theirs[step]} ({top:.3f})"
         )
-    print(f"bf16 {name}: {agree} of {len(prompts)} prompts agree with transformers on {BF16_TOKENS} tokens")
+    way = "with its KV cache" if cache else "recomputing every row"
+    print(f"bf16 {name}: {agree} of {len(prompts)} prompts agree with transformers ({way}) on {BF16_TOKENS} tokens")
     return agree
 
 
@@ -391,7 +421,9 @@ SMOLLM2_BF16_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once u
 @pytest.mark.slow
 def test_gpu_smollm2_bf16_matches_transformers_on_most_prompts(smollm2, monkeypatch, record_property) -> None:  # noqa: ANN001
     """The rule for real weights: on more than half of the prompts MGX and transformers (both bf16 on
-    the GPU) give the same 32 greedy tokens, and every parting is a near-tie."""
+    the GPU; transformers decoding with its KV cache, as its ``generate`` does and as MGX does) give
+    the same 32 greedy tokens, and every parting is a near-tie. Agreement with transformers
+    recomputing the whole sequence every step (the rule's reference before) is reported too."""
     import copy
 
     from mgx.runtime import Engine
@@ -403,6 +435,8 @@ def test_gpu_smollm2_bf16_matches_transformers_on_most_prompts(smollm2, monkeypa
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in SMOLLM2_BF16_PROMPTS]
     agree = _bf16_agreement("smollm2", engine, hf, prompts)
     record_property("smollm2_bf16_prompts_agreeing_on_32_tokens", f"{agree} of {len(prompts)}")
+    recomputed = _bf16_agreement("smollm2", engine, hf, prompts, cache=False)
+    record_property("smollm2_bf16_prompts_agreeing_without_hf_cache", f"{recomputed} of {len(prompts)}")
     assert agree > len(prompts) // 2, f"only {agree} of {len(prompts)} prompts agree on {BF16_TOKENS} tokens"
 
 
