@@ -296,48 +296,48 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const int words = k >> 3;
   mgx_pdl_release();
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {
-  int row[R];
-  const int n0 = block_rows<R>(row, n, silu_f, blk);
-  if constexpr (kNorm) {
-    if (blk == blockIdx.x) {  // the weights are no kernel's output: on their way before the wait
+    int row[R];
+    const int n0 = block_rows<R>(row, n, silu_f, blk);
+    if constexpr (kNorm) {
+      if (blk == blockIdx.x) {  // the weights are no kernel's output: on their way before the wait
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int t = threadIdx.x + u * blockDim.x;
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            if (t < words) prefetch_l2(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t);
+        }
+        mgx_pdl_wait();
+        norm_prologue(const_cast<uint4*>(x), *norm, k);
+      }
+    }
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (int base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
+      Word q[kUnroll][R];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int t = threadIdx.x + u * blockDim.x;
+        const int t = base + u * blockDim.x;
 #pragma unroll
         for (int r = 0; r < R; ++r)
-          if (t < words) prefetch_l2(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t);
+          q[u][r] = t < words ? load_stream(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t) : Word{};
       }
-      mgx_pdl_wait();
-      norm_prologue(const_cast<uint4*>(x), *norm, k);
+      if (base == threadIdx.x) mgx_pdl_wait();  // the first weights are on their way; x may be the last kernel's
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = base + u * blockDim.x;
+        if (t >= words) break;
+        float xf[8];
+        load_x<kNorm>(x, t, xf);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] += codes(q[u][r], xf, row[r], t);
+      }
     }
-  }
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (int base = threadIdx.x; base < words; base += blockDim.x * kUnroll) {
-    Word q[kUnroll][R];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * blockDim.x;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        q[u][r] = t < words ? load_stream(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t) : Word{};
-    }
-    if (base == threadIdx.x) mgx_pdl_wait();  // the first weights are on their way; x may be the last kernel's
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * blockDim.x;
-      if (t >= words) break;
-      float xf[8];
-      load_x<kNorm>(x, t, xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += codes(q[u][r], xf, row[r], t);
-    }
-  }
-  block_sum<R>(acc);
-  store<R>(out, acc, row, n0, n_out, row_scale, bias, silu_f > 0);
-  if constexpr (!kNorm) break;  // the plain launches have a block per group
-  __syncthreads();  // block_sum's shared partials serve the next group
+    block_sum<R>(acc);
+    store<R>(out, acc, row, n0, n_out, row_scale, bias, silu_f > 0);
+    if constexpr (!kNorm) break;  // the plain launches have a block per group
+    __syncthreads();  // block_sum's shared partials serve the next group
   }
 }
 
@@ -380,84 +380,84 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   const int steps = k >> 7;
   mgx_pdl_release();
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
-  const int n0 = blk * (kSilu ? 8 : 16);
-  // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
-  // block_rows<16>, which the epilogue takes (rows past the end repeat the last one, never stored).
-  const int lo = min(n0 + g, n_out - 1);
-  const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
-  const uint8_t* w_lo = w + lo * stride_w;
-  const uint8_t* w_hi = w + hi * stride_w;
-  if constexpr (kNorm) {
-    if (blk == blockIdx.x) {  // as in gemv_rows
+    const int n0 = blk * (kSilu ? 8 : 16);
+    // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
+    // block_rows<16>, which the epilogue takes (rows past the end repeat the last one, never stored).
+    const int lo = min(n0 + g, n_out - 1);
+    const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
+    const uint8_t* w_lo = w + lo * stride_w;
+    const uint8_t* w_hi = w + hi * stride_w;
+    if constexpr (kNorm) {
+      if (blk == blockIdx.x) {  // as in gemv_rows
+#pragma unroll
+        for (int u = 0; u < kMmaUnroll; ++u) {
+          const int s = warp + u * kMmaWarps;
+          if (s < steps) {
+            prefetch_l2(reinterpret_cast<const uint4*>(w_lo + s * 64) + t);
+            prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
+          }
+        }
+        mgx_pdl_wait();
+        norm_prologue(const_cast<uint4*>(x), *norm, k);
+      }
+    }
+    const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
+    float acc_lo = 0.0f, acc_hi = 0.0f;
+    for (int s0 = warp; s0 < steps; s0 += kMmaWarps * kMmaUnroll) {
+      uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
 #pragma unroll
       for (int u = 0; u < kMmaUnroll; ++u) {
-        const int s = warp + u * kMmaWarps;
-        if (s < steps) {
-          prefetch_l2(reinterpret_cast<const uint4*>(w_lo + s * 64) + t);
-          prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
+        const int s = s0 + u * kMmaWarps;
+        q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
+        q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
+      }
+      if (s0 == warp) mgx_pdl_wait();  // as in gemv_rows
+#pragma unroll
+      for (int u = 0; u < kMmaUnroll; ++u) {
+        const int s = s0 + u * kMmaWarps;
+        if (s >= steps) break;
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
+        float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
+        const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
+        const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
+        const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 xx = x_word<kNorm>(x, xw + j);
+          const uint32_t b0 = __byte_perm(xx.x, xx.z, 0x5410), b1 = __byte_perm(xx.x, xx.z, 0x7632);  // (x0,x4), (x1,x5)
+          const uint32_t b2 = __byte_perm(xx.y, xx.w, 0x5410), b3 = __byte_perm(xx.y, xx.w, 0x7632);  // (x2,x6), (x3,x7)
+          mma_bf16(d, nibble_pair(wl[j], 0), nibble_pair(wh[j], 0), nibble_pair(wl[j], 1), nibble_pair(wh[j], 1), b0, b1);
+          mma_bf16(d, nibble_pair(wl[j], 2), nibble_pair(wh[j], 2), nibble_pair(wl[j], 3), nibble_pair(wh[j], 3), b2, b3);
+          mma_bf16(sx, ones, ones, ones, ones, b0, b1);
+          mma_bf16(sx, ones, ones, ones, ones, b2, b3);
         }
+        const int grp = (s << 7) >> group_shift;
+        const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
+        const float z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
+        const float z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
+        acc_lo = fmaf(__ldg(scales + at_lo), fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
+        acc_hi = fmaf(__ldg(scales + at_hi), fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
       }
-      mgx_pdl_wait();
-      norm_prologue(const_cast<uint4*>(x), *norm, k);
     }
-  }
-  const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
-  float acc_lo = 0.0f, acc_hi = 0.0f;
-  for (int s0 = warp; s0 < steps; s0 += kMmaWarps * kMmaUnroll) {
-    uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
-#pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
-      const int s = s0 + u * kMmaWarps;
-      q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
-      q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
+    __shared__ float part[kMmaWarps][16];
+    if (t == 0) {
+      part[warp][g] = acc_lo;
+      part[warp][g + 8] = acc_hi;
     }
-    if (s0 == warp) mgx_pdl_wait();  // as in gemv_rows
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total[16];
 #pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
-      const int s = s0 + u * kMmaWarps;
-      if (s >= steps) break;
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
-      float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
-      const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
-      const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
-      const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint4 xx = x_word<kNorm>(x, xw + j);
-        const uint32_t b0 = __byte_perm(xx.x, xx.z, 0x5410), b1 = __byte_perm(xx.x, xx.z, 0x7632);  // (x0,x4), (x1,x5)
-        const uint32_t b2 = __byte_perm(xx.y, xx.w, 0x5410), b3 = __byte_perm(xx.y, xx.w, 0x7632);  // (x2,x6), (x3,x7)
-        mma_bf16(d, nibble_pair(wl[j], 0), nibble_pair(wh[j], 0), nibble_pair(wl[j], 1), nibble_pair(wh[j], 1), b0, b1);
-        mma_bf16(d, nibble_pair(wl[j], 2), nibble_pair(wh[j], 2), nibble_pair(wl[j], 3), nibble_pair(wh[j], 3), b2, b3);
-        mma_bf16(sx, ones, ones, ones, ones, b0, b1);
-        mma_bf16(sx, ones, ones, ones, ones, b2, b3);
+      for (int r = 0; r < 16; ++r) {
+        total[r] = 0.0f;
+        for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
       }
-      const int grp = (s << 7) >> group_shift;
-      const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
-      const float z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
-      const float z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
-      acc_lo = fmaf(__ldg(scales + at_lo), fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
-      acc_hi = fmaf(__ldg(scales + at_hi), fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
+      int row[16];  // the same rows as lo and hi above, for the bias
+      block_rows<16>(row, n, silu_f, blk);
+      store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
     }
-  }
-  __shared__ float part[kMmaWarps][16];
-  if (t == 0) {
-    part[warp][g] = acc_lo;
-    part[warp][g + 8] = acc_hi;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      total[r] = 0.0f;
-      for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
-    }
-    int row[16];  // the same rows as lo and hi above, for the bias
-    block_rows<16>(row, n, silu_f, blk);
-    store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
-  }
-  if constexpr (!kNorm) break;  // as in gemv_rows
-  __syncthreads();  // part[] serves the next group
+    if constexpr (!kNorm) break;  // as in gemv_rows
+    __syncthreads();  // part[] serves the next group
   }
 }
 
