@@ -284,7 +284,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     backend = engine.runner.backend
     for obj, attr, on, off in ((backend, "_norm_gemv", "norm_apart", "norm_in_gemv"),
                                (backend, "_decode_fusion", "attention_apart", "attention_fused"),
-                               (backend.cuda_kernels, "overlap", "not_overlapped", "overlapped")):  # fmt: skip
+                               (backend, "overlap_launches", "not_overlapped", "overlapped")):  # fmt: skip
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
@@ -344,19 +344,16 @@ def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
 
 
 def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
-    """``replay_ms`` of the batch-1 graph captured with the switch ``obj.attr`` (the backend's, its
-    native kernels') the other way (None without one); the graph is dropped after, to be captured
-    anew when next needed. Native kernels are only overlapped where ``allow_overlap`` says they can be."""
+    """``replay_ms`` of the batch-1 graph captured with the backend's switch ``obj.attr`` the other way
+    (None without one, or where it cannot be flipped here); the graph is dropped after, to be captured
+    anew when next needed."""
     backend = engine.runner.backend
-    if obj is None or not hasattr(obj, attr) or DEVICE != "cuda":
+    if not hasattr(obj, attr) or DEVICE != "cuda":
         return None
     was = getattr(obj, attr)
-    if attr == "overlap" and not was:
-        major, minor = torch.cuda.get_device_capability()
-        if not obj.allow_overlap(10 * major + minor):
-            return None
-    else:
-        setattr(obj, attr, not was)
+    setattr(obj, attr, not was)
+    if getattr(obj, attr) == was:  # e.g. overlapped launches below sm_90
+        return None
     try:
         backend._graphs.pop((1, True), None)
         run_steps(engine, [prompt], 8)

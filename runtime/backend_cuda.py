@@ -20,9 +20,10 @@ the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm``
 prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
 default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
 3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms). With ``MGX_CUDA_PDL=1``
-the native kernels are launched overlapped (programmatic dependent launches, sm_90 and newer): each
-may start while the kernel before it finishes, requesting its weights before it waits for that
-kernel's output. Off by default until measured.
+the decode-path kernels are launched overlapped (programmatic dependent launches, sm_90 and newer; the
+Triton linear, decode attention and LM head kernels and the native ones): each may start while the
+kernel before it finishes and waits for it before reading its output (the native GEMVs request their
+weights first). Off by default until measured (``overlap_launches``).
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -59,7 +60,7 @@ from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
 from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
-from mgx.kernels.triton._common import num_sms
+from mgx.kernels.triton._common import num_sms, overlapped_launches
 from mgx.kernels.triton.attention import (
     DecodeRope,
     decode_splits,
@@ -301,6 +302,10 @@ class CUDABackend(Backend):
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
+        # Programmatic dependent launches (sm_90 and newer; MGX_CUDA_PDL=1): see overlap_launches.
+        major, minor = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
+        self._sm = 10 * major + minor
+        self._overlap = os.environ.get("MGX_CUDA_PDL", "0") == "1" and self._sm >= 90
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -445,10 +450,25 @@ class CUDABackend(Backend):
             return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
         gemvs = [GEMV_LABELS[key] for key, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
-        if os.environ.get("MGX_CUDA_PDL", "0") == "1":
+        if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)
-            note += ", launched overlapped" if overlapped else ", not overlapped (needs sm_90, cuLaunchKernelEx, newer code)"
+            note += ", launched overlapped" if overlapped else ", not overlapped (needs cuLaunchKernelEx, newer code)"
         return note
+
+    @property
+    def overlap_launches(self) -> bool:
+        """Whether the decode-path kernels are launched overlapped (programmatic dependent launches):
+        the Triton linear, decode attention and LM head kernels, and the native kernels where their
+        code allows it. Each kernel may then start while the one before it finishes and waits for it
+        before reading its output. ``MGX_CUDA_PDL=1`` turns it on (sm_90 and newer); off by default
+        until measured. Steps captured before a change keep the launches they were captured with."""
+        return self._overlap
+
+    @overlap_launches.setter
+    def overlap_launches(self, on: bool) -> None:
+        self._overlap = bool(on) and self._sm >= 90
+        if self.cuda_kernels is not None:
+            self.cuda_kernels.overlap = self._overlap and self.cuda_kernels.allow_overlap(self._sm)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> KVCache:
         if num_state_slots:
@@ -488,17 +508,18 @@ class CUDABackend(Backend):
             if fed is None:
                 batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
         self._last_launch = None
-        if unwaited:
-            out: StepResult = self._launch_graph(run_ops, batch, fed)
-        elif graphed:
-            out = StepResult(self._replay(run_ops, batch))
-        else:
-            self._step = self._eager_step(batch)
-            try:
-                out = StepResult(_to_host(run_ops(batch)))
-            finally:
-                self._step = None
-                self._pending.clear()
+        with overlapped_launches(self._overlap):
+            if unwaited:
+                out: StepResult = self._launch_graph(run_ops, batch, fed)
+            elif graphed:
+                out = StepResult(self._replay(run_ops, batch))
+            else:
+                self._step = self._eager_step(batch)
+                try:
+                    out = StepResult(_to_host(run_ops(batch)))
+                finally:
+                    self._step = None
+                    self._pending.clear()
         self._last_launch = out
         return out
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import triton
@@ -17,6 +21,37 @@ TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16
 # Read once, at import, as Triton itself decides at import whether its kernels are interpreted (an
 # environment lookup per launch cost 2 us on the VM).
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_OVERLAP = contextvars.ContextVar("mgx_triton_overlap", default=False)
+
+
+@contextlib.contextmanager
+def overlapped_launches(on: bool) -> Iterator[None]:
+    """Inside it, the kernels that take ``overlap_options()`` (the linear, decode attention and LM
+    head kernels) are launched overlapped: programmatic dependent launches (sm_90 and newer), each
+    letting the next kernel start and waiting for the one before it first (``overlap_start``).
+    Never in the interpreter."""
+    token = _OVERLAP.set(bool(on) and not _INTERPRETING)
+    try:
+        yield
+    finally:
+        _OVERLAP.reset(token)
+
+
+def overlap_options() -> dict[str, Any]:
+    """A launch's OVERLAP constexpr and, when on, Triton's ``launch_pdl`` option."""
+    return {"OVERLAP": True, "launch_pdl": True} if _OVERLAP.get() else {"OVERLAP": False}
+
+
+@triton.jit
+def overlap_start(OVERLAP: tl.constexpr):
+    """A kernel's first statement: launched overlapped, it lets the next kernel on the stream start
+    and waits until the one before it has finished (and its writes are visible), before reading
+    anything or writing at all. A no-op otherwise."""
+    if OVERLAP:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 def interpreting() -> bool:

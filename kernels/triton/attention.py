@@ -23,7 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_as, cdiv, check_float, dot_precision, next_pow2, num_sms, rows_of
+from ._common import (
+    cast_as,
+    cdiv,
+    check_float,
+    dot_precision,
+    next_pow2,
+    num_sms,
+    overlap_options,
+    overlap_start,
+    rows_of,
+)
 from .rope import _angles, _rotate, check_cache, write_kv_launch
 
 __all__ = [
@@ -55,8 +65,9 @@ def _decode_kernel(
     stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MERGE: tl.constexpr, ROT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE: tl.constexpr, ROT: tl.constexpr, DOT_PREC: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
+    overlap_start(OVERLAP)
     s = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
@@ -159,8 +170,9 @@ def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, hq, g_mask
 @triton.jit
 def _decode_merge_kernel(
     part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o, num_splits,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
+    overlap_start(OVERLAP)
     s = tl.program_id(0)
     hq = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
@@ -346,12 +358,12 @@ def paged_attention_decode(
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
         BLOCK_N=block_n, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:
         _decode_merge_kernel[(n, hq)](
             part_o, part_m, part_l, out, out.stride(0), num_splits,
-            HQ=hq, D=d, BLOCK_P=next_pow2(num_splits), BLOCK_D=next_pow2(d), num_warps=4,
+            HQ=hq, D=d, BLOCK_P=next_pow2(num_splits), BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
         )  # fmt: skip
     return out
 

@@ -25,7 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_as, cdiv, check_float, dot_precision, interpreting, next_pow2, round_as, rows_of
+from ._common import (
+    cast_as,
+    cdiv,
+    check_float,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    overlap_options,
+    overlap_start,
+    round_as,
+    rows_of,
+)
 
 __all__ = [
     "GpuWeight",
@@ -457,10 +468,11 @@ def _linear_kernel(
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    SPLIT_K: tl.constexpr, SWAP: tl.constexpr, FAST_CVT: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP: tl.constexpr, FAST_CVT: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
     # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
     # m varies fastest across programs, so the programs that share a weight tile run together.
+    overlap_start(OVERLAP)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -715,6 +727,7 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and w.k % block_k == 0,
         SPLIT_K=split_k, SWAP=swap, FAST_CVT=not interpreting(), num_warps=cfg.num_warps, num_stages=num_stages,
+        **overlap_options(),
     )  # fmt: skip
     return out
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_float, dot_precision, next_pow2, rows_of
+from ._common import cdiv, check_float, dot_precision, next_pow2, overlap_options, overlap_start, rows_of
 from .linear import (
     GEMV_MAX_M,
     SCHEME_IDS,
@@ -33,8 +33,9 @@ def _lm_head_tile_kernel(
     M, N, K, stride_xm, stride_w, stride_s, stride_m, num_tiles,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
+    overlap_start(OVERLAP)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,7 +57,9 @@ def _lm_head_tile_kernel(
 
 
 @triton.jit
-def _argmax_merge_kernel(part_v_ptr, part_i_ptr, ids_ptr, vals_ptr, num_tiles, BLOCK_T: tl.constexpr):
+def _argmax_merge_kernel(part_v_ptr, part_i_ptr, ids_ptr, vals_ptr, num_tiles, BLOCK_T: tl.constexpr,
+                         OVERLAP: tl.constexpr):  # fmt: skip
+    overlap_start(OVERLAP)
     r = tl.program_id(0).to(tl.int64)
     best = tl.full([BLOCK_T], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_T], 2147483647, tl.int32)
@@ -106,10 +109,10 @@ def lm_head_argmax(
         META_PACKED=weight.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None,
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and weight.k % block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap_options(),
     )  # fmt: skip
     block_t = min(1024, next_pow2(num_tiles))
-    _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4)
+    _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4, **overlap_options())
     return ids, vals
 
 

@@ -24,6 +24,7 @@ from mgx.compiler.spec import ModelSpec, PassSpec, SourceSpec
 from mgx.formats import ir
 from mgx.formats.artifact import describe_artifact, load_artifact, write_artifact
 from mgx.kernels.cuda import build
+from mgx.kernels.cuda import rmsnorm as crms
 from mgx.passes import PASSES, PassContext, PassError
 from mgx.passes import cuda_kernels as cuda_kernels_pass
 
@@ -302,9 +303,13 @@ def test_gpu_add_and_norm_run_in_the_gemv_prologue_at_batch_1(fused_native: Any,
 
 
 @pytest.mark.gpu
-def test_gpu_overlapped_launches_give_the_same_tokens(fused_native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MGX_CUDA_PDL=1 launches the native kernels overlapped (sm_90 and newer): the same kernels, so
-    the same greedy tokens and top-1 logits to the bit as ordinary launches; the kernel note says so."""
+def test_gpu_overlapped_launches_give_the_same_tokens(
+    fused_native: Any, native: Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MGX_CUDA_PDL=1 launches the decode-path kernels overlapped (sm_90 and newer): the same kernels,
+    so the same greedy tokens and top-1 logits to the bit as ordinary launches, in bf16. Two models:
+    W8A16 with native GEMVs (the kernel note says they are overlapped), and one without native
+    kernels (the Triton GEMVs, decode attention and LM head alone)."""
     import torch
 
     from mgx.runtime import Engine
@@ -312,12 +317,19 @@ def test_gpu_overlapped_launches_give_the_same_tokens(fused_native: Any, monkeyp
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("overlapped launches need sm_90")
     monkeypatch.setenv("MGX_CUDA_DTYPE", "bf16")
-    results = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("MGX_CUDA_PDL", switch)
-        engine = Engine(fused_native.output, backend="cuda")
-        assert engine.runner.backend.cuda_kernels.overlap is (switch == "1")
-        assert engine.kernels_note.endswith(", launched overlapped") is (switch == "1")
-        results[switch] = [engine.greedy_with_logits(list(c.prompt_ids), 24) for c in fused_native.golden.cases]
-    assert results["1"] == results["0"]
-
+    for built, kernels in ((fused_native, True), (native.artifacts["none"], False)):
+        results = {}
+        for switch in ("1", "0"):
+            monkeypatch.setenv("MGX_CUDA_PDL", switch)
+            crms.reset_fallback_warning()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the artifact holds no native CUDA kernels"
+                engine = Engine(built.output, backend="cuda")
+            backend = engine.runner.backend
+            assert backend.overlap_launches is (switch == "1")
+            assert (backend.cuda_kernels is not None) is kernels
+            if kernels:
+                assert backend.cuda_kernels.overlap is (switch == "1")
+                assert engine.kernels_note.endswith(", launched overlapped") is (switch == "1")
+            results[switch] = [engine.greedy_with_logits(list(c.prompt_ids), 24) for c in built.golden.cases]
+        assert results["1"] == results["0"]
