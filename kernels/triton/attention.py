@@ -64,7 +64,7 @@ def _decode_kernel(
     k_ptr, v_ptr, inv_ptr, stride_k, stride_v, attention_scaling,
     stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     SPLIT: tl.constexpr, MERGE: tl.constexpr, ROT: tl.constexpr, DOT_PREC: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
     overlap_start(OVERLAP)
@@ -135,8 +135,11 @@ def _decode_kernel(
             tl.debug_barrier()  # every thread's stores are issued before the release below
             cnt = cnt_ptr + s * HK + h
             if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
-                _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, first, out_ptr + s.to(tl.int64) * stride_o,
-                              hq, g < G, d, gd_mask, num_splits, D, BLOCK_G)  # fmt: skip
+                # The other splits' stores are in L2: loads bypass L1 (.cg).
+                for i in tl.static_range(G):
+                    r = (s * (HK * G) + h * G + i).to(tl.int64) * num_splits
+                    _merge_row(part_o_ptr, part_m_ptr, part_l_ptr, r, out_ptr + s64 * stride_o + (h * G + i) * D, d,
+                               num_splits, D, BLOCK_P, ".cg")  # fmt: skip
                 tl.store(cnt, 0)
     else:
         out = acc / denom[:, None]
@@ -145,26 +148,21 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, hq, g_mask, d, gd_mask, num_splits,
-                  D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
-    """Rows ``hq`` of one sequence's output from the partial softmaxes of its ``num_splits`` splits
-    (rows ``first + split`` of the [S * Hq, splits] partials), merged one split after another. Loads
-    bypass L1 (``.cg``): the other splits' stores are in L2."""
-    m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # a finite floor: empty splits (m = -inf) weigh 0
-    denom = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros(gd_mask.shape, tl.float32)
-    for p in range(0, num_splits):
-        row = first + p
-        m_p = tl.load(part_m_ptr + row, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        l_p = tl.load(part_l_ptr + row, mask=g_mask, other=0.0, cache_modifier=".cg")
-        o_p = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=gd_mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, m_p)
-        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_p - m_new)
-        denom = denom * alpha + l_p * beta
-        acc = acc * alpha[:, None] + o_p * beta[:, None]
-        m = m_new
-    out = acc / tl.where(g_mask, denom, 1.0)[:, None]
-    tl.store(dst_ptr + hq[:, None] * D + d[None, :], out.to(dst_ptr.dtype.element_ty), mask=gd_mask)
+def _merge_row(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, d, num_splits, D: tl.constexpr,
+               BLOCK_P: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """One query row's output from the partial softmaxes of its ``num_splits`` splits (rows ``first``
+    onwards of the [S * Hq, splits] partials), all splits loaded at once. Empty splits (m = -inf)
+    weigh nothing; at least one split of a row is not empty."""
+    p = tl.arange(0, BLOCK_P)
+    pmask = p < num_splits
+    row = first + p
+    m = tl.load(part_m_ptr + row, mask=pmask, other=float("-inf"), cache_modifier=CACHE)
+    denom = tl.load(part_l_ptr + row, mask=pmask, other=0.0, cache_modifier=CACHE)
+    o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=pmask[:, None] & (d < D)[None, :], other=0.0,
+                cache_modifier=CACHE)  # fmt: skip
+    w = tl.exp2(m - tl.max(m, axis=0))
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * denom, axis=0)
+    tl.store(dst_ptr + d, out.to(dst_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -175,16 +173,8 @@ def _decode_merge_kernel(
     overlap_start(OVERLAP)
     s = tl.program_id(0)
     hq = tl.program_id(1)
-    p = tl.arange(0, BLOCK_P)
-    d = tl.arange(0, BLOCK_D)
-    pmask = p < num_splits
-    row = (s * HQ + hq).to(tl.int64) * num_splits + p
-    m = tl.load(part_m_ptr + row, mask=pmask, other=float("-inf"))
-    denom = tl.load(part_l_ptr + row, mask=pmask, other=0.0)
-    o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=pmask[:, None] & (d < D)[None, :], other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))  # empty splits have m = -inf and weigh nothing
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * denom, axis=0)
-    tl.store(out_ptr + s.to(tl.int64) * stride_o + hq * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    _merge_row(part_o_ptr, part_m_ptr, part_l_ptr, (s * HQ + hq).to(tl.int64) * num_splits,
+               out_ptr + s.to(tl.int64) * stride_o + hq * D, tl.arange(0, BLOCK_D), num_splits, D, BLOCK_P, "")  # fmt: skip
 
 
 @triton.jit
@@ -357,7 +347,7 @@ def paged_attention_decode(
         k_new, v_new, inv, k_new.stride(0), v_new.stride(0), scaling,
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:
