@@ -339,6 +339,7 @@ class CUDABackend(Backend):
     def _find_fusions(self) -> _Fusions:
         f = _Fusions()
         ops, users = self.graph.ops, _users(self.graph)
+        prev: Op | None = None
         for op, nxt in zip(ops, ops[1:]):
             only_next = all(users.get(o) == [nxt] for o in op.outputs)
             if op.kind == "add" and nxt.kind == "rms_norm" and nxt.inputs == op.outputs:
@@ -347,10 +348,10 @@ class CUDABackend(Backend):
                 f.silu_after_linear[id(op)] = nxt
             elif op.kind == "rope" and nxt.kind == "attention" and nxt.inputs[:2] == op.outputs and only_next:
                 f.rope_into_attention[id(op)] = nxt
-        after_add = {id(norm) for norm in f.norm_after_add.values()}
-        for op, nxt in zip(ops, ops[1:]):
-            if id(op) in after_add and nxt.kind == "linear" and nxt.inputs == op.outputs and users.get(op.outputs[0]) == [nxt]:
+            elif (op.kind == "rms_norm" and prev is not None and f.norm_after_add.get(id(prev)) is op
+                  and nxt.kind == "linear" and nxt.inputs == op.outputs and only_next):  # fmt: skip
                 f.linear_after_norm[id(op)] = nxt
+            prev = op
         return f
 
     def _upload(self, tensors: dict[str, Tensor]) -> tuple[dict[str, torch.Tensor], UploadStats]:
@@ -438,8 +439,7 @@ class CUDABackend(Backend):
         ``load_cuda_kernels`` warns once. Returns a line saying which (the engine logs it)."""
         if self.device.type != "cuda":
             return "native CUDA kernels are not used on this device (Triton RMSNorm)"
-        major, minor = torch.cuda.get_device_capability(self.device)
-        sm = 10 * major + minor
+        sm = self._sm
         runs = [a for a in images if arch_runs_on(a, sm)]  # all of this GPU's major version
         # Code for exactly this chip (sm_90a) first, then the newest sm_XY; with none that runs, a stored
         # image all the same, so that the warning names what is there.
@@ -704,33 +704,30 @@ class CUDABackend(Backend):
     def linear(self, op: Op, x: Array) -> Array:
         w, m = self._weights[id(op)], x.shape[0]
         silu = self._fuse.silu_after_linear.get(id(op))
+        bias = self._bias[id(op)]
         normed = self._pending.pop(id(op), None)
         if normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
             kind, norm = normed
-            out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None, kind=kind, norm=norm)
-            if silu is not None:
-                self._pending[id(silu)] = out
-            return out
-        if (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
+            out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=kind, norm=norm)
+        elif (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
             # Dense weights and several rows: cuBLAS (the Triton GEMM has nothing to dequantize and
             # is slower); quantized weights and a long prefill: dequantize once, then cuBLAS. A fused
             # gate/up then takes the SiLU product in a second, small kernel.
             dense = w.weight if w.scheme == "none" else dequantize(w, self.dtype, out=self._dequant_buf)
-            out = torch.nn.functional.linear(x, dense, self._bias[id(op)])
+            out = torch.nn.functional.linear(x, dense, bias)
             if silu is not None:
                 out = silu_mul(out)
-                self._pending[id(silu)] = out
-            return out
-        config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
-        # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized weights,
-        # when the artifact's kernels hold it; the Triton kernels otherwise.
-        native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
-        if m == 1 and native and gemv_applies(self.cuda_kernels, x, w, self._bias[id(op)], kind=native):
-            out = gemv(x, w, self._bias[id(op)], kernels=self.cuda_kernels, silu_mul=silu is not None, kind=native)
-        elif silu is not None:
-            out = linear_silu_mul(x, w, self._bias[id(op)], config=config, workspace=self._split_ws)
         else:
-            return linear(x, w, self._bias[id(op)], config=config, workspace=self._split_ws)
+            config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
+            # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized
+            # weights, when the artifact's kernels hold it; the Triton kernels otherwise.
+            native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
+            if m == 1 and native and gemv_applies(self.cuda_kernels, x, w, bias, kind=native):
+                out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=native)
+            elif silu is not None:
+                out = linear_silu_mul(x, w, bias, config=config, workspace=self._split_ws)
+            else:
+                out = linear(x, w, bias, config=config, workspace=self._split_ws)
         if silu is not None:
             self._pending[id(silu)] = out
         return out

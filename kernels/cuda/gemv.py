@@ -15,12 +15,12 @@ CUDA graphs like any other kernel.
 from __future__ import annotations
 
 import ctypes
-import functools
 import re
 from dataclasses import dataclass
 
 import torch
 
+from mgx.kernels.triton._common import num_sms
 from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
@@ -78,11 +78,6 @@ class NormPrologue:
         return self.total is None or all(
             t is None or self.total.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in (x, self.delta)
         )
-
-
-@functools.cache
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemv_threads(k: int) -> int:
@@ -174,7 +169,7 @@ def gemv(
     entry, blocks, shared = ENTRIES[kind, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[kind, w.scheme], 2 * w.k
-        blocks = min(blocks, NORM_BLOCKS_PER_SM * _sms(x.device.index))
+        blocks = min(blocks, NORM_BLOCKS_PER_SM * num_sms(x.device))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)

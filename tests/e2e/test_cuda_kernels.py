@@ -161,10 +161,7 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Native:
         pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
     import torch
 
-    from mgx.compiler.pipeline import compile_model
-    from mgx.compiler.spec import load_spec
-
-    from _tiny_hf import build_model_dir, write_spec
+    from _tiny_hf import build_model_dir
 
     major, minor = torch.cuda.get_device_capability()
     here = "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"  # the pass's default
@@ -173,18 +170,25 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Native:
     folder = build_model_dir(base / "qwen3", "qwen3")  # q/k norms: grouped rows too
     artifacts = {}
     for name, passes in (
-        ("here", "  - cuda_kernels\n"),
-        ("other", f"  - cuda_kernels: {{archs: [{other}]}}\n"),
-        ("none", ""),
+        ("here", ["cuda_kernels"]),
+        ("other", [f"cuda_kernels: {{archs: [{other}]}}"]),
+        ("none", []),
     ):
-        extra = "target: cuda\n" + (f"passes:\n{passes}" if passes else "")
-        spec_path = write_spec(
-            folder, "qwen3", "fp32", ["Hello world", "The quick brown fox"], 24, extra=extra
-        )
-        artifacts[name] = compile_model(
-            load_spec(spec_path), base / f"{name}.mgx", None, Progress(enabled=False)
-        )
+        artifacts[name] = _compile_tiny(folder, "qwen3", passes, base / f"{name}.mgx")
     return Native(here, other, artifacts)
+
+
+def _compile_tiny(folder: Path, family: str, passes: list[str], output: Path) -> Any:
+    """A tiny model folder compiled for target cuda with ``passes`` (model.yaml list items), fp32
+    weights, golden tokens for two prompts."""
+    from mgx.compiler.pipeline import compile_model
+    from mgx.compiler.spec import load_spec
+
+    from _tiny_hf import write_spec
+
+    extra = "target: cuda\n" + ("passes:\n" + "".join(f"  - {p}\n" for p in passes) if passes else "")
+    spec_path = write_spec(folder, family, "fp32", ["Hello world", "The quick brown fox"], 24, extra=extra)
+    return compile_model(load_spec(spec_path), output, None, Progress(enabled=False))
 
 
 def _tokens(engine: Any, result: Any) -> list[list[int]]:
@@ -263,16 +267,12 @@ def fused_native(tmp_path_factory: pytest.TempPathFactory) -> Any:
     the backend runs the native GEMV for quantized weights)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
-    from mgx.compiler.pipeline import compile_model
-    from mgx.compiler.spec import load_spec
-
-    from _tiny_hf import build_model_dir, write_spec
+    from _tiny_hf import build_model_dir
 
     base = tmp_path_factory.mktemp("fused")
     folder = build_model_dir(base / "llama", "llama")
-    extra = "target: cuda\npasses:\n  - fuse_qkv\n  - fuse_gate_up\n  - quantize_w8a16\n  - cuda_kernels\n"
-    spec_path = write_spec(folder, "llama", "fp32", ["Hello world", "The quick brown fox"], 24, extra=extra)
-    return compile_model(load_spec(spec_path), base / "fused.mgx", None, Progress(enabled=False))
+    passes = ["fuse_qkv", "fuse_gate_up", "quantize_w8a16", "cuda_kernels"]
+    return _compile_tiny(folder, "llama", passes, base / "fused.mgx")
 
 
 @pytest.mark.gpu
