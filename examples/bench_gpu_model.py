@@ -284,7 +284,8 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     backend = engine.runner.backend
     for obj, attr, on, off in ((backend, "_norm_gemv", "norm_apart", "norm_in_gemv"),
                                (backend, "_decode_fusion", "attention_apart", "attention_fused"),
-                               (backend, "overlap_launches", "not_overlapped", "overlapped")):  # fmt: skip
+                               (backend, "overlap_launches", "not_overlapped", "overlapped"),
+                               (backend, "tuned_gemvs", "triton_gemvs", "tuned_gemvs")):  # fmt: skip
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
@@ -315,6 +316,34 @@ def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa
     log(f"profile of 5 decode steps at batch {batch}:")
     log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
     log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
+    log_kernel_positions(prof, engine.graph.arch.num_layers, steps=5)
+
+
+def log_kernel_positions(prof, layers: int, steps: int) -> None:  # noqa: ANN001
+    """The profiled kernels by their place in a layer: a kernel met n times per layer is told apart by
+    its occurrence number modulo n (o_proj from gate/up, say); mean microseconds of each, and the idle
+    time between kernels per step."""
+    from collections import Counter, defaultdict
+
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith("Memcpy") and not e.name.startswith("Memset")),
+                     key=lambda e: e.time_range.start)  # fmt: skip
+    if not kernels:
+        return
+    totals = Counter(e.name for e in kernels)
+    seen: Counter[str] = Counter()
+    times: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_layer = totals[e.name] // (steps * layers) if totals[e.name] % (steps * layers) == 0 else 0
+        label = f"{e.name}[{seen[e.name] % per_layer}]" if per_layer > 1 else e.name
+        seen[e.name] += 1
+        times[label].append(e.time_range.end - e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    log(f"kernels by place in the layer (mean us, count); per step {busy / steps:.1f} us busy, "
+        f"{(span - busy) / steps:.1f} us between kernels (first to last kernel of {steps} steps)")
+    for label, ts in times.items():
+        log(f"  {label[:70]:70s} {sum(ts) / len(ts):9.2f} {len(ts):6d}")
 
 
 def profile_prefill(engine, prompt: list[int]) -> None:  # noqa: ANN001

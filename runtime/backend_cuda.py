@@ -302,6 +302,7 @@ class CUDABackend(Backend):
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
+        self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
         # Programmatic dependent launches (sm_90 and newer; MGX_CUDA_PDL=1): see overlap_launches.
         major, minor = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._sm = 10 * major + minor
@@ -722,7 +723,7 @@ class CUDABackend(Backend):
             # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized
             # weights, when the artifact's kernels hold it; the Triton kernels otherwise.
             native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
-            if m == 1 and native and gemv_applies(self.cuda_kernels, x, w, bias, kind=native):
+            if m == 1 and native and (config is None or self.tuned_gemvs) and gemv_applies(self.cuda_kernels, x, w, bias, kind=native):
                 out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=native)
             elif silu is not None:
                 out = linear_silu_mul(x, w, bias, config=config, workspace=self._split_ws)
@@ -841,7 +842,7 @@ class CUDABackend(Backend):
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
         silu = self._fuse.silu_after_linear.get(id(lin))
         config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, 1)
-        if (config is None and w.scheme == "none") or (config is not None and not config.native):
+        if (config is None and w.scheme == "none") or (config is not None and not (config.native and self.tuned_gemvs)):
             return None
         kinds = [config.native] if config is not None else [k for k in ("mma", "gemv") if (k, w.scheme) in GEMV_ENTRIES]
         norm = NormPrologue(b, weight, eps, torch.empty_like(a))
