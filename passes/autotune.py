@@ -16,6 +16,7 @@ the compiler stores in the artifact, and the CUDA backend reads them instead of 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,11 +87,69 @@ def _native_kernels() -> Any:
         return load_cuda_kernels(image, arch)
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``fn`` on the GPU (triton.testing.do_bench flushes L2 before each launch)."""
+GRAPH_LAUNCHES = 8  # launches per captured graph when timing the decode regime
+GRAPH_MAX_M = 256  # rows up to which decode steps run as CUDA graphs (the CUDA backend's largest bucket)
+
+
+def _time(fn: Callable[..., Any], repeats: int, weights: list[Any] | None = None) -> float:
+    """Median seconds of one launch of ``fn`` on the GPU.
+
+    With ``weights`` (copies of the weight, together several times the L2): as a decode step runs it,
+    ``GRAPH_LAUNCHES`` launches back to back in a captured CUDA graph, each on the next copy
+    (``fn(w=copy)``), so every launch reads its weight from memory and pays its in-graph start and
+    tail. Timed alone with L2 flushed before each launch (``triton.testing.do_bench``), a kernel
+    that lost inside the decode graph won (the native GEMV on the 8B shapes; 2026-11-30). Without,
+    or where the capture fails: do_bench."""
+    import torch
     from triton.testing import do_bench
 
+    if weights:
+        launches = [functools.partial(fn, w=weights[i % len(weights)]) for i in range(max(GRAPH_LAUNCHES, len(weights)))]
+        try:
+            return _time_in_graph(launches, repeats)
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel that cannot run inside a capture
+            warnings.warn(f"autotune: graph timing failed ({type(e).__name__}: {e}); timing alone", stacklevel=2)
+            torch.cuda.synchronize()
     return float(do_bench(fn, warmup=5, rep=repeats, return_mode="median")) / 1e3
+
+
+def _time_in_graph(launches: list[Callable[[], Any]], repeats: int) -> float:
+    import torch
+
+    for launch in launches[:2]:  # compile and load outside the capture
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(max(repeats, 3)):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] / 1e3 / len(launches)
+
+
+def _weight_copies(w: Any, upload: Callable[[], Any], device: Any) -> list[Any] | None:
+    """``w`` and enough fresh uploads of it that together they span at least 4x the GPU's L2 (at
+    least two); None off a CUDA device (no graph timing there)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 64 << 20
+    return [w] + [upload() for _ in range(copies_for(w.nbytes, l2) - 1)]
+
+
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    """How many copies of an ``nbytes`` weight span 4x an L2 of ``l2_bytes``: 2 to 16."""
+    return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
 
 
 def _kernel_of(graph: ir.Graph, op: ir.Op) -> str:
@@ -134,15 +193,19 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         except ValueError as e:
             raise PassError(f"autotune: {op.kind} {t.name}: {e}") from None
         kernel = _kernel_of(graph, op)
+        copies = None  # of w, for timing the decode regime in graphs (made when first needed)
         for m in sorted({int(r) for r in opts.rows}):
             key = (kernel, shape_key(w, m))
             if key in entries or (w.scheme == "none" and kernel != "lm_head_argmax" and m > GEMV_MAX_M):
                 continue  # dense weights with several rows run on cuBLAS in the CUDA backend
             x = torch.randn(m, w.k, dtype=dtype, device=device)
+            if m <= GRAPH_MAX_M and copies is None:  # decode steps run as CUDA graphs: time them so
+                copies = _weight_copies(w, lambda t=t, aux=aux: gpu_weight(t, gpu_arrays(t, aux, device), dtype), device)
+            ws = copies if m <= GRAPH_MAX_M else None
             best = None
             for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
                 try:
-                    seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats)
+                    seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
                 except Exception:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
                     continue
                 timed += 1
@@ -161,12 +224,13 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     continue
                 native = dataclasses.replace(best[1], native=kind)
                 seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: gemv(x, w, kernels=kernels, silu_mul=s,
-                                                                                 kind=d), opts.repeats)  # fmt: skip
+                                                                                 kind=d), opts.repeats, ws)  # fmt: skip
                 timed += 1
                 if seconds < best[0]:
                     best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
+        del copies
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]
     natives = f"native GEMV chosen for {len(chosen)}" + (f" ({', '.join(chosen)})" if chosen else "")

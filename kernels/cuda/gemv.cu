@@ -294,7 +294,6 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const int per = silu_f > 0 ? R / 2 : R;
   const int groups = (n_out + per - 1) / per;
   const int words = k >> 3;
-  mgx_pdl_release();
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {
     int row[R];
     const int n0 = block_rows<R>(row, n, silu_f, blk);
@@ -378,7 +377,6 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
   const int steps = k >> 7;
-  mgx_pdl_release();
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
     const int n0 = blk * (kSilu ? 8 : 16);
     // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of

@@ -13,17 +13,15 @@
 
 // Programmatic dependent launches (sm_90 and newer). A kernel launched with the overlap attribute may
 // start while the kernel before it on the stream is still running: it calls mgx_pdl_wait() before it
-// reads anything that kernel wrote (or writes anything), and every kernel here calls
-// mgx_pdl_release() first thing, letting the next one start once all of its blocks are running. Both
-// are no-ops for ordinary launches and below sm_90. The entry mgx_overlap_aware marks code built so.
+// reads anything that kernel wrote (or writes anything), and only once past that wait lets the next
+// kernel start. Released first thing (as before), each kernel let its successor launch at once,
+// which could release its own in turn: the blocks of several waiting kernels could sit on the SMs
+// beside the one running, and the 8B graph got slower on the H200 with the native GEMVs (2026-11-30).
+// A no-op for ordinary launches and below sm_90.
+// The entry mgx_overlap_aware marks code built so.
 __device__ __forceinline__ void mgx_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void mgx_pdl_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

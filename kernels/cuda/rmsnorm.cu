@@ -52,7 +52,6 @@ __device__ __forceinline__ void rms_norm_rows(T* __restrict__ out, T* __restrict
   // Issue every load of the row before using any, so all of them are in flight at once. The weight
   // (shared by all rows, so cached) is requested first: it is no other kernel's output, so it may be
   // read before the kernel this one overlaps (mgx_abi.cuh) has finished.
-  mgx_pdl_release();
   Pack a[kMaxVec], b[kMaxVec], g[kMaxVec];
 #pragma unroll
   for (int i = 0; i < kMaxVec; ++i) {

@@ -46,12 +46,12 @@ def overlap_options() -> dict[str, Any]:
 
 @triton.jit
 def overlap_start(OVERLAP: tl.constexpr):
-    """A kernel's first statement: launched overlapped, it lets the next kernel on the stream start
-    and waits until the one before it has finished (and its writes are visible), before reading
-    anything or writing at all. A no-op otherwise."""
+    """A kernel's first statement: launched overlapped, it waits until the one before it has finished
+    (and its writes are visible), before reading anything or writing at all, and only then lets the
+    next kernel on the stream start (mgx_abi.cuh says why in that order). A no-op otherwise."""
     if OVERLAP:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def interpreting() -> bool:

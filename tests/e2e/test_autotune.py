@@ -58,7 +58,7 @@ def no_gpu_needed(monkeypatch):  # noqa: ANN001, ANN201
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
     seen = []
 
-    def timer(fn, repeats):  # noqa: ANN001, ANN202
+    def timer(fn, repeats, weights=None):  # noqa: ANN001, ANN202
         config = fn.__defaults__[0]  # the candidate bound into the timed lambda
         seen.append(config)
         return fake_seconds(config)
@@ -160,12 +160,12 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     monkeypatch.setattr(cg, "gemv", reference_gemv())
     timer = autotune_pass._time
 
-    def native_wins_unfused(fn, repeats):  # noqa: ANN001, ANN202
+    def native_wins_unfused(fn, repeats, weights=None):  # noqa: ANN001, ANN202
         config = fn.__defaults__[0]
         if config.native:
             silu = fn.__defaults__[3]
             return -1.0 if not silu else 1e9
-        return timer(fn, repeats)
+        return timer(fn, repeats, weights)
 
     monkeypatch.setattr(autotune_pass, "_time", native_wins_unfused)
     contents = tiny_contents()
@@ -242,7 +242,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: x.shape[0] == 1)
     monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
     timer = autotune_pass._time
-    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r: -1.0 if fn.__defaults__[0].native else timer(fn, r))
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None: -1.0 if fn.__defaults__[0].native else timer(fn, r, ws))
     graph = tiny_contents().graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
         PASSES[name](graph, {"group_size": 32} if name == "quantize_int4" else {}, PassContext(target="cuda"))
@@ -252,3 +252,34 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     assert "native GEMV chosen for 0; native GEMV rejected (wrong results) for " in result.summary
     # Each kind, each one-row shape of a linear or fused gate/up.
     assert result.summary.count("relative error 1.0e-01") == 2 * sum(e.kernel != "lm_head_argmax" for e in entries)
+
+
+def test_graph_timing_takes_enough_weight_copies_to_miss_the_l2() -> None:
+    l2 = 50 << 20  # the H200's
+    assert autotune_pass.copies_for(235 << 20, l2) == 2  # the 8B gate/up: two copies, read in turn
+    assert autotune_pass.copies_for(32 << 20, l2) == 7  # the 8B o_proj: 224 MiB of copies
+    assert autotune_pass.copies_for(1 << 20, l2) == 16  # tiny weights: capped
+    assert autotune_pass.copies_for(0, l2) == 16
+
+
+@pytest.mark.gpu
+def test_autotune_times_the_decode_regime_in_a_graph_over_weight_copies() -> None:
+    """``_time`` with weight copies: every copy is launched (inside a captured graph, no fallback
+    warning) and one launch's time is plausible for an 8 MiB GEMV."""
+    import warnings
+
+    import torch
+
+    ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    x = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    seen = []
+
+    def fn(w=ws[0]):  # noqa: ANN001, ANN202
+        seen.append(w.data_ptr())
+        return torch.mv(w, x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seconds = autotune_pass._time(fn, 5, ws)
+    assert set(seen) == {w.data_ptr() for w in ws}
+    assert 0 < seconds < 1e-3

@@ -30,8 +30,9 @@ def test_overlap_options_follow_the_switch_and_never_reach_the_interpreter(monke
 
 def test_kernels_compiled_overlapped_for_sm90_release_and_wait() -> None:
     """The decode merge and argmax merge kernels compiled for sm_90 (in a process without the
-    interpreter): with OVERLAP their PTX holds griddepcontrol.launch_dependents and .wait and the
-    kernel is marked for launch_pdl; without it, neither."""
+    interpreter): with OVERLAP their PTX holds griddepcontrol.wait and, after it, .launch_dependents
+    (a kernel lets the next start only once its predecessor is done) and the kernel is marked for
+    launch_pdl; without it, neither."""
     code = textwrap.dedent('''
         import os
         os.environ.pop("TRITON_INTERPRET", None)
@@ -52,12 +53,12 @@ def test_kernels_compiled_overlapped_for_sm90_release_and_wait() -> None:
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                                    options={"launch_pdl": on})
                 ptx = k.asm["ptx"]
-                print(fn.__name__, on, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
-                      bool(k.metadata.launch_pdl))
+                wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+                print(fn.__name__, on, wait >= 0, release >= 0, bool(k.metadata.launch_pdl), 0 <= wait < release)
     ''')
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.split("\n")
     for name in ("_argmax_merge_kernel", "_decode_merge_kernel"):
-        assert f"{name} True True True True" in lines
-        assert f"{name} False False False False" in lines
+        assert f"{name} True True True True True" in lines
+        assert f"{name} False False False False False" in lines
