@@ -260,6 +260,8 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         row["graph_b1_ms"] = gpu_ms
         row["graph_b1_bw_frac"] = per_token / (gpu_ms / 1e3) / bw
         row["step_b1_ms"] = dt / n * 1e3
+        log(f"  batch 1: {row['decode_b1_tok_s']:.1f} tok/s ({row['decode_b1_bw_frac']:.1%} of copy bandwidth), "
+            f"graph {gpu_ms:.3f} ms ({row['graph_b1_bw_frac']:.1%})")
     for b in args.batches:
         _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], args.batch_new)
         row[f"decode_b{b}_tok_s"] = n / dt
@@ -285,7 +287,8 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     for obj, attr, on, off in ((backend, "_norm_gemv", "norm_apart", "norm_in_gemv"),
                                (backend, "_decode_fusion", "attention_apart", "attention_fused"),
                                (backend, "overlap_launches", "not_overlapped", "overlapped"),
-                               (backend, "tuned_gemvs", "triton_gemvs", "tuned_gemvs")):  # fmt: skip
+                               (backend, "tuned_gemvs", "triton_gemvs", "tuned_gemvs"),
+                               (backend, "norm_across", "norm_kernels", "norm_across")):  # fmt: skip
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped

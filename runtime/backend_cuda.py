@@ -23,7 +23,12 @@ default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.8
 the decode-path kernels are launched overlapped (programmatic dependent launches, sm_90 and newer; the
 Triton linear, decode attention and LM head kernels and the native ones): each may start while the
 kernel before it finishes and waits for it before reading its output (the native GEMVs request their
-weights first). Off by default until measured (``overlap_launches``).
+weights first). Off by default: slower on the H200 in three of four 8B runs (``overlap_launches``).
+With ``MGX_CUDA_NORM_ACROSS=1``, where a ``linear`` feeds an ``add`` whose ``rms_norm`` feeds one
+``linear`` that runs as the Triton one-row GEMV, the add and the norm have no kernel of their own:
+the first projection adds the residual in its epilogue and stores its rows' partial sums of squares
+(``linear_add_squares``), the second normalizes x as it loads it (``linear(norm=)``). Off by
+default until measured on a GPU.
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -75,12 +80,16 @@ from mgx.kernels.triton.linear import (
     SCHEME_IDS,
     SPLIT_MAX_M,
     GpuWeight,
+    LinearConfig,
+    NormIn,
     default_config,
     dequantize,
     dequantize_ref,
     linear,
+    linear_add_squares,
     linear_silu_mul,
     new_split_workspace,
+    runs_gemv,
     silu_mul,
 )
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
@@ -250,6 +259,18 @@ class _Fusions:
     silu_after_linear: dict[int, Op] = field(default_factory=dict)  # id(linear) -> the silu_mul it computes
     rope_into_attention: dict[int, Op] = field(default_factory=dict)  # id(rope) -> the attention it joins
     linear_after_norm: dict[int, Op] = field(default_factory=dict)  # id(rms_norm after an add) -> its one reader
+    # id(linear) -> (the add reading it alone, that add's rms_norm, the one linear reading the norm)
+    norm_across: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Across:
+    """A projection held back until its add (``norm_across``): the op, its input (also the stand-in
+    value it returned, which the add tells from the residual) and its configuration."""
+
+    proj: Op
+    x: Array
+    config: LinearConfig | None
 
 
 class CUDABackend(Backend):
@@ -303,6 +324,7 @@ class CUDABackend(Backend):
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
+        self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "0") == "1"  # see the module docstring
         # Programmatic dependent launches (sm_90 and newer; MGX_CUDA_PDL=1): see overlap_launches.
         major, minor = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._sm = 10 * major + minor
@@ -353,6 +375,11 @@ class CUDABackend(Backend):
                   and nxt.kind == "linear" and nxt.inputs == op.outputs and only_next):  # fmt: skip
                 f.linear_after_norm[id(op)] = nxt
             prev = op
+        for op, nxt in zip(ops, ops[1:]):
+            norm = f.norm_after_add.get(id(nxt))
+            reader = f.linear_after_norm.get(id(norm)) if norm is not None else None
+            if op.kind == "linear" and reader is not None and users.get(op.outputs[0]) == [nxt]:
+                f.norm_across[id(op)] = (nxt, norm, reader)
         return f
 
     def _upload(self, tensors: dict[str, Tensor]) -> tuple[dict[str, torch.Tensor], UploadStats]:
@@ -707,7 +734,15 @@ class CUDABackend(Backend):
         silu = self._fuse.silu_after_linear.get(id(op))
         bias = self._bias[id(op)]
         normed = self._pending.pop(id(op), None)
-        if normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
+        across = self._across(op, x) if normed is None else None
+        if across is not None:  # held back: its add runs it (``add``)
+            self._pending[id(self._fuse.norm_across[id(op)][0])] = across
+            return x
+        if isinstance(normed, NormIn):  # x is the norm's input, normalized as the GEMV loads it
+            config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
+            run = linear if silu is None else linear_silu_mul
+            out = run(x, w, bias, config=config, workspace=self._split_ws, norm=normed)
+        elif normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
             kind, norm = normed
             out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=kind, norm=norm)
         elif (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
@@ -722,8 +757,8 @@ class CUDABackend(Backend):
             config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
             # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized
             # weights, when the artifact's kernels hold it; the Triton kernels otherwise.
-            native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
-            if m == 1 and native and (config is None or self.tuned_gemvs) and gemv_applies(self.cuda_kernels, x, w, bias, kind=native):
+            native = self._native_kind(x, w, bias, config)
+            if native:
                 out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=native)
             elif silu is not None:
                 out = linear_silu_mul(x, w, bias, config=config, workspace=self._split_ws)
@@ -732,6 +767,51 @@ class CUDABackend(Backend):
         if silu is not None:
             self._pending[id(silu)] = out
         return out
+
+    def _native_kind(self, x: Array, w: GpuWeight, bias: Array | None, config: LinearConfig | None) -> str:
+        """The native GEMV kind that runs one row of ``w`` under ``config`` ("" for the Triton kernels):
+        the stored tuning's choice, or (untuned) the CUDA-core kind for quantized weights, where the
+        artifact's kernels hold it."""
+        native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
+        if x.shape[0] == 1 and native and (config is None or self.tuned_gemvs):
+            return native if gemv_applies(self.cuda_kernels, x, w, bias, kind=native) else ""
+        return ""
+
+    def _runs_triton(self, op: Op, x: Array, *, gemv_only: bool) -> tuple[bool, LinearConfig | None]:
+        """Whether ``linear`` runs ``op`` on x's rows with the Triton linear kernels (``gemv_only``: as
+        the one-row GEMV), and with which stored configuration."""
+        w, m = self._weights[id(op)], x.shape[0]
+        if (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
+            return False, None
+        silu = self._fuse.silu_after_linear.get(id(op))
+        config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
+        if self._native_kind(x, w, self._bias[id(op)], config):
+            return False, config
+        return not gemv_only or runs_gemv(m, w, config, x.dtype), config
+
+    def _across(self, op: Op, x: Array) -> _Across | None:
+        """``op`` held back for ``norm_across`` (see the module docstring), or None where that fusion
+        does not run: switched off, a grouped norm, or the projection not on the Triton kernels."""
+        chain = self._fuse.norm_across.get(id(op)) if self.norm_across else None
+        if chain is None or self._norm[id(chain[1])][2] != self._weights[id(op)].n:
+            return None
+        runs, config = self._runs_triton(op, x, gemv_only=False)
+        return _Across(op, x, config) if runs else None
+
+    def _add_across(self, held: _Across, residual: Array, norm_op: Op) -> Array:
+        """The held projection plus ``residual`` with its rows' squares; the norm then runs in its
+        reader's loads where that is the Triton one-row GEMV, else as a kernel of its own."""
+        proj = held.proj
+        total, squares = linear_add_squares(held.x, self._weights[id(proj)], self._bias[id(proj)], residual,
+                                            config=held.config, workspace=self._split_ws)  # fmt: skip
+        weight, eps, group = self._norm[id(norm_op)]
+        reader = self._fuse.norm_across[id(proj)][2]
+        if self._runs_triton(reader, total, gemv_only=True)[0]:
+            self._pending[id(norm_op)] = total  # the norm's value: a stand-in its one reader normalizes
+            self._pending[id(reader)] = NormIn(squares, weight, eps)
+        else:
+            self._pending[id(norm_op)] = rms_norm(total, weight, eps, group=group, kernels=self.cuda_kernels)
+        return total
 
     def split(self, op: Op, x: Array) -> list[Array]:
         return list(torch.split(x, [int(s) for s in op.attrs["sizes"]], dim=1))
@@ -824,6 +904,10 @@ class CUDABackend(Backend):
         if norm_op is None:
             return a + b
         weight, eps, group = self._norm[id(norm_op)]
+        held = self._pending.pop(id(op), None)
+        if isinstance(held, _Across):  # its projection adds the residual and leaves the norm's squares
+            return self._add_across(held, b if a is held.x else a, norm_op)
+
         total = self._norm_into_gemv(norm_op, a, b, weight, eps, group)
         if total is not None:
             return total

@@ -23,6 +23,7 @@ MODELS: dict[str, dict[str, Any]] = {
 PIPELINES: dict[str, list[Any]] = {
     "dense": [],
     "dense-tiled": ["reorder_weights"],
+    "dense-fused": ["fuse_qkv", "fuse_gate_up"],
     "w8a16-tiled": ["fuse_qkv", "fuse_gate_up", "quantize_w8a16", "reorder_weights"],
     "w8a16-tied-tiled": ["quantize_w8a16", ("reorder_weights", {"skip": {"embedding": False}})],
     "int4-rowmajor": [("quantize_int4", {"group_size": 32, "symmetric": True})],

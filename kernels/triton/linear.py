@@ -43,6 +43,11 @@ __all__ = [
     "LinearConfig",
     "linear",
     "linear_silu_mul",
+    "linear_add_squares",
+    "runs_gemv",
+    "NormIn",
+    "RowSquares",
+    "MAX_SQUARE_TILES",
     "silu_mul",
     "dequantize",
     "dequantize_ref",
@@ -217,10 +222,24 @@ def _x_pairs(xrow, c0, K, HALF: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _norm_x(x, cols, nw_ptr, rstd, K, NORM_W: tl.constexpr, EVEN: tl.constexpr, IO: tl.constexpr):
+    """RMSNorm of x (fp32, the values at ``cols`` of a row whose 1/rms is ``rstd``) with the roundings of
+    ``rms_norm`` and transformers: x * rstd rounded to IO, then times the norm weight and rounded again."""
+    y = round_as(x * rstd, IO)
+    if NORM_W:
+        if EVEN:
+            g = tl.load(nw_ptr + cols)
+        else:
+            g = tl.load(nw_ptr + cols, mask=cols < K, other=0.0)
+        y = round_as(y * g.to(tl.float32), IO)
+    return y
+
+
+@triton.jit
 def _gemv_row(
-    xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
+    xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi, rstd, nw_ptr,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, NORM_IN: tl.constexpr, NORM_W: tl.constexpr,
 ):  # fmt: skip
     """fp32 [1, BLOCK_N]: one activation row (xrow) times W[rn]^T over columns k_lo..k_hi, on the CUDA cores.
 
@@ -229,6 +248,9 @@ def _gemv_row(
 
     Products accumulate elementwise in a [BLOCK_N, columns] tile that is reduced once, after the
     K loop. x is loaded as a vector so that it broadcasts over the rows in registers.
+
+    NORM_IN: xrow is an RMSNorm's input and ``rstd`` its row's 1/rms; each x is normalized as loaded
+    (``_norm_x``).
     """
     row = rn.to(tl.int64)[:, None]
     nm = n_mask[:, None]
@@ -257,6 +279,10 @@ def _gemv_row(
                     zb = tl.load(z_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0)
                     zb = zb.to(tl.float32) + 8388608.0
                 xe, xo = _x_pairs(xrow, c0, K, GROUP // 2, EVEN)
+                if NORM_IN:
+                    col = c0 + 2 * tl.arange(0, GROUP // 2)
+                    xe = _norm_x(xe, col, nw_ptr, rstd, K, NORM_W, EVEN, xrow.dtype.element_ty)
+                    xo = _norm_x(xo, col + 1, nw_ptr, rstd, K, NORM_W, EVEN, xrow.dtype.element_ty)
                 # OR-ing a nibble into the mantissa of 2^23 converts it exactly, without I2F.
                 lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
                 hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zb[:, None]
@@ -272,6 +298,8 @@ def _gemv_row(
                 xk = tl.load(xrow + (k[None, :] + 0 * rn[:, None])).to(tl.float32)
             else:
                 xk = tl.load(xrow + (k[None, :] + 0 * rn[:, None]), mask=(k < K)[None, :], other=0.0).to(tl.float32)
+            if NORM_IN:
+                xk = _norm_x(xk, k[None, :] + 0 * rn[:, None], nw_ptr, rstd, K, NORM_W, EVEN, xrow.dtype.element_ty)
             if SCHEME == 1:
                 if EVEN:
                     q = tl.load(w_ptr + row * stride_w + k[None, :])
@@ -413,18 +441,21 @@ def _swap_tile(
 @triton.jit
 def _mm_tile(
     x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
+    rstd, nw_ptr,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    NORM_IN: tl.constexpr, NORM_W: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_M, BLOCK_N] tile of x[rm] @ W[rn]^T over columns k_lo..k_hi, w8a16 scales applied.
 
-    Without USE_DOT, BLOCK_M is 1 (one activation row per program: the GEMV).
+    Without USE_DOT, BLOCK_M is 1 (one activation row per program: the GEMV); only then NORM_IN.
     """
     if not USE_DOT:
         xrow = x_ptr + tl.max(rm, axis=0).to(tl.int64) * stride_xm
         return _gemv_row(xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
-                         SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+                         rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, EVEN,
+                         NORM_IN, NORM_W)  # fmt: skip
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -447,31 +478,47 @@ def _silu_times(gate, up, OUT: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS: tl.constexpr,
-              SILU_MUL: tl.constexpr):  # fmt: skip
-    """Bias, the SiLU product and the store of a finished [BLOCK_M, BLOCK_N] tile."""
+def _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, N, stride_om, stride_rm,
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, RES_SQ: tl.constexpr):  # fmt: skip
+    """Bias, the SiLU product and the store of a finished [BLOCK_M, BLOCK_N] tile.
+
+    RES_SQ: the tile plus the residual's, rounded as transformers rounds (the projection's output,
+    then the sum) is what is stored, and each row's sum of the squares of the stored values over
+    the tile goes to ``sq_ptr`` [M, tiles along N] for the RMSNorm that reads the sum (NORM_IN)."""
+    OUT = out_ptr.dtype.element_ty
+    mask = m_mask[:, None] & n_mask[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc = _silu_times(acc, up, out_ptr.dtype.element_ty)
+        acc = _silu_times(acc, up, OUT)
+    if RES_SQ:
+        res = tl.load(res_ptr + rm.to(tl.int64)[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+        acc = round_as(round_as(acc, OUT) + res.to(tl.float32), OUT)
+        tiles = tl.num_programs(1)
+        tl.store(sq_ptr + rm.to(tl.int64) * tiles + tl.program_id(1), tl.sum(tl.where(mask, acc * acc, 0.0), axis=1),
+                 mask=m_mask)  # fmt: skip
     dst = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     # Rounded on the bits (round_as), so that Triton's interpreter rounds as the GPU does.
-    tl.store(dst, cast_as(acc, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(dst, cast_as(acc, OUT), mask=mask)
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om,
+    x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, sq_ptr, nw_ptr,
+    M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om, stride_rm, n_sq, eps,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP: tl.constexpr, FAST_CVT: tl.constexpr, OVERLAP: tl.constexpr,
+    RES_SQ: tl.constexpr, NORM_IN: tl.constexpr, NORM_W: tl.constexpr, BLOCK_SQ: tl.constexpr,
 ):  # fmt: skip
     # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
     # m varies fastest across programs, so the programs that share a weight tile run together.
+    # RES_SQ (``linear_add_squares``): the residual is added in the epilogue and the rows' partial
+    # sums of squares stored; NORM_IN (``linear(norm=)``, the GEMV only): x is the RMSNorm's input,
+    # normalized as loaded with 1/rms from the n_sq partial sums its producer stored.
     overlap_start(OVERLAP)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -486,13 +533,18 @@ def _linear_kernel(
         span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = tl.program_id(2) * span
         k_hi = tl.minimum(K, k_lo + span)
+    rstd = 1.0
+    if NORM_IN:
+        j = tl.arange(0, BLOCK_SQ)
+        sq = tl.load(sq_ptr + tl.max(rm, axis=0).to(tl.int64) * n_sq + j, mask=j < n_sq, other=0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)  # as rms_norm's kernel takes it
     if SWAP:
         acc = _swap_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn, n_mask, K,
                          k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
     else:
         acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                       rn, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+                       rn, n_mask, K, k_lo, k_hi, rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT,
+                       DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, NORM_IN, NORM_W)  # fmt: skip
     up = acc
     if SILU_MUL:
         if SWAP:
@@ -500,10 +552,11 @@ def _linear_kernel(
                             k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
         else:
             up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                          rn + N, n_mask, K, k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+                          rn + N, n_mask, K, k_lo, k_hi, rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED,
+                          USE_DOT, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, NORM_IN, NORM_W)  # fmt: skip
     if SPLIT_K == 1:
-        _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS, SILU_MUL)
+        _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, N, stride_om, stride_rm,
+                  HAS_BIAS, SILU_MUL, RES_SQ)
     else:
         # Split K: every share adds its partial sums into an fp32 workspace [M, N] (gate, then up:
         # [M, 2N]); the share that arrives last at the tile's counter reads the sums back, resets
@@ -524,7 +577,8 @@ def _linear_kernel(
                 up = tl.atomic_add(ws + N, tl.zeros_like(up), mask=mask, sem="relaxed")
                 tl.store(ws + N, tl.zeros_like(up), mask=mask)
             tl.store(tile, 0)
-            _epilogue(acc, up, b_ptr, out_ptr, rm, rn, m_mask, n_mask, N, stride_om, HAS_BIAS, SILU_MUL)
+            _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, N, stride_om, stride_rm,
+                      HAS_BIAS, SILU_MUL, RES_SQ)
 
 
 @triton.jit
@@ -679,7 +733,30 @@ def min_block_k(w: GpuWeight) -> int:
     return {"int4": w.group_size, "sparse24_int4": max(16, 2 * w.group_size)}.get(w.scheme, 16)
 
 
-def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: SplitWorkspace | None = None):
+@dataclass(frozen=True, slots=True)
+class RowSquares:
+    """What ``linear_add_squares`` leaves for the RMSNorm of its output: ``sq`` [M, tiles] fp32, each
+    row's sum of squares over each output tile (summed by the reader in a fixed order)."""
+
+    sq: torch.Tensor
+    tiles: int
+
+
+@dataclass(frozen=True, slots=True)
+class NormIn:
+    """An RMSNorm that the GEMV reading its input applies to x as it loads it (``linear(norm=)``):
+    the squares of its input's rows, its weight (None: weightless) and eps."""
+
+    squares: RowSquares
+    weight: torch.Tensor | None
+    eps: float
+
+
+MAX_SQUARE_TILES = 4096  # partial sums a NormIn reader adds up (one vector load)
+
+
+def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: SplitWorkspace | None = None,
+            residual: torch.Tensor | None = None, norm: NormIn | None = None):  # fmt: skip
     check_float("x", x)
     x = rows_of("x", x, w.k)
     m = x.shape[0]
@@ -695,7 +772,7 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         return out
     cfg = config or default_config(m, n, w.k, w.scheme)
     swap = cfg.swap and swap_applies(w, x.dtype)
-    use_dot = swap or (m > GEMV_MAX_M if config is None else cfg.block_m >= 16)
+    use_dot = not runs_gemv(m, w, config, x.dtype)
     block_m = max(16, cfg.block_m) if swap else cfg.block_m if use_dot else 1  # the GEMV takes one row per program
     block_k = max(min(cfg.block_k, next_pow2(w.k)), min_block_k(w))
     num_stages = cfg.num_stages
@@ -706,6 +783,23 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
     split_k = cfg.split_k if m <= SPLIT_MAX_M else 1
     split_k = max(1, min(split_k, cdiv(w.k, block_k)))  # no share without a K tile
     grid = (cdiv(m, block_m), cdiv(n, cfg.block_n), split_k)
+    sq, n_sq, block_sq = out, 0, 1
+    if residual is not None:
+        if silu_mul or tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with contiguous rows (and no SiLU product), "
+                             f"got {tuple(residual.shape)} {residual.dtype}")  # fmt: skip
+        sq = torch.empty((m, grid[1]), dtype=torch.float32, device=x.device)
+    if norm is not None:
+        sq, n_sq = norm.squares.sq, norm.squares.tiles
+        if use_dot or block_m != 1:
+            raise ValueError("norm= runs in the one-row GEMV: a configuration with block_m 1 and no swap")
+        if sq.dtype != torch.float32 or not sq.is_contiguous() or sq.shape[0] < m or sq.numel() < m * n_sq:
+            raise ValueError(f"norm squares must be contiguous float32 [>= {m}, {n_sq}], got {tuple(sq.shape)} {sq.dtype}")
+        if not 1 <= n_sq <= MAX_SQUARE_TILES:
+            raise ValueError(f"norm squares come in {n_sq} partial sums; 1 to {MAX_SQUARE_TILES} are read")
+        if norm.weight is not None and tuple(norm.weight.shape) != (w.k,):
+            raise ValueError(f"norm weight shape {tuple(norm.weight.shape)} != ({w.k},)")
+        block_sq = next_pow2(n_sq)
     ws = cnt = out
     if split_k > 1:
         numel, tiles = m * (2 * n if silu_mul else n), grid[0] * grid[1]
@@ -719,17 +813,30 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
     s, z, meta = w.scales, w.zeros, w.meta
     _linear_kernel[grid](
         x, w.weight, s if s is not None else x, z if z is not None else x, meta if meta is not None else x,
-        bias if bias is not None else x, out, ws, cnt,
+        bias if bias is not None else x, out, ws, cnt, residual if residual is not None else x, sq,
+        norm.weight if norm is not None and norm.weight is not None else x,
         m, n, w.k, x.stride(0), w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
-        meta.stride(0) if meta is not None else 0, out.stride(0),
+        meta.stride(0) if meta is not None else 0, out.stride(0), residual.stride(0) if residual is not None else 0,
+        n_sq, float(norm.eps) if norm is not None else 0.0,
         SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
         META_PACKED=w.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and w.k % block_k == 0,
-        SPLIT_K=split_k, SWAP=swap, FAST_CVT=not interpreting(), num_warps=cfg.num_warps, num_stages=num_stages,
-        **overlap_options(),
+        SPLIT_K=split_k, SWAP=swap, FAST_CVT=not interpreting(), RES_SQ=residual is not None,
+        NORM_IN=norm is not None, NORM_W=norm is not None and norm.weight is not None, BLOCK_SQ=block_sq,
+        num_warps=cfg.num_warps, num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
+    if residual is not None:
+        return out, RowSquares(sq, grid[1])
     return out
+
+
+def runs_gemv(m: int, w: GpuWeight, config: LinearConfig | None, dtype: torch.dtype) -> bool:
+    """Whether ``linear`` with ``config`` (None: the default) runs ``m`` rows of ``dtype`` as the
+    one-row GEMV (one row per program, CUDA cores), the path that takes ``norm=``."""
+    if config is None:
+        return m <= GEMV_MAX_M
+    return not (config.swap and swap_applies(w, dtype)) and config.block_m < 16
 
 
 def swap_applies(w: GpuWeight, dtype: torch.dtype) -> bool:
@@ -747,12 +854,29 @@ def linear(
     out: torch.Tensor | None = None,
     config: LinearConfig | None = None,
     workspace: SplitWorkspace | None = None,
+    norm: NormIn | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for any scheme ``GpuWeight`` holds.
 
     ``workspace`` (``new_split_workspace``) serves split-K launches; without one the module's
-    shared workspace for the device is used."""
-    return _launch(x, weight, bias, out, config, silu_mul=False, workspace=workspace)
+    shared workspace for the device is used. ``norm``: x is the input of that RMSNorm, whose output
+    the product takes (as ``linear(rms_norm(x))`` rounds it; the one-row GEMV configurations only)."""
+    return _launch(x, weight, bias, out, config, silu_mul=False, workspace=workspace, norm=norm)
+
+
+def linear_add_squares(
+    x: torch.Tensor,
+    weight: GpuWeight,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    *,
+    config: LinearConfig | None = None,
+    workspace: SplitWorkspace | None = None,
+) -> tuple[torch.Tensor, RowSquares]:
+    """``residual + linear(x)`` (the projection rounded to x's dtype, then the sum, as transformers
+    adds a residual) and its rows' squares for an RMSNorm of it that a ``linear(norm=NormIn(...))``
+    reading it applies: the add and the norm's statistics without a kernel of their own."""
+    return _launch(x, weight, bias, None, config, silu_mul=False, workspace=workspace, residual=residual)
 
 
 def linear_silu_mul(
@@ -763,9 +887,11 @@ def linear_silu_mul(
     out: torch.Tensor | None = None,
     config: LinearConfig | None = None,
     workspace: SplitWorkspace | None = None,
+    norm: NormIn | None = None,
 ) -> torch.Tensor:
-    """The fused gate/up projection and SiLU-mul: W [2F, K] is gate rows then up rows -> [M, F]."""
-    return _launch(x, weight, bias, out, config, silu_mul=True, workspace=workspace)
+    """The fused gate/up projection and SiLU-mul: W [2F, K] is gate rows then up rows -> [M, F].
+    ``norm`` as for ``linear``."""
+    return _launch(x, weight, bias, out, config, silu_mul=True, workspace=workspace, norm=norm)
 
 
 def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,8 +42,8 @@ def _lm_head_tile_kernel(
     m_mask = rm < M
     n_mask = rn < N
     acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                   rn, n_mask, K, 0, K, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+                   rn, n_mask, K, 0, K, 1.0, x_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN, False, False)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     # The logits are rounded to the activation dtype first, as an unfused lm_head would store them.

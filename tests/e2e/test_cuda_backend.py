@@ -59,6 +59,55 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize(("model", "pipeline"), [("gqa", "dense-fused"), ("qk-norm-bias-fused", "w8a16-tiled")])
+def test_interpreted_norm_across_projections_matches_the_reference(model: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MGX_CUDA_NORM_ACROSS=1: at one-row steps the add and the RMSNorm between two projections run
+    inside them (o_proj / down add the residual and leave the rows' squares; the fused QKV or gate/up
+    GEMV normalizes x as it loads it); longer steps fall back to the norm kernel. Tokens equal the
+    reference's and logits agree within ATOL, and both halves of the fusion ran."""
+    from mgx.runtime import backend_cuda
+
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "1")
+    graph = compiled(model, pipeline)
+    ran: list[str] = []
+    for name in ("linear_add_squares", "linear", "linear_silu_mul"):
+        real = getattr(backend_cuda, name)
+        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
+            _n if k.get("norm") is None else _n + "+norm") or _f(*a, **k))  # fmt: skip
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    assert backend.norm_across and len(backend._fuse.norm_across) == 2 * graph.arch.num_layers - 1
+    _check(graph, backend, steps=2)  # two rows a step: the norm kernel (after the residual epilogue where quantized)
+    assert "linear+norm" not in ran
+    _check_one_row_steps(graph, backend)
+    assert {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} <= set(ran)
+
+
+def _check_one_row_steps(graph, backend: CUDABackend, steps: int = 4) -> None:  # noqa: ANN001
+    """One sequence, prefill then one-row decode steps: logits within ATOL of the reference's."""
+    runners = [ModelRunner(graph, "reference"), ModelRunner(graph, backend)]
+    chunks = [_prompts(graph)[1]] * 2
+    for _ in range(steps):
+        (want,), (got,) = (r.step([SeqChunk(0, c)]) for r, c in zip(runners, chunks, strict=True))
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+        chunks = [np.array([int(np.argmax(want[-1]))])] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_norm_across_projections_matches_the_reference(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreted test above, compiled on the GPU, eager and in CUDA graphs."""
+    from mgx.runtime import backend_cuda
+
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "1")
+    graph = compiled("gqa", "dense-fused", target="cuda")
+    ran: list[int] = []
+    real = backend_cuda.linear_add_squares
+    monkeypatch.setattr(backend_cuda, "linear_add_squares", lambda *a, **k: ran.append(1) or real(*a, **k))
+    _check_one_row_steps(graph, CUDABackend(graph, dtype="f32", graphs=graphs), steps=6)
+    assert ran
+
+
+@pytest.mark.interpreted
 @pytest.mark.parametrize(("model", "most"), [("gqa", 16), ("window-partial-rotary", 16), ("gqa", 2)])
 def test_interpreted_split_decode_attention_merges_in_its_last_split(model: str, most: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode attention split 3 ways over 16-token tiles (forced: the tiny contexts would not split)

@@ -288,3 +288,59 @@ def test_autotune_candidates_include_the_swapped_path_where_it_applies() -> None
     assert not set(lin.SWAP_CONFIGS) & set(candidates(1, q, torch.float32))  # fp32 activations
     assert not set(lin.SWAP_CONFIGS) & set(candidates(17, q, torch.bfloat16))
     assert candidates(1) == lin.GEMV_CONFIGS and candidates(4) == lin.GEMM_CONFIGS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("consumer", "split"), [("dense", 1), ("dense", 2), ("w8a16", 1), ("int4-g32", 2), ("sparse24", 1)])
+def test_norm_across_the_gemv_boundary(dtype: torch.dtype, consumer: str, split: int) -> None:
+    """The add and the RMSNorm between two projections without kernels of their own: the first
+    (``linear_add_squares``) adds the residual in its epilogue and leaves its rows' squares, the next
+    (``linear(norm=)``) normalizes x as it loads it. Against the unfused kernels: the sum bit for bit,
+    the squares to fp32 rounding, the product within 1e-5 (fp32) or 1e-3 (bf16; the sum of squares
+    in another order may flip a rounding; without the norm's two bf16 roundings it is 3-5e-3)."""
+    from mgx.kernels.triton.rmsnorm import rms_norm_ref
+
+    g = torch.Generator().manual_seed(7 + split)
+    k_p, hidden, eps = 96, 128, 1e-6
+    wp = make_weight("none", hidden, k_p, dtype=dtype, device=DEVICE, generator=g)
+    scheme, kw = WEIGHTS[consumer]
+    wc = make_weight(scheme, 48, hidden, dtype=dtype, device=DEVICE, generator=g, **kw)
+    bias = torch.randn(hidden, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    cfg = lin.LinearConfig(1, 16, 32, 4, 1, split)
+    for m in (1, 3):
+        x = torch.randn(m, k_p, generator=g).to(dtype).to(DEVICE)
+        res = (3 * torch.randn(m, hidden, generator=g)).to(dtype).to(DEVICE)
+        total, squares = lin.linear_add_squares(x, wp, bias, res, config=cfg)
+        want_total = (lin.linear(x, wp, bias, config=cfg).float() + res.float()).to(dtype)
+        assert torch.equal(total, want_total)
+        assert squares.tiles == hidden // 16 and tuple(squares.sq.shape) == (m, hidden // 16)
+        torch.testing.assert_close(squares.sq.sum(1), total.float().pow(2).sum(1), rtol=1e-5, atol=0)
+        for weight in (nw, None):
+            got = lin.linear(total, wc, norm=lin.NormIn(squares, weight, eps), config=cfg).float()
+            want = lin.linear(rms_norm_ref(total, weight, eps), wc, config=cfg).float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:
+                assert float((got - want).norm() / want.norm()) < 1e-3, (m, weight is None)
+        w_gu = make_weight(scheme, 2 * 24, hidden, dtype=dtype, device=DEVICE, generator=g, **kw)
+        got = lin.linear_silu_mul(total, w_gu, norm=lin.NormIn(squares, nw, eps), config=cfg).float()
+        want = lin.linear_silu_mul(rms_norm_ref(total, nw, eps), w_gu, config=cfg).float()
+        tol = 1e-5 if dtype == torch.float32 else 1e-3
+        assert float((got - want).norm() / want.norm()) < tol
+
+
+def test_norm_across_refuses_what_it_cannot_run() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = make_weight("none", 32, 64, dtype=torch.float32, device=DEVICE, generator=g)
+    x = torch.randn(2, 64, generator=g).to(DEVICE)
+    with pytest.raises(ValueError, match="residual must be"):
+        lin.linear_add_squares(x, w, None, torch.zeros(2, 16, device=DEVICE))
+    total, squares = lin.linear_add_squares(x, w, None, torch.zeros(2, 32, device=DEVICE),
+                                            config=lin.LinearConfig(1, 8, 32, 4))  # fmt: skip
+    w2 = make_weight("none", 16, 32, dtype=torch.float32, device=DEVICE, generator=g)
+    with pytest.raises(ValueError, match="one-row GEMV"):
+        lin.linear(total, w2, norm=lin.NormIn(squares, None, 1e-6), config=lin.LinearConfig(16, 16, 32, 4))
+    with pytest.raises(ValueError, match="norm weight shape"):
+        lin.linear(total, w2, norm=lin.NormIn(squares, torch.ones(5, device=DEVICE), 1e-6),
+                   config=lin.LinearConfig(1, 8, 32, 4))  # fmt: skip
