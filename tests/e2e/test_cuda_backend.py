@@ -82,6 +82,21 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
     assert {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} <= set(ran)
 
 
+@pytest.mark.interpreted
+def test_interpreted_decode_attention_over_narrow_tiles_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``narrow_decode_tiles`` (MGX_CUDA_DECODE_NARROW=1): decode attention over 32-token tiles."""
+    from mgx.runtime import backend_cuda
+
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.narrow_decode_tiles = True
+    tiles: set[int] = set()
+    real = backend_cuda.paged_attention_decode
+    monkeypatch.setattr(backend_cuda, "paged_attention_decode", lambda *a, **k: tiles.add(k["block_n"]) or real(*a, **k))
+    _check(graph, backend, steps=2)
+    assert tiles == {32}
+
+
 def _check_one_row_steps(graph, backend: CUDABackend, steps: int = 4) -> None:  # noqa: ANN001
     """One sequence, prefill then one-row decode steps: logits within ATOL of the reference's."""
     runners = [ModelRunner(graph, "reference"), ModelRunner(graph, backend)]
