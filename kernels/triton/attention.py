@@ -65,6 +65,7 @@ def _decode_kernel(
     stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, MERGE: tl.constexpr, ROT: tl.constexpr, DOT_PREC: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
     overlap_start(OVERLAP)
@@ -135,11 +136,10 @@ def _decode_kernel(
             tl.debug_barrier()  # every thread's stores are issued before the release below
             cnt = cnt_ptr + s * HK + h
             if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
-                # The other splits' stores are in L2: loads bypass L1 (.cg).
-                for i in tl.static_range(G):
-                    r = (s * (HK * G) + h * G + i).to(tl.int64) * num_splits
-                    _merge_row(part_o_ptr, part_m_ptr, part_l_ptr, r, out_ptr + s64 * stride_o + (h * G + i) * D, d,
-                               num_splits, D, BLOCK_P, ".cg")  # fmt: skip
+                # The other splits' stores are in L2: loads bypass L1 (.cg). The G query rows of
+                # this KV head in one round of loads (one after another they waited on L2 G times).
+                _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, (s * (HK * G) + h * G).to(tl.int64) * num_splits,
+                            out_ptr + s64 * stride_o + h * G * D, d, num_splits, G, D, BLOCK_R, BLOCK_P, ".cg")  # fmt: skip
                 tl.store(cnt, 0)
     else:
         out = acc / denom[:, None]
@@ -148,21 +148,25 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_row(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, d, num_splits, D: tl.constexpr,
-               BLOCK_P: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """One query row's output from the partial softmaxes of its ``num_splits`` splits (rows ``first``
-    onwards of the [S * Hq, splits] partials), all splits loaded at once. Empty splits (m = -inf)
-    weigh nothing; at least one split of a row is not empty."""
+def _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, d, num_splits, ROWS: tl.constexpr,
+                D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """``ROWS`` consecutive query rows' outputs (at ``dst_ptr``, D apart) from the partial softmaxes
+    of their ``num_splits`` splits (rows ``first`` onwards of the [S * Hq, splits] partials), every
+    split of every row loaded at once. Empty splits (m = -inf) weigh nothing; at least one split of a
+    row is not empty."""
+    r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
-    pmask = p < num_splits
-    row = first + p
-    m = tl.load(part_m_ptr + row, mask=pmask, other=float("-inf"), cache_modifier=CACHE)
-    denom = tl.load(part_l_ptr + row, mask=pmask, other=0.0, cache_modifier=CACHE)
-    o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=pmask[:, None] & (d < D)[None, :], other=0.0,
-                cache_modifier=CACHE)  # fmt: skip
-    w = tl.exp2(m - tl.max(m, axis=0))
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * denom, axis=0)
-    tl.store(dst_ptr + d, out.to(dst_ptr.dtype.element_ty), mask=d < D)
+    mask = (r < ROWS)[:, None] & (p < num_splits)[None, :]  # [BLOCK_R, BLOCK_P]
+    row = first + r[:, None] * num_splits + p[None, :]
+    m = tl.load(part_m_ptr + row, mask=mask, other=float("-inf"), cache_modifier=CACHE)
+    denom = tl.load(part_l_ptr + row, mask=mask, other=0.0, cache_modifier=CACHE)
+    o = tl.load(part_o_ptr + row[:, :, None] * D + d[None, None, :], mask=mask[:, :, None] & (d < D)[None, None, :],
+                other=0.0, cache_modifier=CACHE)  # fmt: skip
+    top = tl.max(m, axis=1)
+    w = tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)[:, None])  # padding rows: all -inf
+    out = tl.sum(w[:, :, None] * o, axis=1) / tl.maximum(tl.sum(w * denom, axis=1), 1e-30)[:, None]
+    tl.store(dst_ptr + r[:, None] * D + d[None, :], out.to(dst_ptr.dtype.element_ty),
+             mask=(r < ROWS)[:, None] & (d < D)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -173,8 +177,8 @@ def _decode_merge_kernel(
     overlap_start(OVERLAP)
     s = tl.program_id(0)
     hq = tl.program_id(1)
-    _merge_row(part_o_ptr, part_m_ptr, part_l_ptr, (s * HQ + hq).to(tl.int64) * num_splits,
-               out_ptr + s.to(tl.int64) * stride_o + hq * D, tl.arange(0, BLOCK_D), num_splits, D, BLOCK_P, "")  # fmt: skip
+    _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, (s * HQ + hq).to(tl.int64) * num_splits,
+                out_ptr + s.to(tl.int64) * stride_o + hq * D, tl.arange(0, BLOCK_D), num_splits, 1, D, 1, BLOCK_P, "")  # fmt: skip
 
 
 @triton.jit
@@ -347,7 +351,7 @@ def paged_attention_decode(
         k_new, v_new, inv, k_new.stride(0), v_new.stride(0), scaling,
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:

@@ -140,7 +140,7 @@ def test_interpreted_split_decode_attention_merges_in_its_last_split(model: str,
     def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         assert kw["num_splits"] == 3
         merges.append(kw.get("counters") is not None)
-        return decode(*args, **kw, block_n=16)
+        return decode(*args, **{**kw, "block_n": 16})
 
     monkeypatch.setattr(backend_cuda, "paged_attention_decode", spy)
     graph = compiled(model, "dense")
