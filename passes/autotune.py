@@ -193,7 +193,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         except ValueError as e:
             raise PassError(f"autotune: {op.kind} {t.name}: {e}") from None
         kernel = _kernel_of(graph, op)
-        copies = None  # of w, for timing the decode regime in graphs (made when first needed)
+        copies = ws = None  # copies of w, for timing the decode regime in graphs (made when first needed)
         for m in sorted({int(r) for r in opts.rows}):
             key = (kernel, shape_key(w, m))
             if key in entries or (w.scheme == "none" and kernel != "lm_head_argmax" and m > GEMV_MAX_M):
@@ -230,7 +230,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
-        del copies
+        copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]
     natives = f"native GEMV chosen for {len(chosen)}" + (f" ({', '.join(chosen)})" if chosen else "")
