@@ -328,6 +328,9 @@ class CUDABackend(Backend):
         # Decode attention over 32-token tiles instead of 64 (so up to twice the splits): the kernel
         # bench's best at a 640-token context on the H200; not yet measured in a graph.
         self.narrow_decode_tiles = os.environ.get("MGX_CUDA_DECODE_NARROW", "0") == "1"
+        # Decode attention cut into pieces of one tile each (up to twice the splits, one pass of the
+        # tile loop per program) instead of two; not yet measured in a graph.
+        self.one_tile_pieces = os.environ.get("MGX_CUDA_DECODE_ONE_TILE", "0") == "1"
         # Programmatic dependent launches (sm_90 and newer; MGX_CUDA_PDL=1): see overlap_launches.
         major, minor = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._sm = 10 * major + minor
@@ -650,7 +653,7 @@ class CUDABackend(Backend):
             sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
             max_query_len=1,
             max_context_len=max_context,
-            decode_splits=decode_splits(bucket, hk, max_context, sms, self._decode_block_n),
+            decode_splits=decode_splits(bucket, hk, max_context, sms, self._decode_block_n, self._decode_min_tiles),
             packed=packed,
             host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=True),
         )
@@ -858,7 +861,8 @@ class CUDABackend(Backend):
         st = self._cur
         splits = st.decode_splits
         if splits is None:  # as the kernel would choose them
-            splits = decode_splits(q.shape[0], a.num_kv_heads, st.max_context_len, num_sms(q.device), self._decode_block_n)
+            splits = decode_splits(q.shape[0], a.num_kv_heads, st.max_context_len, num_sms(q.device), self._decode_block_n,
+                                   self._decode_min_tiles)  # fmt: skip
         counters = self._decode_counters
         if counters is not None and (q.shape[0] * a.num_kv_heads > counters.numel() or splits > SELF_MERGE_MAX_SPLITS):
             counters = None
@@ -871,6 +875,10 @@ class CUDABackend(Backend):
     @property
     def _decode_block_n(self) -> int:
         return 32 if self.narrow_decode_tiles else 64
+
+    @property
+    def _decode_min_tiles(self) -> int:
+        return 1 if self.one_tile_pieces else 2
 
     def _sdpa_fresh(self, q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: AttentionAttrs) -> Array | None:
         """Fresh prompts through one of SDPA's fused kernels (never its math fallback, which ran a

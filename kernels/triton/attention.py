@@ -268,11 +268,13 @@ def new_decode_counters(device: torch.device | str, num_seqs: int, num_kv_heads:
     return torch.zeros(max(1, num_seqs * num_kv_heads), dtype=torch.int32, device=device)
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sms: int, block_n: int = 64) -> int:
-    """How many pieces to cut each context into so that about two waves of programs fill the GPU."""
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sms: int, block_n: int = 64,
+                  min_tiles: int = 2) -> int:  # fmt: skip
+    """How many pieces to cut each context into so that about two waves of programs fill the GPU,
+    each piece keeping at least ``min_tiles`` tiles of ``block_n`` tokens."""
     programs = max(1, num_seqs * num_kv_heads)
     want = math.ceil(2 * sms / programs)
-    most = max(1, math.ceil(max_context_len / (2 * block_n)))  # each piece keeps at least 2 tiles
+    most = max(1, math.ceil(max_context_len / (min_tiles * block_n)))
     return max(1, min(want, most, 256))
 
 

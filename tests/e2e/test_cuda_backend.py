@@ -84,17 +84,21 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
 
 @pytest.mark.interpreted
 def test_interpreted_decode_attention_over_narrow_tiles_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``narrow_decode_tiles`` (MGX_CUDA_DECODE_NARROW=1): decode attention over 32-token tiles."""
+    """``narrow_decode_tiles`` and ``one_tile_pieces`` (MGX_CUDA_DECODE_NARROW=1, MGX_CUDA_DECODE_ONE_TILE=1):
+    decode attention over 32-token tiles, a piece of the context per tile."""
     from mgx.runtime import backend_cuda
 
     graph = compiled("gqa", "dense")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
-    backend.narrow_decode_tiles = True
+    backend.narrow_decode_tiles = backend.one_tile_pieces = True
     tiles: set[int] = set()
     real = backend_cuda.paged_attention_decode
     monkeypatch.setattr(backend_cuda, "paged_attention_decode", lambda *a, **k: tiles.add(k["block_n"]) or real(*a, **k))
+    pieces: set[tuple[int, int]] = set()
+    splits = backend_cuda.decode_splits
+    monkeypatch.setattr(backend_cuda, "decode_splits", lambda *a: pieces.add(a[-2:]) or splits(*a))
     _check(graph, backend, steps=2)
-    assert tiles == {32}
+    assert tiles == {32} and pieces == {(32, 1)}
 
 
 def _check_one_row_steps(graph, backend: CUDABackend, steps: int = 4) -> None:  # noqa: ANN001

@@ -162,6 +162,9 @@ def test_decode_splits_fill_the_gpu() -> None:
     assert attention.decode_splits(1, 8, 8192, 132) == 33
     assert attention.decode_splits(64, 8, 32768, 132) == 1
     assert attention.decode_splits(1, 8, 100, 132) == 1
+    assert attention.decode_splits(1, 8, 1024, 132) == 8  # pieces of two 64-token tiles
+    assert attention.decode_splits(1, 8, 1024, 132, min_tiles=1) == 16
+    assert attention.decode_splits(1, 8, 1024, 132, block_n=32) == 16
 
 
 @pytest.mark.parametrize("block_n", [8, 48])
