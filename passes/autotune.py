@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +184,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     entries: dict[str, AutotuneEntry] = {}
     timed = 0
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
+    failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
     for op in graph.ops:
         if op.kind not in ("linear", "lm_head"):
             continue
@@ -206,7 +208,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
                 try:
                     seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
-                except Exception:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
+                except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
+                    failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
                     continue
                 timed += 1
                 if best is None or seconds < best[0]:
@@ -238,6 +241,9 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         natives = "native GEMV not timed (no nvcc or image)"
     if rejected:
         natives += f"; native GEMV rejected (wrong results) for {', '.join(rejected)}"
+    if failed:
+        reasons = Counter(failed).most_common(3)
+        natives += f"; {len(failed)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
         {"autotune": {arch: found}},

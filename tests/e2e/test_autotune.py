@@ -283,3 +283,19 @@ def test_autotune_times_the_decode_regime_in_a_graph_over_weight_copies() -> Non
         seconds = autotune_pass._time(fn, 5, ws)
     assert set(seen) == {w.data_ptr() for w in ws}
     assert 0 < seconds < 1e-3
+
+
+def test_autotune_says_how_many_candidates_could_not_run_and_why(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """A candidate that raises is skipped, and the summary counts it with its reason."""
+    timer = autotune_pass._time
+
+    def some_fail(fn, repeats, weights=None):  # noqa: ANN001, ANN202
+        if fn.__defaults__[0].block_n == 8:
+            raise RuntimeError("out of shared memory\nmore detail")
+        return timer(fn, repeats, weights)
+
+    monkeypatch.setattr(autotune_pass, "_time", some_fail)
+    graph = tiny_contents().graph
+    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "native": False}, PassContext(target="cuda"))
+    assert "configurations could not run (" in result.summary
+    assert "x RuntimeError: out of shared memory)" in result.summary and "more detail" not in result.summary
