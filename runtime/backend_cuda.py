@@ -263,14 +263,23 @@ class _Fusions:
     norm_across: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
 
 
+def _on_cublas(w: GpuWeight, m: int) -> bool:
+    """Whether ``linear`` runs ``m`` rows of ``w`` as a dense cuBLAS product (dense weights past the
+    GEMV's rows; quantized weights, dequantized first, from ``DEQUANTIZE_MIN_M`` rows)."""
+    return (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M)
+
+
 @dataclass(frozen=True, slots=True)
 class _Across:
     """A projection held back until its add (``norm_across``): the op, its input (also the stand-in
-    value it returned, which the add tells from the residual) and its configuration."""
+    value it returned, which the add tells from the residual), its configuration, and the add and the
+    linear that reads the add's norm."""
 
     proj: Op
     x: Array
     config: LinearConfig | None
+    add: Op
+    reader: Op
 
 
 class CUDABackend(Backend):
@@ -742,16 +751,15 @@ class CUDABackend(Backend):
         normed = self._pending.pop(id(op), None)
         across = self._across(op, x) if normed is None else None
         if across is not None:  # held back: its add runs it (``add``)
-            self._pending[id(self._fuse.norm_across[id(op)][0])] = across
+            self._pending[id(across.add)] = across
             return x
         if isinstance(normed, NormIn):  # x is the norm's input, normalized as the GEMV loads it
-            config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
             run = linear if silu is None else linear_silu_mul
-            out = run(x, w, bias, config=config, workspace=self._split_ws, norm=normed)
+            out = run(x, w, bias, config=self._config(op, m), workspace=self._split_ws, norm=normed)
         elif normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
             kind, norm = normed
             out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=kind, norm=norm)
-        elif (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
+        elif _on_cublas(w, m):
             # Dense weights and several rows: cuBLAS (the Triton GEMM has nothing to dequantize and
             # is slower); quantized weights and a long prefill: dequantize once, then cuBLAS. A fused
             # gate/up then takes the SiLU product in a second, small kernel.
@@ -760,7 +768,7 @@ class CUDABackend(Backend):
             if silu is not None:
                 out = silu_mul(out)
         else:
-            config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
+            config = self._config(op, m)
             # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized
             # weights, when the artifact's kernels hold it; the Triton kernels otherwise.
             native = self._native_kind(x, w, bias, config)
@@ -783,14 +791,18 @@ class CUDABackend(Backend):
             return native if gemv_applies(self.cuda_kernels, x, w, bias, kind=native) else ""
         return ""
 
+    def _config(self, op: Op, m: int) -> LinearConfig | None:
+        """The stored tuning for linear ``op`` at ``m`` rows (as the fused gate/up SiLU product where it is one)."""
+        kernel = "linear" if id(op) not in self._fuse.silu_after_linear else "linear_silu_mul"
+        return self.tunings.config(kernel, self._weights[id(op)], m)
+
     def _runs_triton(self, op: Op, x: Array, *, gemv_only: bool) -> tuple[bool, LinearConfig | None]:
         """Whether ``linear`` runs ``op`` on x's rows with the Triton linear kernels (``gemv_only``: as
         the one-row GEMV), and with which stored configuration."""
         w, m = self._weights[id(op)], x.shape[0]
-        if (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M):
+        if _on_cublas(w, m):
             return False, None
-        silu = self._fuse.silu_after_linear.get(id(op))
-        config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, m)
+        config = self._config(op, m)
         if self._native_kind(x, w, self._bias[id(op)], config):
             return False, config
         return not gemv_only or runs_gemv(m, w, config, x.dtype), config
@@ -802,19 +814,18 @@ class CUDABackend(Backend):
         if chain is None or self._norm[id(chain[1])][2] != self._weights[id(op)].n:
             return None
         runs, config = self._runs_triton(op, x, gemv_only=False)
-        return _Across(op, x, config) if runs else None
+        return _Across(op, x, config, chain[0], chain[2]) if runs else None
 
-    def _add_across(self, held: _Across, residual: Array, norm_op: Op) -> Array:
+    def _add_across(self, held: _Across, residual: Array, norm_op: Op, weight: Array | None, eps: float,
+                    group: int) -> Array:  # fmt: skip
         """The held projection plus ``residual`` with its rows' squares; the norm then runs in its
         reader's loads where that is the Triton one-row GEMV, else as a kernel of its own."""
         proj = held.proj
         total, squares = linear_add_squares(held.x, self._weights[id(proj)], self._bias[id(proj)], residual,
                                             config=held.config, workspace=self._split_ws)  # fmt: skip
-        weight, eps, group = self._norm[id(norm_op)]
-        reader = self._fuse.norm_across[id(proj)][2]
-        if self._runs_triton(reader, total, gemv_only=True)[0]:
+        if self._runs_triton(held.reader, total, gemv_only=True)[0]:
             self._pending[id(norm_op)] = total  # the norm's value: a stand-in its one reader normalizes
-            self._pending[id(reader)] = NormIn(squares, weight, eps)
+            self._pending[id(held.reader)] = NormIn(squares, weight, eps)
         else:
             self._pending[id(norm_op)] = rms_norm(total, weight, eps, group=group, kernels=self.cuda_kernels)
         return total
@@ -922,7 +933,7 @@ class CUDABackend(Backend):
         weight, eps, group = self._norm[id(norm_op)]
         held = self._pending.pop(id(op), None)
         if isinstance(held, _Across):  # its projection adds the residual and leaves the norm's squares
-            return self._add_across(held, b if a is held.x else a, norm_op)
+            return self._add_across(held, b if a is held.x else a, norm_op, weight, eps, group)
 
         total = self._norm_into_gemv(norm_op, a, b, weight, eps, group)
         if total is not None:
@@ -940,8 +951,7 @@ class CUDABackend(Backend):
         if lin is None or not self._norm_gemv or a.shape[0] != 1 or group != a.shape[1]:
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
-        silu = self._fuse.silu_after_linear.get(id(lin))
-        config = self.tunings.config("linear" if silu is None else "linear_silu_mul", w, 1)
+        config = self._config(lin, 1)
         if (config is None and w.scheme == "none") or (config is not None and not (config.native and self.tuned_gemvs)):
             return None
         kinds = [config.native] if config is not None else [k for k in ("mma", "gemv") if (k, w.scheme) in GEMV_ENTRIES]

@@ -353,7 +353,8 @@ def paged_attention_decode(
         k_new, v_new, inv, k_new.stride(0), v_new.stride(0), scaling,
         q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1, SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
+        SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:

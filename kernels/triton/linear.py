@@ -791,7 +791,7 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         sq = torch.empty((m, grid[1]), dtype=torch.float32, device=x.device)
     if norm is not None:
         sq, n_sq = norm.squares.sq, norm.squares.tiles
-        if use_dot or block_m != 1:
+        if use_dot:
             raise ValueError("norm= runs in the one-row GEMV: a configuration with block_m 1 and no swap")
         if sq.dtype != torch.float32 or not sq.is_contiguous() or sq.shape[0] < m or sq.numel() < m * n_sq:
             raise ValueError(f"norm squares must be contiguous float32 [>= {m}, {n_sq}], got {tuple(sq.shape)} {sq.dtype}")
