@@ -19,16 +19,15 @@ into the paged cache (the attention prologue). With ``MGX_CUDA_NORM_GEMV=1``, at
 the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm`` after it run in the
 prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
 default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
-3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms). With ``MGX_CUDA_PDL=1``
-the decode-path kernels are launched overlapped (programmatic dependent launches, sm_90 and newer; the
-Triton linear, decode attention and LM head kernels and the native ones): each may start while the
-kernel before it finishes and waits for it before reading its output (the native GEMVs request their
-weights first). Off by default: slower on the H200 in three of four 8B runs (``overlap_launches``).
-With ``MGX_CUDA_NORM_ACROSS=1``, where a ``linear`` feeds an ``add`` whose ``rms_norm`` feeds one
+3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms). On sm_90 and newer the
+decode-path kernels are launched overlapped (programmatic dependent launches; the Triton linear,
+decode attention and LM head kernels and the native ones): each may start while the kernel before it
+finishes and waits for it before reading its output or writing anything (``overlap_launches``;
+``MGX_CUDA_PDL=0`` turns it off). Where a ``linear`` feeds an ``add`` whose ``rms_norm`` feeds one
 ``linear`` that runs as the Triton one-row GEMV, the add and the norm have no kernel of their own:
 the first projection adds the residual in its epilogue and stores its rows' partial sums of squares
-(``linear_add_squares``), the second normalizes x as it loads it (``linear(norm=)``). Off by
-default until measured on a GPU.
+(``linear_add_squares``), the second normalizes x as it loads it (``linear(norm=)``;
+``MGX_CUDA_NORM_ACROSS=0`` turns it off).
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -333,17 +332,18 @@ class CUDABackend(Backend):
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
-        self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "0") == "1"  # see the module docstring
+        self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         # Decode attention over 32-token tiles instead of 64 (so up to twice the splits): the kernel
-        # bench's best at a 640-token context on the H200; not yet measured in a graph.
+        # bench's best at a 640-token context on the H200, but no gain in the 8B graph and 1% slower
+        # in all three 1B ones (README), so off.
         self.narrow_decode_tiles = os.environ.get("MGX_CUDA_DECODE_NARROW", "0") == "1"
         # Decode attention cut into pieces of one tile each (up to twice the splits, one pass of the
-        # tile loop per program) instead of two; not yet measured in a graph.
-        self.one_tile_pieces = os.environ.get("MGX_CUDA_DECODE_ONE_TILE", "0") == "1"
-        # Programmatic dependent launches (sm_90 and newer; MGX_CUDA_PDL=1): see overlap_launches.
+        # tile loop per program) instead of two (MGX_CUDA_DECODE_ONE_TILE=0).
+        self.one_tile_pieces = os.environ.get("MGX_CUDA_DECODE_ONE_TILE", "1") != "0"
+        # Programmatic dependent launches (sm_90 and newer; MGX_CUDA_PDL=0 turns them off): see overlap_launches.
         major, minor = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._sm = 10 * major + minor
-        self._overlap = os.environ.get("MGX_CUDA_PDL", "0") == "1" and self._sm >= 90
+        self._overlap = os.environ.get("MGX_CUDA_PDL", "1") != "0" and self._sm >= 90
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -503,8 +503,10 @@ class CUDABackend(Backend):
         """Whether the decode-path kernels are launched overlapped (programmatic dependent launches):
         the Triton linear, decode attention and LM head kernels, and the native kernels where their
         code allows it. Each kernel may then start while the one before it finishes and waits for it
-        before reading its output. ``MGX_CUDA_PDL=1`` turns it on (sm_90 and newer); off by default
-        until measured. Steps captured before a change keep the launches they were captured with."""
+        before reading its output. On by default on sm_90 and newer (``MGX_CUDA_PDL=0``: off): on the
+        H200 the 8B bf16 graph gained in the ninth session's three runs (4.145 vs 4.299 ms at best),
+        after losing in three of four the session before; 1B INT4 gained, 1B bf16 and W8A16 lost 2-4%.
+        Steps captured before a change keep the launches they were captured with."""
         return self._overlap
 
     @overlap_launches.setter

@@ -61,13 +61,13 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 @pytest.mark.interpreted
 @pytest.mark.parametrize(("model", "pipeline"), [("gqa", "dense-fused"), ("qk-norm-bias-fused", "w8a16-tiled")])
 def test_interpreted_norm_across_projections_matches_the_reference(model: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MGX_CUDA_NORM_ACROSS=1: at one-row steps the add and the RMSNorm between two projections run
-    inside them (o_proj / down add the residual and leave the rows' squares; the fused QKV or gate/up
-    GEMV normalizes x as it loads it); longer steps fall back to the norm kernel. Tokens equal the
+    """By default, at one-row steps the add and the RMSNorm between two projections run inside them
+    (o_proj / down add the residual and leave the rows' squares; the fused QKV or gate/up GEMV
+    normalizes x as it loads it); longer steps fall back to the norm kernel. Tokens equal the
     reference's and logits agree within ATOL, and both halves of the fusion ran."""
     from mgx.runtime import backend_cuda
 
-    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "1")
+    monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
     graph = compiled(model, pipeline)
     ran: list[str] = []
     for name in ("linear_add_squares", "linear", "linear_silu_mul"):
@@ -80,6 +80,25 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
     assert "linear+norm" not in ran
     _check_one_row_steps(graph, backend)
     assert {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} <= set(ran)
+
+
+@pytest.mark.interpreted
+def test_interpreted_norm_across_switched_off_runs_the_norm_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MGX_CUDA_NORM_ACROSS=0: one-row steps run the add + RMSNorm kernel between the projections
+    again (no projection adds the residual or normalizes its input), with the reference's logits."""
+    from mgx.runtime import backend_cuda
+
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "0")
+    graph = compiled("gqa", "dense-fused")
+    ran: list[str] = []
+    for name in ("linear_add_squares", "rms_norm"):
+        real = getattr(backend_cuda, name)
+        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
+            _n + ("+residual" if k.get("residual") is not None else "")) or _f(*a, **k))  # fmt: skip
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    assert not backend.norm_across
+    _check_one_row_steps(graph, backend)
+    assert ran.count("rms_norm+residual") >= 2 * graph.arch.num_layers - 1 and "linear_add_squares" not in ran
 
 
 @pytest.mark.interpreted
@@ -117,7 +136,7 @@ def test_gpu_norm_across_projections_matches_the_reference(graphs: bool, monkeyp
     """The interpreted test above, compiled on the GPU, eager and in CUDA graphs."""
     from mgx.runtime import backend_cuda
 
-    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "1")
+    monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
     graph = compiled("gqa", "dense-fused", target="cuda")
     ran: list[int] = []
     real = backend_cuda.linear_add_squares
