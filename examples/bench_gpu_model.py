@@ -128,17 +128,11 @@ def tokenizer_json(vocab: int) -> str:
     return tok.to_str()
 
 
-def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: list[int],
-                    untuned_twin: bool) -> dict[str, Path]:  # noqa: ANN001
-    """One artifact per scheme (target cuda). With ``autotune_rows`` the autotune pass runs last and
-    its choices are stored; ``untuned_twin`` also writes the first scheme without them
-    (``<scheme>-untuned``) for the cold-start comparison."""
+def lower_once(model):  # noqa: ANN001, ANN201
+    """The model traced and lowered once, its tensors in bf16: every scheme's passes start from a copy."""
     from mgx.compiler.lower import lower_model, trace_model
-    from mgx.compiler.pipeline import collect_pass_stats, convert_tensors
+    from mgx.compiler.pipeline import convert_tensors
     from mgx.formats import ir
-    from mgx.formats.artifact import ArtifactContents, Fingerprint, PassRecord, write_artifact
-    from mgx.kernels.cuda.build import find_nvcc
-    from mgx.passes import PASSES, PassContext
 
     cpu_model = copy.deepcopy(model).to("cpu") if DEVICE == "cuda" else model
     t0 = time.perf_counter()
@@ -146,37 +140,48 @@ def build_artifacts(model, schemes: list[str], out_dir: Path, autotune_rows: lis
     del cpu_model
     convert_tensors(base, ir.DType.BF16)
     log(f"traced and lowered in {time.perf_counter() - t0:.1f}s")
+    return base
+
+
+def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
+                   untuned_twin: bool) -> dict[str, Path]:  # noqa: ANN001
+    """``scheme``'s artifact (target cuda) from ``graph`` (a lowered model, consumed). With
+    ``autotune_rows`` the autotune pass runs last and its choices are stored; ``untuned_twin`` also
+    writes it without them (``<scheme>-untuned``) for the cold-start comparison."""
+    from mgx.compiler.pipeline import collect_pass_stats
+    from mgx.formats import ir
+    from mgx.formats.artifact import ArtifactContents, Fingerprint, PassRecord, write_artifact
+    from mgx.kernels.cuda.build import find_nvcc
+    from mgx.passes import PASSES, PassContext
+
+    t0 = time.perf_counter()
+    records, tunings, images = [], {}, {}
+    steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]
+    if DEVICE == "cuda" and find_nvcc() is not None:
+        steps.append(("cuda_kernels", {}))  # the native RMSNorm and GEMVs, as `mgxc compile` builds them
+    if autotune_rows:
+        steps.append(("autotune", {"rows": autotune_rows}))
+    for name, opts in steps:
+        t1 = time.perf_counter()
+        result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
+        ir.verify(graph)
+        records.append(PassRecord(name, dict(opts), result.summary))
+        collect_pass_stats(result.stats, tunings, images)
+        if name == "autotune":
+            log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
+            TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
+    fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
+    variants = [(scheme, tunings)]
+    if untuned_twin and tunings:
+        variants.append((f"{scheme}-untuned", {}))
     paths = {}
-    vocab = base.arch.vocab_size
-    for scheme in schemes:
-        t0 = time.perf_counter()
-        graph = copy.deepcopy(base) if scheme != schemes[-1] else base
-        records, tunings, images = [], {}, {}
-        steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]
-        if DEVICE == "cuda" and find_nvcc() is not None:
-            steps.append(("cuda_kernels", {}))  # the native RMSNorm and GEMVs, as `mgxc compile` builds them
-        if autotune_rows:
-            steps.append(("autotune", {"rows": autotune_rows}))
-        for name, opts in steps:
-            t1 = time.perf_counter()
-            result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
-            ir.verify(graph)
-            records.append(PassRecord(name, dict(opts), result.summary))
-            collect_pass_stats(result.stats, tunings, images)
-            if name == "autotune":
-                log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
-                TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
-        fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
-        variants = [(scheme, tunings)]
-        if untuned_twin and scheme == schemes[0] and tunings:
-            variants.append((f"{scheme}-untuned", {}))
-        for label, stored in variants:
-            path = out_dir / f"{label}.mgx"
-            write_artifact(path, ArtifactContents(graph=graph, tokenizer_json=tokenizer_json(vocab), fingerprint=fp,
-                                                  passes=records, autotune=stored, cuda_kernels=images))  # fmt: skip
-            paths[label] = path
-        log(f"{scheme}: passes and write {time.perf_counter() - t0:.1f}s, {path.stat().st_size / 1e9:.2f} GB")
-        del graph
+    for label, stored in variants:
+        path = out_dir / f"{label}.mgx"
+        write_artifact(path, ArtifactContents(graph=graph, tokenizer_json=tokenizer_json(graph.arch.vocab_size),
+                                              fingerprint=fp, passes=records, autotune=stored,
+                                              cuda_kernels=images))  # fmt: skip
+        paths[label] = path
+    log(f"{scheme}: passes and write {time.perf_counter() - t0:.1f}s, {path.stat().st_size / 1e9:.2f} GB")
     return paths
 
 
@@ -507,8 +512,15 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.model.layers.parameters()) + model.lm_head.weight.numel()
     with tempfile.TemporaryDirectory() as tmp:
         schemes = args.schemes.split(",")
-        paths = build_artifacts(model, schemes, Path(tmp), args.autotune, args.cold_start)
-        for scheme in schemes:
+        base = lower_once(model)
+        paths: dict[str, Path] = {}
+        # Each scheme is measured as soon as it is built (a time limit cuts the run after whole
+        # schemes), and its artifact removed after (an 8B one is 16 GB), but the cold start's.
+        for i, scheme in enumerate(schemes):
+            graph = base if i == len(schemes) - 1 else copy.deepcopy(base)
+            built = build_artifact(graph, scheme, Path(tmp), args.autotune, args.cold_start and i == 0)
+            del graph
+            paths.update(built)
             try:
                 bench_mgx(paths[scheme], scheme, args, bw, flops, n_params)
             except Exception as e:  # noqa: BLE001 - report it and measure the other schemes
@@ -516,6 +528,11 @@ def main() -> None:
 
                 traceback.print_exc()
                 add_row({"engine": f"mgx {scheme}", "error": f"{type(e).__name__}: {e}"})
+            if not (args.cold_start and i == 0):
+                for label, path in built.items():
+                    path.unlink()
+                    del paths[label]
+        del base
         if args.cold_start:
             bench_cold_start(paths, schemes[0], Path(tmp))
     for mode in [m for m in args.hf.split(",") if m]:
