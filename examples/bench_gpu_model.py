@@ -513,28 +513,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         schemes = args.schemes.split(",")
         base = lower_once(model)
-        paths: dict[str, Path] = {}
+        cold: dict[str, Path] = {}  # the first scheme's artifacts, kept for the cold start
         # Each scheme is measured as soon as it is built (a time limit cuts the run after whole
         # schemes), and its artifact removed after (an 8B one is 16 GB), but the cold start's.
         for i, scheme in enumerate(schemes):
             graph = base if i == len(schemes) - 1 else copy.deepcopy(base)
             built = build_artifact(graph, scheme, Path(tmp), args.autotune, args.cold_start and i == 0)
             del graph
-            paths.update(built)
             try:
-                bench_mgx(paths[scheme], scheme, args, bw, flops, n_params)
+                bench_mgx(built[scheme], scheme, args, bw, flops, n_params)
             except Exception as e:  # noqa: BLE001 - report it and measure the other schemes
                 import traceback
 
                 traceback.print_exc()
                 add_row({"engine": f"mgx {scheme}", "error": f"{type(e).__name__}: {e}"})
-            if not (args.cold_start and i == 0):
-                for label, path in built.items():
+            if args.cold_start and i == 0:
+                cold = built
+            else:
+                for path in built.values():
                     path.unlink()
-                    del paths[label]
         del base
         if args.cold_start:
-            bench_cold_start(paths, schemes[0], Path(tmp))
+            bench_cold_start(cold, schemes[0], Path(tmp))
     for mode in [m for m in args.hf.split(",") if m]:
         try:
             bench_hf(model, args, bw, n_params, mode)
