@@ -68,6 +68,7 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
     from mgx.runtime import backend_cuda
 
     monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
+    monkeypatch.setattr(backend_cuda, "NORM_IN_SCHEMES", backend_cuda.NORM_IN_SCHEMES | {"w8a16"})  # off by default
     graph = compiled(model, pipeline)
     ran: list[str] = []
     for name in ("linear_add_squares", "linear", "linear_silu_mul"):
@@ -80,6 +81,28 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
     assert "linear+norm" not in ran
     _check_one_row_steps(graph, backend)
     assert {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} <= set(ran)
+
+
+@pytest.mark.interpreted
+def test_interpreted_norm_across_skips_w8a16_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a W8A16 projection does not take the RMSNorm in its loads (``NORM_IN_SCHEMES``):
+    one-row steps of a W8A16 artifact run the add + RMSNorm kernel between the projections, and no
+    projection adds the residual; the reference's logits."""
+    from mgx.runtime import backend_cuda
+
+    monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
+    graph = compiled("qk-norm-bias-fused", "w8a16-tiled")
+    ran: list[str] = []
+    for name in ("linear_add_squares", "rms_norm", "linear", "linear_silu_mul"):
+        real = getattr(backend_cuda, name)
+        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
+            _n + ("+residual" if k.get("residual") is not None else "") + ("+norm" if k.get("norm") else "")
+        ) or _f(*a, **k))  # fmt: skip
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    assert backend.norm_across and backend._fuse.norm_across
+    _check_one_row_steps(graph, backend)
+    assert ran.count("rms_norm+residual") >= 2 * graph.arch.num_layers - 1
+    assert not {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} & set(ran)
 
 
 @pytest.mark.interpreted
