@@ -29,7 +29,8 @@ the first projection adds the residual in its epilogue and stores its rows' part
 (``linear_add_squares``), the second normalizes x as it loads it (``linear(norm=)``;
 ``MGX_CUDA_NORM_ACROSS=0`` turns it off). Only where the second one's weights are dense or INT4
 (``NORM_IN_SCHEMES``): the W8A16 GEMV normalizes x at every weight element it loads, and on the
-H200 that made the 8B W8A16 graph 3.98 ms against 2.80 ms with the norm kernels (1B 0.843 vs 0.769).
+H200 that made the 8B W8A16 graph 3.98 ms against 2.80 ms with the norm kernels (1B 0.843 vs 0.769;
+``MGX_CUDA_NORM_ACROSS_W8A16=1`` includes them, for measuring).
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -339,6 +340,7 @@ class CUDABackend(Backend):
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
+        self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         # Decode attention over 32-token tiles instead of 64 (so up to twice the splits): the kernel
         # bench's best at a 640-token context on the H200, but no gain in the 8B graph and 1% slower
         # in all three 1B ones (README), so off.
@@ -818,11 +820,13 @@ class CUDABackend(Backend):
     def _across(self, op: Op, x: Array) -> _Across | None:
         """``op`` held back for ``norm_across`` (see the module docstring), or None where that fusion
         does not run: switched off, a grouped norm, the norm's reader on weights outside
-        ``NORM_IN_SCHEMES``, or the projection not on the Triton kernels."""
+        ``NORM_IN_SCHEMES`` (W8A16 ones unless ``norm_across_w8a16``), or the projection not on the
+        Triton kernels."""
         chain = self._fuse.norm_across.get(id(op)) if self.norm_across else None
         if chain is None or self._norm[id(chain[1])][2] != self._weights[id(op)].n:
             return None
-        if self._weights[id(chain[2])].scheme not in NORM_IN_SCHEMES:
+        scheme = self._weights[id(chain[2])].scheme
+        if scheme not in NORM_IN_SCHEMES and not (scheme == "w8a16" and self.norm_across_w8a16):
             return None
         runs, config = self._runs_triton(op, x, gemv_only=False)
         return _Across(op, x, config, chain[0], chain[2]) if runs else None

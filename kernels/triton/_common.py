@@ -21,6 +21,8 @@ TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16
 # Read once, at import, as Triton itself decides at import whether its kernels are interpreted (an
 # environment lookup per launch cost 2 us on the VM).
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Compiled kernels round fp32 to bf16 with the GPU's conversion (``round_as``); the interpreter on the bits.
+_HW_ROUND = tl.constexpr(not _INTERPRETING)
 
 
 _OVERLAP = contextvars.ContextVar("mgx_triton_overlap", default=False)
@@ -141,9 +143,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 @triton.jit
 def round_as(v, IO: tl.constexpr):
     """fp32 ``v`` rounded to the precision of IO (round to nearest even) and returned as fp32: where a
-    16-bit model rounds an intermediate result. bf16 is rounded on the bits, because Triton's CPU
-    interpreter truncates a bf16 cast where the GPU rounds; fp32 is returned as it is."""
+    16-bit model rounds an intermediate result. In the interpreter bf16 is rounded on the bits, because
+    Triton's CPU interpreter truncates a bf16 cast where the GPU rounds; compiled, by the GPU's
+    conversion (cvt.rn.bf16.f32, the same value: one F2FP for two values where the bit operations took
+    four instructions a value, and the compiler may then multiply bf16 pairs, as in the RMSNorm that a
+    GEMV applies to x as it loads it). fp32 is returned as it is."""
     if IO == tl.bfloat16:
+        if _HW_ROUND:
+            return v.to(tl.bfloat16).to(tl.float32)
         b = v.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
         return b.to(tl.float32, bitcast=True)

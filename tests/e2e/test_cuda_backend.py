@@ -63,12 +63,13 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
 def test_interpreted_norm_across_projections_matches_the_reference(model: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """By default, at one-row steps the add and the RMSNorm between two projections run inside them
     (o_proj / down add the residual and leave the rows' squares; the fused QKV or gate/up GEMV
-    normalizes x as it loads it); longer steps fall back to the norm kernel. Tokens equal the
-    reference's and logits agree within ATOL, and both halves of the fusion ran."""
+    normalizes x as it loads it; a W8A16 one with MGX_CUDA_NORM_ACROSS_W8A16=1); longer steps fall
+    back to the norm kernel. Tokens equal the reference's and logits agree within ATOL, and both
+    halves of the fusion ran."""
     from mgx.runtime import backend_cuda
 
     monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
-    monkeypatch.setattr(backend_cuda, "NORM_IN_SCHEMES", backend_cuda.NORM_IN_SCHEMES | {"w8a16"})  # off by default
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS_W8A16", "1")  # W8A16 readers: off by default
     graph = compiled(model, pipeline)
     ran: list[str] = []
     for name in ("linear_add_squares", "linear", "linear_silu_mul"):
@@ -90,7 +91,8 @@ def test_interpreted_norm_across_skips_w8a16_readers(monkeypatch: pytest.MonkeyP
     projection adds the residual; the reference's logits."""
     from mgx.runtime import backend_cuda
 
-    monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
+    for name in ("MGX_CUDA_NORM_ACROSS", "MGX_CUDA_NORM_ACROSS_W8A16"):
+        monkeypatch.delenv(name, raising=False)
     graph = compiled("qk-norm-bias-fused", "w8a16-tiled")
     ran: list[str] = []
     for name in ("linear_add_squares", "rms_norm", "linear", "linear_silu_mul"):
@@ -99,7 +101,7 @@ def test_interpreted_norm_across_skips_w8a16_readers(monkeypatch: pytest.MonkeyP
             _n + ("+residual" if k.get("residual") is not None else "") + ("+norm" if k.get("norm") else "")
         ) or _f(*a, **k))  # fmt: skip
     backend = CUDABackend(graph, device="cpu", dtype="f32")
-    assert backend.norm_across and backend._fuse.norm_across
+    assert backend.norm_across and backend._fuse.norm_across and not backend.norm_across_w8a16
     _check_one_row_steps(graph, backend)
     assert ran.count("rms_norm+residual") >= 2 * graph.arch.num_layers - 1
     assert not {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} & set(ran)
