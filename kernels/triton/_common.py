@@ -21,8 +21,9 @@ TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16
 # Read once, at import, as Triton itself decides at import whether its kernels are interpreted (an
 # environment lookup per launch cost 2 us on the VM).
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Compiled kernels round fp32 to bf16 with the GPU's conversion (``round_as``); the interpreter on the bits.
-_HW_ROUND = tl.constexpr(not _INTERPRETING)
+# For kernels: compiled for the GPU (not interpreted). Compiled kernels round fp32 to bf16 with the
+# GPU's conversion (``round_as``) and may use inline PTX; the interpreter takes the plain Triton code.
+COMPILED = tl.constexpr(not _INTERPRETING)
 
 
 _OVERLAP = contextvars.ContextVar("mgx_triton_overlap", default=False)
@@ -149,7 +150,7 @@ def round_as(v, IO: tl.constexpr):
     four instructions a value, and the compiler may then multiply bf16 pairs, as in the RMSNorm that a
     GEMV applies to x as it loads it). fp32 is returned as it is."""
     if IO == tl.bfloat16:
-        if _HW_ROUND:
+        if COMPILED:
             return v.to(tl.bfloat16).to(tl.float32)
         b = v.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
