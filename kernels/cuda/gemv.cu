@@ -348,7 +348,9 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
 // each word's nibbles j and j + 4 into one bf16 pair 128 + q (exact), and the same k-slots of B get
 // x at those two columns, so every lane with the same t agrees on which column a k-slot holds. A
 // second MMA with A = 1 gives the sum of x over the 128 columns; then the row's total is
-// s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory.
+// s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory. A grid
+// smaller than the groups makes each block take groups b, b + grid, ...: as it starts one, every
+// lane asks L2 for its share of the next (prefetch), so the weight stream goes on while it computes.
 constexpr int kMmaWarps = 8;   // warps per block
 constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
 
@@ -409,7 +411,19 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
         q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
         q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
       }
-      if (s0 == warp) mgx_pdl_wait();  // as in gemv_rows
+      if (s0 == warp) {
+        mgx_pdl_wait();  // as in gemv_rows
+        const int next = blk + gridDim.x;
+        if (next < groups) {  // the next group's rows, as lo and hi above, into L2
+          const int n1 = next * (kSilu ? 8 : 16);
+          const int lo1 = min(n1 + g, n_out - 1);
+          const int hi1 = kSilu ? silu_f + lo1 : min(n1 + g + 8, n - 1);
+          for (int s = warp; s < steps; s += kMmaWarps) {
+            prefetch_l2(reinterpret_cast<const uint4*>(w + lo1 * stride_w + s * 64) + t);
+            prefetch_l2(reinterpret_cast<const uint4*>(w + hi1 * stride_w + s * 64) + t);
+          }
+        }
+      }
 #pragma unroll
       for (int u = 0; u < kMmaUnroll; ++u) {
         const int s = s0 + u * kMmaWarps;
@@ -454,7 +468,6 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       block_rows<16>(row, n, silu_f, blk);
       store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
     }
-    if constexpr (!kNorm) break;  // as in gemv_rows
     __syncthreads();  // part[] serves the next group
   }
 }

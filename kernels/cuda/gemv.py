@@ -15,6 +15,7 @@ CUDA graphs like any other kernel.
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ MAX_NORM_K = 8192  # the widest row the RMSNorm prologue normalizes (2 bytes a c
 # Blocks per SM of a _norm launch: each block normalizes the row once and then takes output groups
 # b, b + grid, ... (one block per group would repeat the prologue thousands of times).
 NORM_BLOCKS_PER_SM = 4
+# The tensor-core kernel without a prologue: one block per group of 16 outputs (False), or
+# MMA_BLOCKS_PER_SM blocks per SM, each taking groups b, b + grid, ... and prefetching the next
+# group's weights into L2 while it computes one (True; MGX_CUDA_MMA_PERSISTENT=1). Off until measured.
+MMA_PERSISTENT = os.environ.get("MGX_CUDA_MMA_PERSISTENT", "0") == "1"
+MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 256 threads fit an SM
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +176,8 @@ def gemv(
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[kind, w.scheme], 2 * w.k
         blocks = min(blocks, NORM_BLOCKS_PER_SM * num_sms(x.device))
+    elif kind == "mma" and MMA_PERSISTENT:
+        blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
