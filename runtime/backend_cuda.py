@@ -28,9 +28,10 @@ finishes and waits for it before reading its output or writing anything (``overl
 the first projection adds the residual in its epilogue and stores its rows' partial sums of squares
 (``linear_add_squares``), the second normalizes x as it loads it (``linear(norm=)``;
 ``MGX_CUDA_NORM_ACROSS=0`` turns it off). Only where the second one's weights are dense or INT4
-(``NORM_IN_SCHEMES``): the W8A16 GEMV normalizes x at every weight element it loads, and on the
-H200 that made the 8B W8A16 graph 3.98 ms against 2.80 ms with the norm kernels (1B 0.843 vs 0.769;
-``MGX_CUDA_NORM_ACROSS_W8A16=1`` includes them, for measuring).
+(``NORM_IN_SCHEMES``): on the H200 the 8B W8A16 graph took 3.98 ms with it against 2.80 ms with the
+norm kernels (1B 0.843 vs 0.769), when the W8A16 GEMV normalized x at every weight element it
+loaded. It now normalizes a vector (fewer instructions, not yet measured on a GPU);
+``MGX_CUDA_NORM_ACROSS_W8A16=1`` includes W8A16 readers, for that A/B.
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -112,9 +113,8 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # kernel runs. On the H200 (8B heads, batch 1) the self-merge won at 10 splits (640 tokens: 14.0 vs
 # 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us).
 SELF_MERGE_MAX_SPLITS = 16
-# Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across``: the
-# dense and W8A16 ones apply it to x in the weight tile's shape (per weight element, not per column),
-# which the W8A16 GEMV, with half the bytes per element of bf16, cannot hide (module docstring).
+# Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
+# default; W8A16 lost on the H200 (module docstring).
 NORM_IN_SCHEMES = frozenset({"none", "int4"})
 GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
 SDPA_MAX_SEQS = 4  # fresh prompts per step that torch's SDPA takes one by one (more: the varlen kernel)
