@@ -358,7 +358,9 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
 // second MMA with A = 1 gives the sum of x over the 128 columns; then the row's total is
 // s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory. A grid
 // smaller than the groups makes each block take groups b, b + grid, ...: as it starts one, every
-// lane asks L2 for its share of the next (prefetch), so the weight stream goes on while it computes.
+// lane asks L2 for the rest of its share of this group (past the first kMmaUnroll steps, whose loads
+// it has issued) and for its share of the next (prefetch), so the weight stream goes on while it
+// computes.
 constexpr int kMmaWarps = 8;   // warps per block
 constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
 
@@ -422,6 +424,12 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       }
       if (s0 == warp) {
         mgx_pdl_wait();  // as in gemv_rows
+        if (gridDim.x < groups) {  // persistent blocks: this group's later steps into L2 as well
+          for (int s = warp + kMmaWarps * kMmaUnroll; s < steps; s += kMmaWarps) {
+            prefetch_l2(reinterpret_cast<const uint4*>(w_lo + s * 64) + t);
+            prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
+          }
+        }
         const int next = blk + gridDim.x;
         if (next < groups) {  // the next group's rows, as lo and hi above, into L2
           const int n1 = next * (kSilu ? 8 : 16);

@@ -113,14 +113,15 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
         assert rel_err(got, cg.gemv(apart, w, kernels=native, silu_mul=silu, kind=kind)) < 4e-3
 
 
-@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096)])
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (8192, 8192)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, monkeypatch: pytest.MonkeyPatch, n: int, k: int,
                                                               silu: bool) -> None:  # fmt: skip
     """MMA_PERSISTENT: the tensor-core GEMV on two blocks per SM, each taking every grid-th group of
     outputs and prefetching the next one's weights, gives the one-block-per-group launch's output to
     the bit (the same sums in the same order), eagerly and replayed from a CUDA graph. n / 16 groups:
-    on an H200 (264 blocks) those of 28672 and 6144 rows loop over several groups, 4096 rows not."""
+    on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
+    not; K = 8192 takes each warp through its steps twice (the second from L2 prefetches)."""
     from mgx.kernels.cuda import gemv as cg
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + 7)
