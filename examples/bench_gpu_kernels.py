@@ -282,20 +282,14 @@ def _native_gemv_row(x, w, label: str, case: str, nbytes: int, copy_gbps: float,
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton import linear as lin
 
-    # The tensor-core kind also with persistent blocks (``MMA_PERSISTENT``).
-    runs = [(kind, False) for kind in cg.KINDS] + [("mma", True)]
-    for kind, persistent in runs:
+    for kind in cg.KINDS:
         if kernels is None or not cg.gemv_applies(kernels, x, w, kind=kind):
             continue
-        was, cg.MMA_PERSISTENT = cg.MMA_PERSISTENT, persistent
-        try:
-            want = (lin.linear_silu_mul_ref if silu_mul else lin.linear_ref)(x, w).float()
-            got = cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul, kind=kind).float()
-            err = float((got - want).norm() / want.norm())
-            ms = bench(lambda k=kind: cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul, kind=k))
-        finally:
-            cg.MMA_PERSISTENT = was
-        name = f"native CUDA {kind}{' persistent' if persistent else ''} {label}" + (" fused" if silu_mul else "")
+        want = (lin.linear_silu_mul_ref if silu_mul else lin.linear_ref)(x, w).float()
+        got = cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul, kind=kind).float()
+        err = float((got - want).norm() / want.norm())
+        ms = bench(lambda k=kind: cg.gemv(x, w, kernels=kernels, silu_mul=silu_mul, kind=k))
+        name = f"native CUDA {kind} {label}" + (" fused" if silu_mul else "")
         row = record("gemv", case, name, ms, nbytes, rel_err=f"{err:.1e}")
         row["frac_copy_bw"] = row["GB/s"] / copy_gbps
         if cublas_ms is not None:

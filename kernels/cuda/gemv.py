@@ -1,8 +1,10 @@
 """Launching the native GEMV (``gemv.cu``): one bf16 activation row times int4, W8A16 or dense bf16
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
-Two kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), and ``mma`` on the tensor
-cores (int4 with groups of a multiple of 128, sm_80 and newer). ``gemv_applies`` says whether the
+Three kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
+cores (int4 with groups of a multiple of 128, sm_80 and newer), and ``mma_persistent``, the same
+kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
+weights ahead into L2. ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
 computed by every block first (a decoder layer's add + RMSNorm and the projection after it, in one
@@ -29,7 +31,8 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 __all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
            "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma")
+KINDS = ("gemv", "mma", "mma_persistent")
+_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma"}  # kind -> the kind whose entry it launches
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -54,9 +57,9 @@ MAX_NORM_K = 8192  # the widest row the RMSNorm prologue normalizes (2 bytes a c
 # Blocks per SM of a _norm launch: each block normalizes the row once and then takes output groups
 # b, b + grid, ... (one block per group would repeat the prologue thousands of times).
 NORM_BLOCKS_PER_SM = 4
-# The tensor-core kernel without a prologue: one block per group of 16 outputs (False), or
-# MMA_BLOCKS_PER_SM blocks per SM, each taking groups b, b + grid, ... and prefetching the next
-# group's weights into L2 while it computes one (True; MGX_CUDA_MMA_PERSISTENT=1). Off until measured.
+# Kind ``mma`` without a prologue: one block per group of 16 outputs; with MMA_PERSISTENT
+# (MGX_CUDA_MMA_PERSISTENT=1, for A/B runs) as ``mma_persistent``: MMA_BLOCKS_PER_SM blocks per SM,
+# each taking groups b, b + grid, ... and prefetching ahead into L2 (autotune times both kinds).
 MMA_PERSISTENT = os.environ.get("MGX_CUDA_MMA_PERSISTENT", "0") == "1"
 MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 256 threads fit an SM
 
@@ -114,7 +117,8 @@ def gemv_applies(
     one bf16 row on their device, int4 (groups of 8 or more; ``mma``: of a multiple of 128 and K too),
     w8a16 or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
     loads need; with ``norm``, its entry point too and operands it can read."""
-    entry = (NORM_ENTRIES if norm is not None else ENTRIES).get((kind, w.scheme))
+    base = _ENTRY_KIND.get(kind)
+    entry = (NORM_ENTRIES if norm is not None else ENTRIES).get((base, w.scheme))
     if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
         return False
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:
@@ -123,7 +127,7 @@ def gemv_applies(
         return False
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
         return False
-    if kind == "mma" and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
+    if base == "mma" and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
                           or w.weight.stride(0) % 16 or _sm(kernels.arch) < 80):  # fmt: skip
         return False
     word = _WORD_BYTES[w.scheme]
@@ -154,9 +158,10 @@ def gemv(
         raise ValueError(f"fused gate/up width {w.n} is odd")
     n_out = w.n // 2 if silu_mul else w.n
     out = torch.empty((1, n_out), dtype=torch.bfloat16, device=x.device) if out is None else out
-    rows = MMA_ROWS if kind == "mma" else ROWS
+    base = _ENTRY_KIND[kind]
+    rows = MMA_ROWS if base == "mma" else ROWS
     per_block = rows // 2 if silu_mul else rows
-    threads = MMA_THREADS if kind == "mma" else gemv_threads(w.k)
+    threads = MMA_THREADS if base == "mma" else gemv_threads(w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)
@@ -172,13 +177,13 @@ def gemv(
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
-    entry, blocks, shared = ENTRIES[kind, w.scheme], -(-n_out // per_block), 0
+    entry, blocks, shared = ENTRIES[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
-        entry, shared = NORM_ENTRIES[kind, w.scheme], 2 * w.k
+        entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k
         blocks = min(blocks, NORM_BLOCKS_PER_SM * num_sms(x.device))
-    elif kind == "mma" and MMA_PERSISTENT:
-        blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
+    elif kind == "mma_persistent" or (kind == "mma" and MMA_PERSISTENT):
+        blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

@@ -117,9 +117,10 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
 @pytest.mark.parametrize("silu", [False, True])
 def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, monkeypatch: pytest.MonkeyPatch, n: int, k: int,
                                                               silu: bool) -> None:  # fmt: skip
-    """MMA_PERSISTENT: the tensor-core GEMV on two blocks per SM, each taking every grid-th group of
-    outputs and prefetching the next one's weights, gives the one-block-per-group launch's output to
-    the bit (the same sums in the same order), eagerly and replayed from a CUDA graph. n / 16 groups:
+    """Kind ``mma_persistent`` (and ``mma`` under MMA_PERSISTENT): the tensor-core GEMV on two blocks
+    per SM, each taking every grid-th group of outputs and prefetching ahead, gives the
+    one-block-per-group launch's output to the bit (the same sums in the same order), eagerly and
+    replayed from a CUDA graph. n / 16 groups:
     on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
     not; K = 8192 takes each warp through its steps twice (the second from L2 prefetches)."""
     from mgx.kernels.cuda import gemv as cg
@@ -129,15 +130,16 @@ def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, monkeypatc
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     monkeypatch.setattr(cg, "MMA_PERSISTENT", False)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma")
-    monkeypatch.setattr(cg, "MMA_PERSISTENT", True)
-    got = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma")
-    assert torch.equal(got, want)
+    assert cg.gemv_applies(native, x, w, kind="mma_persistent")
+    assert torch.equal(cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma_persistent"), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma")
+        out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma_persistent")
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, want)
+    monkeypatch.setattr(cg, "MMA_PERSISTENT", True)  # kind mma launched as mma_persistent (bench A/B)
+    assert torch.equal(cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma"), want)
 
 
 def test_native_gemv_rmsnorm_prologue_declines_what_it_cannot_take(native) -> None:
