@@ -58,6 +58,20 @@ def test_interpreted_tiny_graphs_match_the_reference(model: str, pipeline: str) 
     _check(graph, CUDABackend(graph, device="cpu", dtype="f32"), steps=3)
 
 
+def _spy_kernels(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[str]:
+    """Records each call of the backend's kernels ``names``, in order: the name, then "+residual"
+    where it was given a residual and "+norm" where a norm to apply as it loads x."""
+    from mgx.runtime import backend_cuda
+
+    ran: list[str] = []
+    for name in names:
+        real = getattr(backend_cuda, name)
+        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
+            _n + ("+residual" if k.get("residual") is not None else "") + ("+norm" if k.get("norm") is not None else "")
+        ) or _f(*a, **k))  # fmt: skip
+    return ran
+
+
 @pytest.mark.interpreted
 @pytest.mark.parametrize(("model", "pipeline"), [("gqa", "dense-fused"), ("qk-norm-bias-fused", "w8a16-tiled")])
 def test_interpreted_norm_across_projections_matches_the_reference(model: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,16 +80,11 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
     normalizes x as it loads it; a W8A16 one with MGX_CUDA_NORM_ACROSS_W8A16=1); longer steps fall
     back to the norm kernel. Tokens equal the reference's and logits agree within ATOL, and both
     halves of the fusion ran."""
-    from mgx.runtime import backend_cuda
 
     monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
     monkeypatch.setenv("MGX_CUDA_NORM_ACROSS_W8A16", "1")  # W8A16 readers: off by default
     graph = compiled(model, pipeline)
-    ran: list[str] = []
-    for name in ("linear_add_squares", "linear", "linear_silu_mul"):
-        real = getattr(backend_cuda, name)
-        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
-            _n if k.get("norm") is None else _n + "+norm") or _f(*a, **k))  # fmt: skip
+    ran = _spy_kernels(monkeypatch, "linear_add_squares", "linear", "linear_silu_mul")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     assert backend.norm_across and len(backend._fuse.norm_across) == 2 * graph.arch.num_layers - 1
     _check(graph, backend, steps=2)  # two rows a step: the norm kernel (after the residual epilogue where quantized)
@@ -89,17 +98,11 @@ def test_interpreted_norm_across_skips_w8a16_readers(monkeypatch: pytest.MonkeyP
     """By default a W8A16 projection does not take the RMSNorm in its loads (``NORM_IN_SCHEMES``):
     one-row steps of a W8A16 artifact run the add + RMSNorm kernel between the projections, and no
     projection adds the residual; the reference's logits."""
-    from mgx.runtime import backend_cuda
 
     for name in ("MGX_CUDA_NORM_ACROSS", "MGX_CUDA_NORM_ACROSS_W8A16"):
         monkeypatch.delenv(name, raising=False)
     graph = compiled("qk-norm-bias-fused", "w8a16-tiled")
-    ran: list[str] = []
-    for name in ("linear_add_squares", "rms_norm", "linear", "linear_silu_mul"):
-        real = getattr(backend_cuda, name)
-        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
-            _n + ("+residual" if k.get("residual") is not None else "") + ("+norm" if k.get("norm") else "")
-        ) or _f(*a, **k))  # fmt: skip
+    ran = _spy_kernels(monkeypatch, "linear_add_squares", "rms_norm", "linear", "linear_silu_mul")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     assert backend.norm_across and backend._fuse.norm_across and not backend.norm_across_w8a16
     _check_one_row_steps(graph, backend)
@@ -111,15 +114,10 @@ def test_interpreted_norm_across_skips_w8a16_readers(monkeypatch: pytest.MonkeyP
 def test_interpreted_norm_across_switched_off_runs_the_norm_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """MGX_CUDA_NORM_ACROSS=0: one-row steps run the add + RMSNorm kernel between the projections
     again (no projection adds the residual or normalizes its input), with the reference's logits."""
-    from mgx.runtime import backend_cuda
 
     monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "0")
     graph = compiled("gqa", "dense-fused")
-    ran: list[str] = []
-    for name in ("linear_add_squares", "rms_norm"):
-        real = getattr(backend_cuda, name)
-        monkeypatch.setattr(backend_cuda, name, lambda *a, _f=real, _n=name, **k: ran.append(
-            _n + ("+residual" if k.get("residual") is not None else "")) or _f(*a, **k))  # fmt: skip
+    ran = _spy_kernels(monkeypatch, "linear_add_squares", "rms_norm")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     assert not backend.norm_across
     _check_one_row_steps(graph, backend)
