@@ -381,6 +381,15 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // in one LOP3 (``and_or``; with an AND and an OR the loop took 128 more of its 732 instructions).
 __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int p) { return and_or(w >> (4 * p), 0x000F000Fu, 0x43004300u); }
 
+// Into L2: lane t's 16 bytes of 128-column steps first, first + kMmaWarps, ... below `last`, of rows a and b.
+__device__ __forceinline__ void prefetch_steps(const uint8_t* a, const uint8_t* b, int first, int last, int t) {
+#pragma unroll 1
+  for (int s = first; s < last; s += kMmaWarps) {
+    prefetch_l2(reinterpret_cast<const uint4*>(a + s * 64) + t);
+    prefetch_l2(reinterpret_cast<const uint4*>(b + s * 64) + t);
+  }
+}
+
 template <bool kSilu, bool kNorm>
 __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
                               const uint8_t* __restrict__ w, const float* __restrict__ scales,
@@ -390,31 +399,27 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
   const int steps = k >> 7;
+  // A's rows g and g + 8 for output group b: 16 outputs, or 8 gate rows and their up rows; rows g
+  // and g + 8 of block_rows<16>, which the epilogue takes (rows past the end repeat the last one,
+  // never stored).
+  const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };
+  const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
+  constexpr int kPass = kMmaWarps * kMmaUnroll;  // steps the block's warps load at once
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
     const int n0 = blk * (kSilu ? 8 : 16);
-    // A's rows g and g + 8: 16 outputs, or 8 gate rows and their up rows; rows g and g + 8 of
-    // block_rows<16>, which the epilogue takes (rows past the end repeat the last one, never stored).
-    const int lo = min(n0 + g, n_out - 1);
-    const int hi = kSilu ? silu_f + lo : min(n0 + g + 8, n - 1);
+    const int lo = row_lo(blk), hi = row_hi(blk);
     const uint8_t* w_lo = w + lo * stride_w;
     const uint8_t* w_hi = w + hi * stride_w;
     if constexpr (kNorm) {
       if (blk == blockIdx.x) {  // as in gemv_rows
-#pragma unroll
-        for (int u = 0; u < kMmaUnroll; ++u) {
-          const int s = warp + u * kMmaWarps;
-          if (s < steps) {
-            prefetch_l2(reinterpret_cast<const uint4*>(w_lo + s * 64) + t);
-            prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
-          }
-        }
+        prefetch_steps(w_lo, w_hi, warp, min(steps, warp + kPass), t);
         mgx_pdl_wait();
         norm_prologue(const_cast<uint4*>(x), *norm, k);
       }
     }
     const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
     float acc_lo = 0.0f, acc_hi = 0.0f;
-    for (int s0 = warp; s0 < steps; s0 += kMmaWarps * kMmaUnroll) {
+    for (int s0 = warp; s0 < steps; s0 += kPass) {
       uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
 #pragma unroll
       for (int u = 0; u < kMmaUnroll; ++u) {
@@ -424,22 +429,9 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       }
       if (s0 == warp) {
         mgx_pdl_wait();  // as in gemv_rows
-        if (gridDim.x < groups) {  // persistent blocks: this group's later steps into L2 as well
-          for (int s = warp + kMmaWarps * kMmaUnroll; s < steps; s += kMmaWarps) {
-            prefetch_l2(reinterpret_cast<const uint4*>(w_lo + s * 64) + t);
-            prefetch_l2(reinterpret_cast<const uint4*>(w_hi + s * 64) + t);
-          }
-        }
+        if (gridDim.x < groups) prefetch_steps(w_lo, w_hi, warp + kPass, steps, t);  // persistent: the rest
         const int next = blk + gridDim.x;
-        if (next < groups) {  // the next group's rows, as lo and hi above, into L2
-          const int n1 = next * (kSilu ? 8 : 16);
-          const int lo1 = min(n1 + g, n_out - 1);
-          const int hi1 = kSilu ? silu_f + lo1 : min(n1 + g + 8, n - 1);
-          for (int s = warp; s < steps; s += kMmaWarps) {
-            prefetch_l2(reinterpret_cast<const uint4*>(w + lo1 * stride_w + s * 64) + t);
-            prefetch_l2(reinterpret_cast<const uint4*>(w + hi1 * stride_w + s * 64) + t);
-          }
-        }
+        if (next < groups) prefetch_steps(w + row_lo(next) * stride_w, w + row_hi(next) * stride_w, warp, steps, t);
       }
 #pragma unroll
       for (int u = 0; u < kMmaUnroll; ++u) {
