@@ -162,6 +162,20 @@ def round_as(v, IO: tl.constexpr):
 
 
 @triton.jit
+def round_apart(v, IO: tl.constexpr):
+    """``round_as``, kept apart from the operation that reads it: where two rounded products are
+    added (RoPE), the compiled conversions would let LLVM narrow the products and their sum to bf16
+    operations and contract them into one bf16 FMA, which rounds once where the 16-bit model rounds
+    three times (seen on the H200: RoPE outputs more than one bf16 step from transformers'). An empty
+    inline-asm move hides the rounded value from that rewrite; the interpreter needs none."""
+    r = round_as(v, IO)
+    if COMPILED and IO != tl.float32:
+        r = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[r], dtype=tl.float32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    return r
+
+
+@triton.jit
 def cast_as(v, IO: tl.constexpr):
     """fp32 ``v`` cast to IO for a store, rounded to nearest even in the interpreter too (``round_as``)."""
     return round_as(v, IO).to(IO)

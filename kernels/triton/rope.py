@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_as, check_float, next_pow2, round_as, rows_of
+from ._common import cast_as, check_float, next_pow2, round_apart, round_as, rows_of
 
 __all__ = ["rope_", "rope_and_write_kv", "rope_ref", "check_cache"]
 
@@ -59,7 +59,7 @@ def _rotate(x_ptr, row, heads, scale_cos, scale_sin, partner, sign, rot,
     xp = tl.load(base + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
     c = round_as(scale_cos, io)[None, :]
     s = round_as(scale_sin, io)[None, :]
-    turned = round_as(x * c, io) + round_as(sign[None, :] * xp * s, io)
+    turned = round_apart(x * c, io) + round_apart(sign[None, :] * xp * s, io)
     return tl.where(rot[None, :], turned, x)
 
 
