@@ -289,15 +289,12 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     # A/B of the batch-1 graph with each decode fusion switched the other way (the same weights, recaptured).
     prompt = rng.integers(3, vocab_hi, args.prompt).tolist()
     backend = engine.runner.backend
-    from mgx.kernels.cuda import gemv as cuda_gemv
-
     for obj, attr, on, off in ((backend, "_norm_gemv", "norm_apart", "norm_in_gemv"),
                                (backend, "_decode_fusion", "attention_apart", "attention_fused"),
                                (backend, "overlap_launches", "not_overlapped", "overlapped"),
                                (backend, "tuned_gemvs", "triton_gemvs", "tuned_gemvs"),
                                (backend, "norm_across", "norm_kernels", "norm_across"),
                                (backend, "norm_across_w8a16", "w8a16_norm_kernels", "w8a16_norm_across"),
-                               (cuda_gemv, "MMA_PERSISTENT", "mma_block_per_group", "mma_persistent"),
                                (backend, "narrow_decode_tiles", "decode_tiles_64", "decode_tiles_32"),
                                (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile")):  # fmt: skip
         flipped = graph_ms_flipped(engine, obj, attr, prompt)

@@ -17,7 +17,6 @@ CUDA graphs like any other kernel.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 from dataclasses import dataclass
 
@@ -57,10 +56,10 @@ MAX_NORM_K = 8192  # the widest row the RMSNorm prologue normalizes (2 bytes a c
 # Blocks per SM of a _norm launch: each block normalizes the row once and then takes output groups
 # b, b + grid, ... (one block per group would repeat the prologue thousands of times).
 NORM_BLOCKS_PER_SM = 4
-# Kind ``mma`` without a prologue: one block per group of 16 outputs; with MMA_PERSISTENT
-# (MGX_CUDA_MMA_PERSISTENT=1, for A/B runs) as ``mma_persistent``: MMA_BLOCKS_PER_SM blocks per SM,
-# each taking groups b, b + grid, ... and prefetching ahead into L2 (autotune times both kinds).
-MMA_PERSISTENT = os.environ.get("MGX_CUDA_MMA_PERSISTENT", "0") == "1"
+# Kind ``mma`` without a prologue: one block per group of 16 outputs; ``mma_persistent``:
+# MMA_BLOCKS_PER_SM blocks per SM, each taking groups b, b + grid, ... and prefetching ahead into L2.
+# Autotune times both and stores the faster per shape (on the H200 it took mma_persistent for 1 of 4
+# int4 shapes at 1B and 8B; every mma launch made persistent was 7% (1B) and 14% (8B) slower).
 MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 256 threads fit an SM
 
 
@@ -182,7 +181,7 @@ def gemv(
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k
         blocks = min(blocks, NORM_BLOCKS_PER_SM * num_sms(x.device))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
-    elif kind == "mma_persistent" or (kind == "mma" and MMA_PERSISTENT):
+    elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)

@@ -115,20 +115,16 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
 
 @pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (8192, 8192)])
 @pytest.mark.parametrize("silu", [False, True])
-def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, monkeypatch: pytest.MonkeyPatch, n: int, k: int,
-                                                              silu: bool) -> None:  # fmt: skip
-    """Kind ``mma_persistent`` (and ``mma`` under MMA_PERSISTENT): the tensor-core GEMV on two blocks
-    per SM, each taking every grid-th group of outputs and prefetching ahead, gives the
-    one-block-per-group launch's output to the bit (the same sums in the same order), eagerly and
-    replayed from a CUDA graph. n / 16 groups:
-    on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
+def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, n: int, k: int, silu: bool) -> None:  # noqa: ANN001
+    """Kind ``mma_persistent``: the tensor-core GEMV on two blocks per SM, each taking every grid-th
+    group of outputs and prefetching ahead, gives the one-block-per-group launch's output to the bit
+    (the same sums in the same order), eagerly and replayed from a CUDA graph. n / 16 groups: on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
     not; K = 8192 takes each warp through its steps twice (the second from L2 prefetches)."""
     from mgx.kernels.cuda import gemv as cg
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + 7)
     w = make_weight("int4", n, k, device="cuda", generator=gen, group_size=128, symmetric=False)
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-    monkeypatch.setattr(cg, "MMA_PERSISTENT", False)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma")
     assert cg.gemv_applies(native, x, w, kind="mma_persistent")
     assert torch.equal(cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma_persistent"), want)
@@ -138,8 +134,6 @@ def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, monkeypatc
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, want)
-    monkeypatch.setattr(cg, "MMA_PERSISTENT", True)  # kind mma launched as mma_persistent (bench A/B)
-    assert torch.equal(cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma"), want)
 
 
 def test_native_gemv_rmsnorm_prologue_declines_what_it_cannot_take(native) -> None:
