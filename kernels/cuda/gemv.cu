@@ -49,6 +49,29 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// load_stream as a volatile asm: it stays where it is written relative to the other volatile asm (the
+// MMAs), so the pipelined tensor-core GEMV's loads of the next pass are issued before it computes this one.
+__device__ __forceinline__ uint4 load_stream_now(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Volatile scalar loads through the read-only path, in written order with the loads above.
+__device__ __forceinline__ float load_now(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load_now(const uint8_t* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Words of 8 bf16 columns of x: from global memory through the read-only cache, or (the RMSNorm
@@ -360,9 +383,15 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
 // smaller than the groups makes each block take groups b, b + grid, ...: as it starts one, every
 // lane asks L2 for the rest of its share of this group (past the first kMmaUnroll steps, whose loads
 // it has issued) and for its share of the next (prefetch), so the weight stream goes on while it
-// computes.
+// computes. Pipelined (kind mma_pipelined, kPipe): every lane issues its loads of the warp's next
+// kMmaUnroll steps before it computes the current ones (twice the registers for codes), so a warp
+// always has a pass of loads in flight instead of waiting for each pass before it computes; same
+// sums in the same order.
 constexpr int kMmaWarps = 8;   // warps per block
 constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
+// The same, pipelined (two passes' registers): 2 steps = 128 registers a thread on sm_90a, two blocks
+// an SM, 32 KB of codes an SM in flight throughout; 3 steps spilled, 4 took 183 registers (one block).
+constexpr int kMmaPipeUnroll = 2;
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
@@ -390,7 +419,19 @@ __device__ __forceinline__ void prefetch_steps(const uint8_t* a, const uint8_t* 
   }
 }
 
-template <bool kSilu, bool kNorm>
+// What a warp loads for one pass (kMmaUnroll steps): codes of rows lo and hi and, pipelined, their scales and zeros.
+template <bool kPipe, int U>
+struct MmaPass {
+  uint4 lo[U], hi[U];
+};
+template <int U>
+struct MmaPass<true, U> {
+  uint4 lo[U], hi[U];
+  float s_lo[U], s_hi[U];
+  uint32_t z_lo[U], z_hi[U];
+};
+
+template <bool kSilu, bool kNorm, bool kPipe>
 __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
                               const uint8_t* __restrict__ w, const float* __restrict__ scales,
                               const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
@@ -404,7 +445,8 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   // never stored).
   const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };
   const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
-  constexpr int kPass = kMmaWarps * kMmaUnroll;  // steps the block's warps load at once
+  constexpr int kU = kPipe ? kMmaPipeUnroll : kMmaUnroll;
+  constexpr int kPass = kMmaWarps * kU;  // steps the block's warps load at once
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
     const int n0 = blk * (kSilu ? 8 : 16);
     const int lo = row_lo(blk), hi = row_hi(blk);
@@ -419,28 +461,48 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
     }
     const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
     float acc_lo = 0.0f, acc_hi = 0.0f;
-    for (int s0 = warp; s0 < steps; s0 += kPass) {
-      uint4 q_lo[kMmaUnroll], q_hi[kMmaUnroll];
+    // A pass: lane t's 16 bytes of rows lo and hi for steps s0, s0 + kMmaWarps, ... (zeros past K) and,
+    // pipelined, those steps' scales and zeros (the plain kind reads them as it computes).
+    const float* s_row_lo = scales + lo * stride_s;
+    const float* s_row_hi = scales + hi * stride_s;
+    const uint8_t* z_row_lo = zeros + lo * stride_s;  // read only where zeros is given
+    const uint8_t* z_row_hi = zeros + hi * stride_s;
+    const auto load_pass = [&](int s0, MmaPass<kPipe, kU>& p) {
 #pragma unroll
-      for (int u = 0; u < kMmaUnroll; ++u) {
+      for (int u = 0; u < kU; ++u) {
         const int s = s0 + u * kMmaWarps;
-        q_lo[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_lo + s * 64) + t) : make_uint4(0, 0, 0, 0);
-        q_hi[u] = s < steps ? load_stream(reinterpret_cast<const uint4*>(w_hi + s * 64) + t) : make_uint4(0, 0, 0, 0);
+        const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 64) + t;
+        const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 64) + t;
+        if constexpr (kPipe) {
+          const int grp = (s << 7) >> group_shift;
+          p.lo[u] = s < steps ? load_stream_now(a) : make_uint4(0, 0, 0, 0);
+          p.hi[u] = s < steps ? load_stream_now(b) : make_uint4(0, 0, 0, 0);
+          p.s_lo[u] = s < steps ? load_now(s_row_lo + grp) : 0.0f;
+          p.s_hi[u] = s < steps ? load_now(s_row_hi + grp) : 0.0f;
+          p.z_lo[u] = zeros != nullptr && s < steps ? load_now(z_row_lo + grp) : 8u;
+          p.z_hi[u] = zeros != nullptr && s < steps ? load_now(z_row_hi + grp) : 8u;
+        } else {
+          p.lo[u] = s < steps ? load_stream(a) : make_uint4(0, 0, 0, 0);
+          p.hi[u] = s < steps ? load_stream(b) : make_uint4(0, 0, 0, 0);
+        }
       }
-      if (s0 == warp) {
-        mgx_pdl_wait();  // as in gemv_rows
-        if (gridDim.x < groups) prefetch_steps(w_lo, w_hi, warp + kPass, steps, t);  // persistent: the rest
-        const int next = blk + gridDim.x;
-        if (next < groups) prefetch_steps(w + row_lo(next) * stride_w, w + row_hi(next) * stride_w, warp, steps, t);
-      }
+    };
+    // Once a group, after its first loads: wait for the kernel before (x), and prefetch into L2.
+    const auto first_pass = [&]() {
+      mgx_pdl_wait();  // as in gemv_rows
+      if (gridDim.x < groups) prefetch_steps(w_lo, w_hi, warp + kPass, steps, t);  // persistent: the rest
+      const int next = blk + gridDim.x;
+      if (next < groups) prefetch_steps(w + row_lo(next) * stride_w, w + row_hi(next) * stride_w, warp, steps, t);
+    };
+    const auto compute_pass = [&](int s0, const MmaPass<kPipe, kU>& p) {
 #pragma unroll
-      for (int u = 0; u < kMmaUnroll; ++u) {
+      for (int u = 0; u < kU; ++u) {
         const int s = s0 + u * kMmaWarps;
         if (s >= steps) break;
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
         float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
-        const uint32_t wl[4] = {q_lo[u].x, q_lo[u].y, q_lo[u].z, q_lo[u].w};
-        const uint32_t wh[4] = {q_hi[u].x, q_hi[u].y, q_hi[u].z, q_hi[u].w};
+        const uint32_t wl[4] = {p.lo[u].x, p.lo[u].y, p.lo[u].z, p.lo[u].w};
+        const uint32_t wh[4] = {p.hi[u].x, p.hi[u].y, p.hi[u].z, p.hi[u].w};
         const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -452,12 +514,37 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
           mma_bf16(sx, ones, ones, ones, ones, b0, b1);
           mma_bf16(sx, ones, ones, ones, ones, b2, b3);
         }
-        const int grp = (s << 7) >> group_shift;
-        const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
-        const float z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
-        const float z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
-        acc_lo = fmaf(__ldg(scales + at_lo), fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
-        acc_hi = fmaf(__ldg(scales + at_hi), fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
+        float s_lo, s_hi, z_lo, z_hi;
+        if constexpr (kPipe) {
+          s_lo = p.s_lo[u], s_hi = p.s_hi[u], z_lo = static_cast<float>(p.z_lo[u]), z_hi = static_cast<float>(p.z_hi[u]);
+        } else {
+          const int grp = (s << 7) >> group_shift;
+          const long long at_lo = lo * stride_s + grp, at_hi = hi * stride_s + grp;
+          s_lo = __ldg(scales + at_lo), s_hi = __ldg(scales + at_hi);
+          z_lo = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_lo)) : 8.0f;
+          z_hi = zeros != nullptr ? static_cast<float>(__ldg(zeros + at_hi)) : 8.0f;
+        }
+        acc_lo = fmaf(s_lo, fmaf(-(128.0f + z_lo), sx[0], d[0]), acc_lo);
+        acc_hi = fmaf(s_hi, fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
+      }
+    };
+    if constexpr (kPipe) {
+      MmaPass<kPipe, kU> even, odd;  // two passes' registers, by turns (no copies between them)
+      load_pass(warp, even);
+      first_pass();
+      for (int s0 = warp; s0 < steps; s0 += 2 * kPass) {
+        load_pass(s0 + kPass, odd);
+        compute_pass(s0, even);
+        if (s0 + kPass >= steps) break;
+        load_pass(s0 + 2 * kPass, even);
+        compute_pass(s0 + kPass, odd);
+      }
+    } else {
+      for (int s0 = warp; s0 < steps; s0 += kPass) {
+        MmaPass<kPipe, kU> cur;
+        load_pass(s0, cur);
+        if (s0 == warp) first_pass();
+        compute_pass(s0, cur);
       }
     }
     __shared__ float part[kMmaWarps][16];
@@ -508,16 +595,25 @@ __device__ __forceinline__ void gemv_bf16(__nv_bfloat16* out, const uint4* x, co
                                        k, stride_w, silu_f, norm);
 }
 
-template <bool kNorm>
+template <bool kNorm, bool kPipe = false>
 __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                              const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                              long long stride_w, long long stride_s, int group_shift, int silu_f,
                                              const NormIn* norm) {
   if (silu_f > 0) {
-    gemv_int4_mma<true, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_int4_mma<true, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   } else {
-    gemv_int4_mma<false, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_int4_mma<false, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   }
+}
+
+template <bool kNorm>
+__device__ __forceinline__ void gemv_int4_tc_pipe(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
+                                                  const float* scales, const uint8_t* zeros,
+                                                  const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                                                  long long stride_s, int group_shift, int silu_f,
+                                                  const NormIn* norm) {
+  gemv_int4_tc<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
 }
 
 }  // namespace mgx_gemv
@@ -559,6 +655,12 @@ MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, mgx_gemv::kMaxThreads, gemv_bf16,
 // The tensor-core int4 GEMV: groups of a multiple of 128, K % 128 == 0, 16-byte aligned rows. Grid:
 // ceil(outputs / 16) blocks (8 with silu_f) of kMmaWarps warps.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc,
+                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                  long long stride_w, long long stride_s, int group_shift, int silu_f),
+                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+
+// The same, pipelined (kPipe above): kind mma_pipelined.
+MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc_pipe,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))

@@ -1,10 +1,12 @@
 """Launching the native GEMV (``gemv.cu``): one bf16 activation row times int4, W8A16 or dense bf16
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
-Three kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
-cores (int4 with groups of a multiple of 128, sm_80 and newer), and ``mma_persistent``, the same
+Four kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
+cores (int4 with groups of a multiple of 128, sm_80 and newer), ``mma_persistent``, the same
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
-weights ahead into L2. ``gemv_applies`` says whether the
+weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
+issue the loads of their next steps (codes, scales and zeros) before they compute the current ones.
+``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
 computed by every block first (a decoder layer's add + RMSNorm and the projection after it, in one
@@ -30,13 +32,16 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 __all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
            "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent")
-_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma"}  # kind -> the kind whose entry it launches
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined")
+# kind -> the entry it launches (ENTRIES' first key)
+_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe"}
+_MMA = ("mma", "mma_pipe")  # the tensor-core entries: 16 outputs a block, 128-column steps
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
     ("gemv", "none"): f"mgx_gemv_bf16_bf16_v{KERNEL_ABI}",
     ("mma", "int4"): f"mgx_gemv_int4_mma_bf16_v{KERNEL_ABI}",
+    ("mma_pipe", "int4"): f"mgx_gemv_int4_mma_pipe_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -44,6 +49,7 @@ LABELS = {  # how the engine's kernel note names them
     ("gemv", "w8a16"): "w8a16 GEMV",
     ("gemv", "none"): "bf16 GEMV",
     ("mma", "int4"): "int4 tensor-core GEMV",
+    ("mma_pipe", "int4"): "pipelined int4 tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
@@ -126,7 +132,7 @@ def gemv_applies(
         return False
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
         return False
-    if base == "mma" and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
+    if base in _MMA and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
                           or w.weight.stride(0) % 16 or _sm(kernels.arch) < 80):  # fmt: skip
         return False
     word = _WORD_BYTES[w.scheme]
@@ -158,9 +164,9 @@ def gemv(
     n_out = w.n // 2 if silu_mul else w.n
     out = torch.empty((1, n_out), dtype=torch.bfloat16, device=x.device) if out is None else out
     base = _ENTRY_KIND[kind]
-    rows = MMA_ROWS if base == "mma" else ROWS
+    rows = MMA_ROWS if base in _MMA else ROWS
     per_block = rows // 2 if silu_mul else rows
-    threads = MMA_THREADS if base == "mma" else gemv_threads(w.k)
+    threads = MMA_THREADS if base in _MMA else gemv_threads(w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)

@@ -55,6 +55,8 @@ GEMV_WEIGHTS = [
 GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("int4", {"group_size": 128, "symmetric": True}, "mma"),
     ("int4", {"group_size": 128, "symmetric": False}, "mma"),
+    ("int4", {"group_size": 128, "symmetric": True}, "mma_pipelined"),
+    ("int4", {"group_size": 128, "symmetric": False}, "mma_pipelined"),
 ]
 
 
@@ -113,12 +115,15 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
         assert rel_err(got, cg.gemv(apart, w, kernels=native, silu_mul=silu, kind=kind)) < 4e-3
 
 
-@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (8192, 8192)])
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (8192, 8192), (4096, 2176)])
 @pytest.mark.parametrize("silu", [False, True])
-def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, n: int, k: int, silu: bool) -> None:  # noqa: ANN001
-    """Kind ``mma_persistent``: the tensor-core GEMV on two blocks per SM, each taking every grid-th
-    group of outputs and prefetching ahead, gives the one-block-per-group launch's output to the bit
-    (the same sums in the same order), eagerly and replayed from a CUDA graph. n / 16 groups: on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
+@pytest.mark.parametrize("kind", ["mma_persistent", "mma_pipelined"])
+def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: bool, kind: str) -> None:  # noqa: ANN001
+    """Kind ``mma_persistent`` (the tensor-core GEMV on two blocks per SM, each taking every grid-th
+    group of outputs and prefetching ahead) and kind ``mma_pipelined`` (its own entry, loading a
+    warp's next steps while it computes the current ones) give the one-block-per-group ``mma``
+    launch's output to the bit (the same sums in the same order), eagerly and replayed from a CUDA
+    graph. K = 2176 is 17 steps: the warps' last passes are partial. n / 16 groups: on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
     not; K = 8192 takes each warp through its steps twice (the second from L2 prefetches)."""
     from mgx.kernels.cuda import gemv as cg
 
@@ -126,11 +131,11 @@ def test_native_mma_gemv_persistent_blocks_give_the_same_bits(native, n: int, k:
     w = make_weight("int4", n, k, device="cuda", generator=gen, group_size=128, symmetric=False)
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma")
-    assert cg.gemv_applies(native, x, w, kind="mma_persistent")
-    assert torch.equal(cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma_persistent"), want)
+    assert cg.gemv_applies(native, x, w, kind=kind)
+    assert torch.equal(cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma_persistent")
+        out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, want)

@@ -38,8 +38,10 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
     assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma")  # int4 only
     assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma_persistent")
+    assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma_pipelined")
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
-    assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4")}
+    assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
+                               ("mma_pipe", "int4")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -67,6 +69,7 @@ def test_rmsnorm_prologue_operands_and_entry_names() -> None:
 
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
-    for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu)."""
-    assert cg.KINDS == ("gemv", "mma", "mma_persistent")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
+    ``mma_pipelined`` has an entry (and twin) of its own."""
+    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined")
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
