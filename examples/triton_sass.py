@@ -10,6 +10,13 @@ A static count, not a speed: it shows which variant issues fewer instructions pe
 which matters where a GEMV is bound by instructions (W8A16, INT4) rather than by bytes.
 
     python examples/triton_sass.py --scheme w8a16 --block-n 16 --block-k 512 --warps 4
+
+With ``--native ARCH`` (e.g. sm_90a; needs nvcc) it builds the native kernels (``kernels/cuda``) as
+``mgxc`` does and prints, for each GEMV entry point, its registers and stack bytes a thread and the
+instructions of each loop of 20 or more, its nested loops left out, largest first, with its MMAs
+and global loads. nvcc may compile one loop twice (e.g. for a null and a given zeros pointer); an
+outer loop over output groups holds the epilogue. A tensor-core kernel's main loop takes kMmaUnroll
+128-column steps a warp, the pipelined one's 2 x kMmaPipeUnroll.
 """
 
 from __future__ import annotations
@@ -68,17 +75,47 @@ def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int
         return subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
 
 
-def loops(sass: str) -> list[Counter]:
-    """Opcode counts of each loop body: the instructions from a backward branch's target to the branch."""
+def loops(sass: str, own: bool = False) -> list[Counter]:
+    """Opcode counts of each loop body: the instructions from a backward branch's target to the branch
+    (``own``: less those of the loops inside it, i.e. what one of its iterations issues when the inner
+    loops run once a group or not at all)."""
     lines = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := _ADDRESS.search(line))]
-    found = []
-    for addr, line in lines:
-        branch = _BRANCH.search(line)
-        if branch and int(branch.group(1), 16) < addr:
-            start = int(branch.group(1), 16)
-            found.append(Counter(m.group(1).split(".")[0] for a, text in lines
-                                 if start <= a <= addr and (m := _OPCODE.search(text))))  # fmt: skip
-    return found
+    spans = [(int(b.group(1), 16), addr) for addr, line in lines
+             if (b := _BRANCH.search(line)) and int(b.group(1), 16) < addr]  # fmt: skip
+
+    def inside(a: int, start: int, end: int) -> bool:
+        nested = own and any((s, e) != (start, end) and start <= s and e <= end and s <= a <= e for s, e in spans)
+        return start <= a <= end and not nested
+
+    return [Counter(m.group(1).split(".")[0] for a, text in lines if inside(a, start, end) and (m := _OPCODE.search(text)))
+            for start, end in spans]  # fmt: skip
+
+
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)", re.MULTILINE)
+_USAGE = re.compile(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+)")
+
+
+def native_report(arch: str, match: str) -> list[str]:
+    """One line per native entry point whose name holds ``match``: registers, stack, loop sizes."""
+    from mgx.kernels.cuda.build import build_cuda_kernels
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(build_cuda_kernels(arch))
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    regs = {name: (int(r), int(st)) for name, r, st in _USAGE.findall(usage)}
+    parts = _FUNCTION.split(sass)  # [before, name, body, name, body, ...]
+    lines = []
+    for name, body in sorted(zip(parts[1::2], parts[2::2])):
+        if match in name:
+            r, st = regs.get(name, (-1, -1))
+            found = sorted(((sum(ops.values()), ops["HMMA"], ops["LDG"]) for ops in loops(body, own=True)), reverse=True)
+            sizes = ", ".join(f"{n} (HMMA {h}, LDG {ld})" if h else str(n) for n, h, ld in found if n >= 20)
+            lines.append(f"{name}: {r} registers, {st} bytes of stack; loops {sizes or 'none'}")
+    return lines
 
 
 def main() -> int:
@@ -89,7 +126,18 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--split-k", type=int, default=1)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
+    parser.add_argument("--native", metavar="ARCH", help="the native kernels for ARCH (e.g. sm_90a) instead")
+    parser.add_argument("--match", default="gemv", help="with --native: entry points whose name holds this")
     args = parser.parse_args()
+    if args.native:
+        from mgx.kernels.cuda.build import CudaBuildError
+
+        try:
+            lines = native_report(args.native, args.match)
+        except CudaBuildError as e:
+            sys.exit(f"triton_sass: {e}")
+        print("\n".join(lines) if lines else f"no entry point holds {args.match!r}")
+        return 0 if lines else 1
     per_thread = args.block_n * args.block_k / (32 * args.warps)
     for norm in (False, True):
         sass = compile_sass(args.scheme, args.block_n, args.block_k, args.warps, args.split_k, norm, args.arch)

@@ -1,4 +1,5 @@
-"""examples/triton_sass.py: the static SASS count of the one-row GEMV (compiled for sm_90 on the CPU)."""
+"""examples/triton_sass.py: the static SASS count of the one-row GEMV (compiled for sm_90 on the CPU),
+and with ``--native`` the native kernels' registers and loops (built with nvcc where there is one)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from mgx.kernels.cuda.build import find_nvcc
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "triton_sass.py"
 
@@ -35,3 +40,34 @@ def test_w8a16_gemv_loop_is_counted_with_and_without_the_norm() -> None:
 def test_refuses_to_count_interpreted_kernels() -> None:
     done = _run("--scheme", "none", interpret=True)
     assert done.returncode != 0 and "unset TRITON_INTERPRET" in done.stderr
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
+def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> None:
+    """``--native``: the tensor-core GEMV entries built for sm_90a, their registers and loops. Both
+    kinds keep everything in registers (no stack), the pipelined one within 128 registers a thread
+    (two blocks of 256 threads an SM, which its design counts on), and each has a main loop of 64
+    MMAs (4 steps of 16) with its weight loads inside."""
+    done = _run("--native", "sm_90a", "--match", "mma")
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = {}
+    for line in done.stdout.strip().splitlines():
+        m = re.match(r"(\w+): (\d+) registers, (\d+) bytes of stack; loops (.*)", line)
+        assert m, line
+        found[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(4))
+    assert {re.sub(r"_v\d+$", "", name) for name in found} == {
+        "mgx_gemv_int4_mma_bf16", "mgx_gemv_int4_mma_bf16_norm", "mgx_gemv_int4_mma_pipe_bf16",
+        "mgx_gemv_int4_mma_pipe_bf16_norm"}  # fmt: skip
+    for name, (regs, stack, loops) in found.items():
+        assert stack == 0, name
+        assert regs <= (128 if "_pipe_" in name else 255), name
+        assert re.search(r"\d+ \(HMMA 64, LDG \d+\)", loops), name
+
+
+def test_native_mode_names_a_missing_entry() -> None:
+    if find_nvcc() is None:
+        done = _run("--native", "sm_90a")
+        assert done.returncode != 0 and "nvcc not found" in done.stderr
+    else:
+        done = _run("--native", "sm_90a", "--match", "no_such_entry")
+        assert done.returncode == 1 and "no entry point holds 'no_such_entry'" in done.stdout
