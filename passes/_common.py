@@ -192,7 +192,9 @@ def to_f32(t: ir.Tensor) -> np.ndarray:
     if t.dtype == ir.DType.F32:
         return t.data
     if t.dtype == ir.DType.BF16:
-        return (t.data.astype(np.uint32) << 16).view(np.float32)
+        wide = t.data.astype(np.uint32)
+        wide <<= 16  # in place: one array where the shift would make a second
+        return wide.view(np.float32)
     if t.dtype == ir.DType.F16:
         return t.data.astype(np.float32)
     raise PassError(f"tensor {t.name}: {t.dtype.value} is not a float dtype")

@@ -9,6 +9,8 @@ the values the compiler writes back are bit-identical to those the runtime multi
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -65,11 +67,21 @@ class Encoded:
 
 
 def encode_w8a16(w: np.ndarray) -> Encoded:
-    """Symmetric int8, one scale per output channel: ``W[n, k] = q[n, k] * scales[n]``."""
-    amax = np.abs(w).max(axis=1)
+    """Symmetric int8, one scale per output channel: ``W[n, k] = q[n, k] * scales[n]``.
+
+    (The array steps run in place where they can: on an 8B model the encodings are most of the
+    compile, and numpy's temporaries cost more than the arithmetic.)"""
+    amax = _abs_max(w, axis=1)
     scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)  # [N]
-    q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
-    return Encoded("w8a16", q, {"scales": scales})
+    q = w / scales[:, None]  # float32
+    np.rint(q, out=q)
+    np.clip(q, -127, 127, out=q)
+    return Encoded("w8a16", q.astype(np.int8), {"scales": scales})
+
+
+def _abs_max(a: np.ndarray, axis: int) -> np.ndarray:
+    """max |a| along ``axis`` without an |a| temporary (the same values as ``np.abs(a).max(axis)``)."""
+    return np.maximum(a.max(axis=axis), -a.min(axis=axis))
 
 
 # -- int4 -----------------------------------------------------------------------------------------------
@@ -96,7 +108,7 @@ def int4_fit(w: np.ndarray, group: int, symmetric: bool) -> tuple[np.ndarray, np
     """
     blocks = _blocks(np.asarray(w, np.float32), group)  # zero padding sits inside [min(.,0), max(.,0)] anyway
     if symmetric:
-        amax = np.abs(blocks).max(axis=2)
+        amax = _abs_max(blocks, axis=2)
         return np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32), None
     lo = np.minimum(blocks.min(axis=2), 0.0)
     hi = np.maximum(blocks.max(axis=2), 0.0)
@@ -118,8 +130,9 @@ def int4_codes(w: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, grou
 def int4_decode(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group: int) -> np.ndarray:
     """``(q - z) * s`` in float32, [N, K]."""
     n, k = q.shape
-    z = np.float32(8) if zeros is None else zeros[:, :, None].astype(np.float32)
-    out = (_blocks(q, group).astype(np.float32) - z) * scales[:, :, None]
+    out = _blocks(q, group).astype(np.float32)
+    out -= np.float32(8) if zeros is None else zeros[:, :, None].astype(np.float32)
+    out *= scales[:, :, None]
     return out.reshape(n, -1)[:, :k]
 
 
@@ -220,7 +233,9 @@ def decode(t: ir.Tensor, companions: Mapping[str, ir.Tensor]) -> np.ndarray:
     if t.scheme == "none":
         return to_f32(ir.Tensor(t.name, t.dtype, w.shape, w))
     if t.scheme == "w8a16":
-        return w.astype(np.float32) * _arr(arrays, "scales", t.name)[:, None]
+        out = w.astype(np.float32)
+        out *= _arr(arrays, "scales", t.name)[:, None]
+        return out
     if t.scheme in ("int4", "sparse24_int4"):
         group, sym = int(p["group_size"]), bool(p["symmetric"])
         zeros = None if sym else _arr(arrays, "zeros", t.name)
@@ -331,10 +346,10 @@ def _site_bytes(graph: ir.Graph, site: WeightSite) -> int:
 
 def rewrite_workers() -> int:
     """Weights encoded at once by ``rewrite_sites``: numpy releases the GIL in its array loops, so
-    threads scale; at most 4, each holding a weight's float32 copy and its encoding
+    threads scale; one a core, at most 8, each holding a weight's float32 copy and its encoding
     (``MGX_COMPILE_THREADS`` overrides)."""
     env = os.environ.get("MGX_COMPILE_THREADS")
-    return max(1, int(env) if env and env.isdigit() else min(4, os.cpu_count() or 1))
+    return max(1, int(env) if env and env.isdigit() else min(8, os.cpu_count() or 1))
 
 
 def rewrite_sites(graph: ir.Graph, sites: list[WeightSite], encode: Callable[[WeightSite, np.ndarray], Encoded],
@@ -343,8 +358,10 @@ def rewrite_sites(graph: ir.Graph, sites: list[WeightSite], encode: Callable[[We
 
     Returns bytes before and after (weights and companions) and the mean relative error
     ||W' - W|| / ||W|| of the dense values. Sites are encoded ``rewrite_workers()`` at a time on
-    threads (the graph is only read meanwhile) and stored in their order, so the result does not
-    depend on the thread count.
+    threads, a new one starting as soon as the oldest is stored (not in batches, which waited for
+    each batch's largest weight), and stored in their order by this thread, so the result does not
+    depend on the thread count. The workers only read the graph: each its own site's tensors, which
+    no other store touches, through ``graph.tensors``, which a store replaces whole.
     """
     before = sum(_site_bytes(graph, s) for s in sites)
     errors: list[float] = []
@@ -355,19 +372,34 @@ def rewrite_sites(graph: ir.Graph, sites: list[WeightSite], encode: Callable[[We
 
     def rel_error(site: WeightSite, dense: np.ndarray) -> float:
         norm = float(np.linalg.norm(dense))
-        return float(np.linalg.norm(decode(*site_arrays(graph, site)) - dense)) / norm if norm > 0 else 0.0
+        t, companions = site_arrays(graph, site)
+        diff = decode(t, companions)
+        if np.may_share_memory(diff, t.data):  # a plain fp32 weight decodes to its own storage
+            diff = diff - dense
+        else:
+            diff -= dense
+        return float(np.linalg.norm(diff)) / norm if norm > 0 else 0.0
 
     workers = rewrite_workers()
     with ThreadPoolExecutor(workers) as pool:
-        for lo in range(0, len(sites), workers):
-            chunk = sites[lo:lo + workers]
-            prepared = list(pool.map(prepare, chunk))
-            for site, (_, enc) in zip(chunk, prepared, strict=True):
-                apply(graph, site.name, enc)
-                for op in site.ops:
-                    check_scheme(graph, op)
-            errors.extend(pool.map(rel_error, chunk, [dense for dense, _ in prepared]))
-            del prepared
+        todo = iter(sites)
+        running = collections.deque((site, pool.submit(prepare, site)) for site in itertools.islice(todo, workers))
+        measured = []
+        while running:
+            site, job = running.popleft()
+            dense, enc = job.result()
+            apply(graph, site.name, enc)
+            for op in site.ops:
+                check_scheme(graph, op)
+            measured.append(pool.submit(rel_error, site, dense))
+            del dense, enc, job
+            # At most `workers` weights' dense copies held at once, being encoded or measured.
+            while measured and (measured[0].done() or len(measured) + len(running) >= workers):
+                errors.append(measured.pop(0).result())
+            following = next(todo, None)
+            if following is not None:
+                running.append((following, pool.submit(prepare, following)))
+        errors.extend(m.result() for m in measured)
     after = sum(_site_bytes(graph, s) for s in sites)
     return {"bytes_before": before, "bytes_after": after, "rel_error": float(np.mean(errors)) if errors else 0.0}
 

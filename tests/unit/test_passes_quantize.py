@@ -166,14 +166,15 @@ def test_blocked_gptq_matches_the_textbook_loop() -> None:
 
 @pytest.mark.parametrize("pass_", ["quantize_w8a16", ("quantize_int4", {"group_size": 32})])
 def test_weights_encoded_on_threads_equal_one_at_a_time(pass_: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """rewrite_sites encodes several weights at once on threads (MGX_COMPILE_THREADS): the stored
-    tensors, their names and the reported error are the same as encoding one weight at a time."""
+    """rewrite_sites encodes several weights at once on threads (MGX_COMPILE_THREADS), starting the next
+    as each is stored: the stored tensors, their names, their order and the reported error are the
+    same as encoding one weight at a time."""
     graph, _ = build_tiny_graph()
     runs = []
-    for threads in ("1", "3"):
+    for threads in ("1", "3", "8"):
         monkeypatch.setenv("MGX_COMPILE_THREADS", threads)
         q, (res,) = after(graph, pass_)
         runs.append(({n: (t.dtype, t.shape, t.scheme, t.data.tobytes() if t.data is not None else None)
-                      for n, t in q.tensors.items()}, res.summary, res.stats["rel_error"]))  # fmt: skip
-    assert runs[0] == runs[1]
+                      for n, t in q.tensors.items()}, list(q.tensors), res.summary, res.stats["rel_error"]))  # fmt: skip
+    assert runs[0] == runs[1] == runs[2]
     assert len(_linears(graph)) > 3  # more weights than threads: more than one round
