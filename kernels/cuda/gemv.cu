@@ -465,8 +465,8 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
     // pipelined, those steps' scales and zeros (the plain kind reads them as it computes).
     const float* s_row_lo = scales + lo * stride_s;
     const float* s_row_hi = scales + hi * stride_s;
-    const uint8_t* z_row_lo = zeros + lo * stride_s;  // read only where zeros is given
-    const uint8_t* z_row_hi = zeros + hi * stride_s;
+    const uint8_t* z_row_lo = zeros != nullptr ? zeros + lo * stride_s : nullptr;  // null: symmetric, z = 8
+    const uint8_t* z_row_hi = zeros != nullptr ? zeros + hi * stride_s : nullptr;
     const auto load_pass = [&](int s0, MmaPass<kPipe, kU>& p) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
@@ -479,8 +479,8 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
           p.hi[u] = s < steps ? load_stream_now(b) : make_uint4(0, 0, 0, 0);
           p.s_lo[u] = s < steps ? load_now(s_row_lo + grp) : 0.0f;
           p.s_hi[u] = s < steps ? load_now(s_row_hi + grp) : 0.0f;
-          p.z_lo[u] = zeros != nullptr && s < steps ? load_now(z_row_lo + grp) : 8u;
-          p.z_hi[u] = zeros != nullptr && s < steps ? load_now(z_row_hi + grp) : 8u;
+          p.z_lo[u] = z_row_lo != nullptr && s < steps ? load_now(z_row_lo + grp) : 8u;
+          p.z_hi[u] = z_row_hi != nullptr && s < steps ? load_now(z_row_hi + grp) : 8u;
         } else {
           p.lo[u] = s < steps ? load_stream(a) : make_uint4(0, 0, 0, 0);
           p.hi[u] = s < steps ? load_stream(b) : make_uint4(0, 0, 0, 0);
