@@ -67,12 +67,18 @@ def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int
     src = ASTSource(fn=linear._linear_kernel, signature=sig, constexprs={k: v for k, v in const.items() if k in names},
                     attrs=attrs)  # fmt: skip
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": 1})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    (sass,) = cuobjdump(kernel.asm["cubin"], "-sass")
+    return sass
+
+
+def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
+    """What Triton's bundled cuobjdump prints for ``cubin``, once per flag ("-sass", "-res-usage")."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        return subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+            f.write(cubin)
+        return [subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout for flag in flags]
 
 
 def loops(sass: str, own: bool = False) -> list[Counter]:
@@ -99,13 +105,7 @@ def native_report(arch: str, match: str) -> list[str]:
     """One line per native entry point whose name holds ``match``: registers, stack, loop sizes."""
     from mgx.kernels.cuda.build import build_cuda_kernels
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(build_cuda_kernels(arch))
-        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    usage, sass = cuobjdump(build_cuda_kernels(arch), "-res-usage", "-sass")
     regs = {name: (int(r), int(st)) for name, r, st in _USAGE.findall(usage)}
     parts = _FUNCTION.split(sass)  # [before, name, body, name, body, ...]
     lines = []

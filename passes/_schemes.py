@@ -372,19 +372,13 @@ def rewrite_sites(graph: ir.Graph, sites: list[WeightSite], encode: Callable[[We
 
     def rel_error(site: WeightSite, dense: np.ndarray) -> float:
         norm = float(np.linalg.norm(dense))
-        t, companions = site_arrays(graph, site)
-        diff = decode(t, companions)
-        if np.may_share_memory(diff, t.data):  # a plain fp32 weight decodes to its own storage
-            diff = diff - dense
-        else:
-            diff -= dense
-        return float(np.linalg.norm(diff)) / norm if norm > 0 else 0.0
+        return float(np.linalg.norm(decode(*site_arrays(graph, site)) - dense)) / norm if norm > 0 else 0.0
 
     workers = rewrite_workers()
     with ThreadPoolExecutor(workers) as pool:
         todo = iter(sites)
         running = collections.deque((site, pool.submit(prepare, site)) for site in itertools.islice(todo, workers))
-        measured = []
+        measured = collections.deque()
         while running:
             site, job = running.popleft()
             dense, enc = job.result()
@@ -395,7 +389,7 @@ def rewrite_sites(graph: ir.Graph, sites: list[WeightSite], encode: Callable[[We
             del dense, enc, job
             # At most `workers` weights' dense copies held at once, being encoded or measured.
             while measured and (measured[0].done() or len(measured) + len(running) >= workers):
-                errors.append(measured.pop(0).result())
+                errors.append(measured.popleft().result())
             following = next(todo, None)
             if following is not None:
                 running.append((following, pool.submit(prepare, following)))

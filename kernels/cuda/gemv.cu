@@ -384,7 +384,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
 // lane asks L2 for the rest of its share of this group (past the first kMmaUnroll steps, whose loads
 // it has issued) and for its share of the next (prefetch), so the weight stream goes on while it
 // computes. Pipelined (kind mma_pipelined, kPipe): every lane issues its loads of the warp's next
-// kMmaUnroll steps before it computes the current ones (twice the registers for codes), so a warp
+// kMmaPipeUnroll steps (codes, scales, zeros) before it computes the current ones, so a warp
 // always has a pass of loads in flight instead of waiting for each pass before it computes; same
 // sums in the same order.
 constexpr int kMmaWarps = 8;   // warps per block
@@ -419,7 +419,7 @@ __device__ __forceinline__ void prefetch_steps(const uint8_t* a, const uint8_t* 
   }
 }
 
-// What a warp loads for one pass (kMmaUnroll steps): codes of rows lo and hi and, pipelined, their scales and zeros.
+// What a warp loads for one pass of U steps: codes of rows lo and hi and, pipelined, their scales and zeros.
 template <bool kPipe, int U>
 struct MmaPass {
   uint4 lo[U], hi[U];

@@ -699,7 +699,7 @@ class LinearConfig:
     num_stages: int = 2
     split_k: int = 1  # programs sharing one output tile along K (see SPLIT_MAX_M)
     swap: bool = False  # W^T x^T on the tensor cores for a few bf16 rows (``swap_applies``); block_m >= 16
-    # One row: the native CUDA GEMV of this kind ("gemv", "mma" or "mma_persistent", kernels/cuda/gemv.py) when the
+    # One row: the native CUDA GEMV of this kind (one of kernels/cuda/gemv.py's KINDS) when the
     # artifact holds it (the autotune pass sets it where that kernel was faster); "" runs Triton. The
     # fields above are the Triton fallback either way.
     native: str = ""
