@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -61,7 +62,7 @@ SCHEME_PASSES = {
 DEVICE = "cpu" if SMOKE else "cuda"
 ROWS: list[dict] = []
 RESULT: dict = {}  # what --json holds, rewritten after every row (a run cut short keeps its rows)
-TIMES: dict[str, float] = {}  # compile-side timings (autotune)
+TIMES: dict[str, object] = {}  # compile-side timings (autotune: its time, and what each tuned shape measured)
 
 
 def log(msg: str) -> None:
@@ -170,6 +171,10 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
         if name == "autotune":
             log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
             TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
+            TIMES[f"autotune_{scheme}_shapes"] = result.stats["timings"]
+            for shape, t in result.stats["timings"].items():
+                log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
+                    f"best Triton {t['triton_us']:.1f} us)")
     fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
     variants = [(scheme, tunings)]
     if untuned_twin and tunings:
@@ -263,6 +268,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     gpu_ms = replay_ms(engine, 1)
     if gpu_ms is not None:  # the step's GPU time alone: the rest of a step's wall time is the host's
         row["graph_b1_ms"] = gpu_ms
+        row["gpu_state_b1"] = gpu_state_during(functools.partial(replay_ms, engine, 1, 400))
         row["graph_b1_bw_frac"] = per_token / (gpu_ms / 1e3) / bw
         row["step_b1_ms"] = dt / n * 1e3
         log(f"  batch 1: {row['decode_b1_tok_s']:.1f} tok/s ({row['decode_b1_bw_frac']:.1%} of copy bandwidth), "
@@ -300,6 +306,9 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
+    # The default once more, captured anew like the flips: how far two captures of one graph spread.
+    if DEVICE == "cuda":
+        row["graph_b1_ms_default_recaptured"] = graph_ms_recaptured(engine, prompt)
     add_row(row)
     del engine
     if DEVICE == "cuda":
@@ -367,7 +376,7 @@ def profile_prefill(engine, prompt: list[int]) -> None:  # noqa: ANN001
     log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=60))
 
 
-def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
+def replay_ms(engine, bucket: int, replays: int = 50) -> float | None:  # noqa: ANN001
     """Milliseconds per replay of the captured greedy decode graph of ``bucket`` (back to back)."""
     graphs = getattr(engine.runner.backend, "_graphs", {})
     g = graphs.get((bucket, True)) or graphs.get((bucket, False))
@@ -376,11 +385,11 @@ def replay_ms(engine, bucket: int) -> float | None:  # noqa: ANN001
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.graph.replay()
     start.record()
-    for _ in range(50):
+    for _ in range(replays):
         g.graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 50
+    return start.elapsed_time(end) / replays
 
 
 def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
@@ -395,12 +404,68 @@ def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:
     if getattr(obj, attr) == was:  # e.g. overlapped launches below sm_90
         return None
     try:
-        backend._graphs.pop((1, True), None)
-        run_steps(engine, [prompt], 8)
-        return replay_ms(engine, 1)
+        return graph_ms_recaptured(engine, prompt)
     finally:
         setattr(obj, attr, was)
         backend._graphs.pop((1, True), None)
+
+
+def graph_ms_recaptured(engine, prompt: list[int]) -> float | None:  # noqa: ANN001
+    """``replay_ms`` of the batch-1 graph captured anew (8 decode steps after ``prompt``)."""
+    engine.runner.backend._graphs.pop((1, True), None)
+    run_steps(engine, [prompt], 8)
+    return replay_ms(engine, 1)
+
+
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_event_reasons.active")
+
+
+def gpu_state_during(work) -> dict | None:  # noqa: ANN001
+    """The GPU's clocks (MHz), temperature (C), power (W) and active clock-event (throttle) reasons
+    while ``work`` runs, sampled by ``nvidia-smi`` every 50 ms: the median clocks, the highest
+    temperature and power, the reasons' bits seen. None without nvidia-smi. A run whose graph is
+    slower than another's can then be told apart from one whose GPU clocked down."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None or DEVICE != "cuda":
+        return None
+    cmd = [smi, f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader,nounits", "-lms", "50",
+           f"--id={torch.cuda.current_device()}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(0.3)  # nvidia-smi's start, so that its samples fall inside the work
+        work()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    return summarize_gpu_state(out)
+
+
+def summarize_gpu_state(text: str) -> dict | None:
+    """``gpu_state_during``'s summary of nvidia-smi's CSV lines (GPU_STATE_FIELDS, no units); None
+    when no line parsed (an nvidia-smi that does not know a field prints an error instead)."""
+    samples = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(GPU_STATE_FIELDS):
+            continue
+        try:
+            sm, mem, temp, power = (float(c) for c in cells[:4])
+            reasons = int(cells[4], 16)
+        except ValueError:
+            continue
+        samples.append((sm, mem, temp, power, reasons))
+    if not samples:
+        return None
+    mid = len(samples) // 2
+    reasons = 0
+    for s in samples:
+        reasons |= s[4]
+    return {"samples": len(samples), "sm_mhz": sorted(s[0] for s in samples)[mid],
+            "mem_mhz": sorted(s[1] for s in samples)[mid], "max_temp_c": max(s[2] for s in samples),
+            "max_power_w": max(s[3] for s in samples), "clock_event_reasons": hex(reasons)}  # fmt: skip
 
 
 def cold_start(path: Path, cache_dir: Path) -> float:

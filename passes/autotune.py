@@ -11,6 +11,9 @@ timed too, and where it beats the best Triton configuration the entry says so (`
 configuration stays in the entry as the fallback for a runtime without the native code). The graph is
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
+``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
+launch, weight GB/s, the best Triton configuration's us}), for build logs and benchmarks: a slow
+build GPU or a shape that lost shows there before any model runs.
 """
 
 from __future__ import annotations
@@ -148,6 +151,14 @@ def _weight_copies(w: Any, upload: Callable[[], Any], device: Any) -> list[Any] 
     return [w] + [upload() for _ in range(copies_for(w.nbytes, l2) - 1)]
 
 
+def _timing(best: tuple[float, Any], triton_s: float, w: Any) -> dict[str, Any]:
+    """What the build log says of one tuned shape: the winner (a native kind or "triton"), its time
+    per launch and the weight bytes it read per second, and the best Triton configuration's time."""
+    seconds, config = best
+    return {"chosen": config.native or "triton", "us": seconds * 1e6, "triton_us": triton_s * 1e6,
+            "weight_gb_s": w.nbytes / seconds / 1e9 if seconds > 0 else 0.0}
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """How many copies of an ``nbytes`` weight span 4x an L2 of ``l2_bytes``: 2 to 16."""
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
@@ -182,6 +193,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
     entries: dict[str, AutotuneEntry] = {}
+    measured: dict[str, dict[str, Any]] = {}  # the winners' times, for the build log (stats["timings"])
     timed = 0
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
@@ -214,6 +226,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 timed += 1
                 if best is None or seconds < best[0]:
                     best = (seconds, config)
+            triton_s = best[0] if best is not None else None
             one_row = best is not None and m == 1 and kernel != "lm_head_argmax"
             kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k)]
             silu = kernel == "linear_silu_mul"
@@ -233,6 +246,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
+                measured[f"{kernel} {key[1]}"] = _timing(best, triton_s, w)
         copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]
@@ -246,6 +260,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         natives += f"; {len(failed)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
-        {"autotune": {arch: found}},
+        {"autotune": {arch: found}, "timings": measured},
         options_dict(opts),
     )

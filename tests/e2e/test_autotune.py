@@ -85,6 +85,14 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     # Each distinct (kernel, weight shape) once per row count: q/k/v fused, o, down, gate/up, LM head.
     signatures = {(e.kernel, e.shape_key.rsplit(",M=", 1)[0]) for e in entries}
     assert len(entries) == 2 * len(signatures)
+    # The build log's timings: one a stored entry, the winner's (here Triton's) time.
+    timings = result.stats["timings"]
+    assert sorted(timings) == sorted(f"{e.kernel} {e.shape_key}" for e in entries)
+    for e in entries:
+        t = timings[f"{e.kernel} {e.shape_key}"]
+        assert t["chosen"] == "triton"
+        assert t["us"] == t["triton_us"] == pytest.approx(fake_seconds(LinearConfig(**e.config)) * 1e6)
+        assert t["weight_gb_s"] > 0
 
     contents.autotune = result.stats["autotune"]
     path = tmp_path / "tuned.mgx"
@@ -180,6 +188,12 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
         m = int(e.shape_key.rsplit("M=", 1)[1])
         fallback = LinearConfig(**{**e.config, "native": ""})
         assert fallback == min(candidates(m), key=fake_seconds)
+    timings = result.stats["timings"]  # a native winner's time, beside the best Triton one it beat
+    for e in entries:
+        t = timings[f"{e.kernel} {e.shape_key}"]
+        assert t["chosen"] == (e.config["native"] or "triton")
+        assert t["triton_us"] == pytest.approx(fake_seconds(LinearConfig(**{**e.config, "native": ""})) * 1e6)
+        assert t["us"] == (-1e6 if e.config["native"] else pytest.approx(t["triton_us"]))
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in entries if e.config["native"]]
     assert f"native GEMV chosen for {len(chosen)} ({', '.join(chosen)})" in result.summary
 
