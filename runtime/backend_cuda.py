@@ -969,7 +969,9 @@ class CUDABackend(Backend):
         config = self._config(lin, 1)
         if (config is None and w.scheme == "none") or (config is not None and not (config.native and self.tuned_gemvs)):
             return None
-        kinds = [config.native] if config is not None else [k for k in ("mma", "gemv") if (k, w.scheme) in GEMV_ENTRIES]
+        # Untuned: the tensor-core kernel for int4 only (the W8A16 one runs where autotune measured it faster).
+        untuned = ("mma", "gemv") if w.scheme == "int4" else ("gemv",)
+        kinds = [config.native] if config is not None else [k for k in untuned if (k, w.scheme) in GEMV_ENTRIES]
         norm = NormPrologue(b, weight, eps, torch.empty_like(a))
         for kind in kinds:
             if gemv_applies(self.cuda_kernels, a, w, bias, kind=kind, norm=norm):

@@ -371,22 +371,29 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
   }
 }
 
-// ---- int4 on the tensor cores ----------------------------------------------------------------------
+// ---- int4 and int8 on the tensor cores ----------------------------------------------------------------
 //
 // One warp computes 16 rows (mma.m16n8k16 A = W tile, B = x in its 8 columns alike, D column 0 kept)
 // over 128 columns at a time, one int4 group of 128 (or a part of a longer one). Lane (g = lane / 4,
-// t = lane % 4) loads 16 bytes (32 codes) of rows g and g + 8 at columns 128 i + 32 t; LOP3 turns
-// each word's nibbles j and j + 4 into one bf16 pair 128 + q (exact), and the same k-slots of B get
-// x at those two columns, so every lane with the same t agrees on which column a k-slot holds. A
-// second MMA with A = 1 gives the sum of x over the 128 columns; then the row's total is
-// s * (D - (128 + z) * sum x). The block's warps split K and add through shared memory. A grid
-// smaller than the groups makes each block take groups b, b + grid, ...: as it starts one, every
-// lane asks L2 for the rest of its share of this group (past the first kMmaUnroll steps, whose loads
-// it has issued) and for its share of the next (prefetch), so the weight stream goes on while it
-// computes. Pipelined (kind mma_pipelined, kPipe): every lane issues its loads of the warp's next
-// kMmaPipeUnroll steps (codes, scales, zeros) before it computes the current ones, so a warp
-// always has a pass of loads in flight instead of waiting for each pass before it computes; same
-// sums in the same order.
+// t = lane % 4) loads the codes of rows g and g + 8 at columns 128 i + 32 t .. + 31 (16 bytes of
+// int4, 32 of int8).
+// - int4: LOP3 turns each word's nibbles j and j + 4 into one bf16 pair 128 + q (exact), and the
+//   same k-slots of B get x at those two columns, so every lane with the same t agrees on which
+//   column a k-slot holds. A second MMA with A = 1 gives the sum of x over the 128 columns; then the
+//   row's total is s * (D - (128 + z) * sum x).
+// - int8 (W8A16): a code is 16 h + l with l its low nibble and h its signed high one; byte permutes
+//   put columns j and j + 4 side by side, and LOP3 makes the pairs 128 + l and 136 + h (the XOR that
+//   flips h's sign bit folded in). The MMA's first k-slots take the l pair against x, its last ones
+//   the h pair against 16 x (exact in bf16), so D = sum (2304 + q) x; the same A = 1 MMA gives sum x,
+//   the row's total is D - 2304 * sum x, and the row's scale multiplies it once at the end.
+// The block's warps split K and add through shared memory. A grid smaller than the groups makes each
+// block take groups b, b + grid, ...: as it starts one, every lane asks L2 for the rest of its share
+// of this group (past the first steps, whose loads it has issued) and for its share of the next
+// (prefetch), so the weight stream goes on while it computes. Pipelined (kind mma_pipelined, kPipe):
+// every lane issues its loads of the warp's next steps (codes and, for int4, scales and zeros) before
+// it computes the current ones, so a warp always has a pass of loads in flight instead of waiting for
+// each pass before it computes; same sums in the same order. An int8 step's codes take twice the
+// registers of an int4 one's, so its passes are half as many steps (the same bytes in flight).
 constexpr int kMmaWarps = 8;   // warps per block
 constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issued together
 // The same, pipelined (two passes' registers): 2 steps = 128 registers a thread on sm_90a, two blocks
@@ -410,32 +417,50 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // in one LOP3 (``and_or``; with an AND and an OR the loop took 128 more of its 732 instructions).
 __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int p) { return and_or(w >> (4 * p), 0x000F000Fu, 0x43004300u); }
 
-// Into L2: lane t's 16 bytes of 128-column steps first, first + kMmaWarps, ... below `last`, of rows a and b.
+// m ? (a ^ c) : c, bit by bit, in one LOP3: with m = 0x000F000F and c = 0x43084308, the nibbles at bits
+// 0 and 16 of `a` with their top bit flipped, as the bf16 pair (128 + (h ^ 8), ...) = (136 + h, ...) for
+// a signed nibble h.
+__device__ __forceinline__ uint32_t sel_xor(uint32_t a, uint32_t m, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(m), "r"(c));
+  return r;
+}
+
+// The bf16 pair 16 * (lo, hi) of a pair of x (exact: a power of two).
+__device__ __forceinline__ uint32_t times16(uint32_t v) {
+  const __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(16.0f, 16.0f));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Into L2: lane t's codes (W uint4 words) of 128-column steps first, first + kMmaWarps, ... below `last`, of rows a and b.
+template <int W>
 __device__ __forceinline__ void prefetch_steps(const uint8_t* a, const uint8_t* b, int first, int last, int t) {
 #pragma unroll 1
   for (int s = first; s < last; s += kMmaWarps) {
-    prefetch_l2(reinterpret_cast<const uint4*>(a + s * 64) + t);
-    prefetch_l2(reinterpret_cast<const uint4*>(b + s * 64) + t);
+    prefetch_l2(reinterpret_cast<const uint4*>(a + s * 64 * W) + W * t);
+    prefetch_l2(reinterpret_cast<const uint4*>(b + s * 64 * W) + W * t);
   }
 }
 
-// What a warp loads for one pass of U steps: codes of rows lo and hi and, pipelined, their scales and zeros.
-template <bool kPipe, int U>
+// What a warp loads for one pass of U steps: W words of codes of rows lo and hi (16 bytes each: int4
+// 1, int8 2) and, pipelined, their scales and zeros (int4).
+template <bool kPipe, int U, int W>
 struct MmaPass {
-  uint4 lo[U], hi[U];
+  uint4 lo[U * W], hi[U * W];  // step u's word v at u * W + v
 };
-template <int U>
-struct MmaPass<true, U> {
-  uint4 lo[U], hi[U];
+template <int U, int W>
+struct MmaPass<true, U, W> {
+  uint4 lo[U * W], hi[U * W];
   float s_lo[U], s_hi[U];
   uint32_t z_lo[U], z_hi[U];
 };
 
-template <bool kSilu, bool kNorm, bool kPipe>
-__device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
-                              const uint8_t* __restrict__ w, const float* __restrict__ scales,
-                              const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
-                              long long stride_w, long long stride_s, int group_shift, int silu_f, const NormIn* norm) {
+// kInt8: W8A16 codes (scales per row, applied in store(); zeros and group_shift unused), else int4.
+template <bool kInt8, bool kSilu, bool kNorm, bool kPipe>
+__device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
+                         const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                         const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
+                         int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -445,8 +470,10 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
   // never stored).
   const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };
   const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
-  constexpr int kU = kPipe ? kMmaPipeUnroll : kMmaUnroll;
+  constexpr int kW = kInt8 ? 2 : 1;  // 16-byte words of codes a lane loads per row and step
+  constexpr int kU = (kPipe ? kMmaPipeUnroll : kMmaUnroll) / kW;
   constexpr int kPass = kMmaWarps * kU;  // steps the block's warps load at once
+  using Pass = MmaPass<kPipe, kU, kW>;
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
     const int n0 = blk * (kSilu ? 8 : 16);
     const int lo = row_lo(blk), hi = row_hi(blk);
@@ -454,55 +481,92 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
     const uint8_t* w_hi = w + hi * stride_w;
     if constexpr (kNorm) {
       if (blk == blockIdx.x) {  // as in gemv_rows
-        prefetch_steps(w_lo, w_hi, warp, min(steps, warp + kPass), t);
+        prefetch_steps<kW>(w_lo, w_hi, warp, min(steps, warp + kPass), t);
         mgx_pdl_wait();
         norm_prologue(const_cast<uint4*>(x), *norm, k);
       }
     }
     const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
     float acc_lo = 0.0f, acc_hi = 0.0f;
-    // A pass: lane t's 16 bytes of rows lo and hi for steps s0, s0 + kMmaWarps, ... (zeros past K) and,
-    // pipelined, those steps' scales and zeros (the plain kind reads them as it computes).
+    // A pass: lane t's codes of rows lo and hi for steps s0, s0 + kMmaWarps, ... (zeros past K) and,
+    // pipelined, those steps' int4 scales and zeros (the plain kind reads them as it computes).
     const float* s_row_lo = scales + lo * stride_s;
     const float* s_row_hi = scales + hi * stride_s;
     const uint8_t* z_row_lo = zeros != nullptr ? zeros + lo * stride_s : nullptr;  // null: symmetric, z = 8
     const uint8_t* z_row_hi = zeros != nullptr ? zeros + hi * stride_s : nullptr;
-    const auto load_pass = [&](int s0, MmaPass<kPipe, kU>& p) {
+    const auto load_pass = [&](int s0, Pass& p) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int s = s0 + u * kMmaWarps;
-        const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 64) + t;
-        const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 64) + t;
+        const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 64 * kW) + kW * t;
+        const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 64 * kW) + kW * t;
         if constexpr (kPipe) {
           const int grp = (s << 7) >> group_shift;
-          p.lo[u] = s < steps ? load_stream_now(a) : make_uint4(0, 0, 0, 0);
-          p.hi[u] = s < steps ? load_stream_now(b) : make_uint4(0, 0, 0, 0);
-          p.s_lo[u] = s < steps ? load_now(s_row_lo + grp) : 0.0f;
-          p.s_hi[u] = s < steps ? load_now(s_row_hi + grp) : 0.0f;
-          p.z_lo[u] = z_row_lo != nullptr && s < steps ? load_now(z_row_lo + grp) : 8u;
-          p.z_hi[u] = z_row_hi != nullptr && s < steps ? load_now(z_row_hi + grp) : 8u;
+          p.lo[u * kW] = s < steps ? load_stream_now(a) : make_uint4(0, 0, 0, 0);
+          if constexpr (kW == 2) p.lo[u * kW + 1] = s < steps ? load_stream_now(a + 1) : make_uint4(0, 0, 0, 0);
+          p.hi[u * kW] = s < steps ? load_stream_now(b) : make_uint4(0, 0, 0, 0);
+          if constexpr (kW == 2) p.hi[u * kW + 1] = s < steps ? load_stream_now(b + 1) : make_uint4(0, 0, 0, 0);
+          if constexpr (!kInt8) {  // (an int8 row's scale is read once, in store())
+            p.s_lo[u] = s < steps ? load_now(s_row_lo + grp) : 0.0f;
+            p.s_hi[u] = s < steps ? load_now(s_row_hi + grp) : 0.0f;
+            p.z_lo[u] = z_row_lo != nullptr && s < steps ? load_now(z_row_lo + grp) : 8u;
+            p.z_hi[u] = z_row_hi != nullptr && s < steps ? load_now(z_row_hi + grp) : 8u;
+          }
         } else {
-          p.lo[u] = s < steps ? load_stream(a) : make_uint4(0, 0, 0, 0);
-          p.hi[u] = s < steps ? load_stream(b) : make_uint4(0, 0, 0, 0);
+          p.lo[u * kW] = s < steps ? load_stream(a) : make_uint4(0, 0, 0, 0);
+          if constexpr (kW == 2) p.lo[u * kW + 1] = s < steps ? load_stream(a + 1) : make_uint4(0, 0, 0, 0);
+          p.hi[u * kW] = s < steps ? load_stream(b) : make_uint4(0, 0, 0, 0);
+          if constexpr (kW == 2) p.hi[u * kW + 1] = s < steps ? load_stream(b + 1) : make_uint4(0, 0, 0, 0);
         }
       }
     };
     // Once a group, after its first loads: wait for the kernel before (x), and prefetch into L2.
     const auto first_pass = [&]() {
       mgx_pdl_wait();  // as in gemv_rows
-      if (gridDim.x < groups) prefetch_steps(w_lo, w_hi, warp + kPass, steps, t);  // persistent: the rest
+      if (gridDim.x < groups) prefetch_steps<kW>(w_lo, w_hi, warp + kPass, steps, t);  // persistent: the rest
       const int next = blk + gridDim.x;
-      if (next < groups) prefetch_steps(w + row_lo(next) * stride_w, w + row_hi(next) * stride_w, warp, steps, t);
+      if (next < groups) prefetch_steps<kW>(w + row_lo(next) * stride_w, w + row_hi(next) * stride_w, warp, steps, t);
     };
-    const auto compute_pass = [&](int s0, const MmaPass<kPipe, kU>& p) {
+    const auto compute_pass = [&](int s0, const Pass& p) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int s = s0 + u * kMmaWarps;
         if (s >= steps) break;
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x: d[0] row g, d[2] row g + 8
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // sum (128 + q) x (int8: (2304 + q) x): d[0] row g, d[2] row g + 8
         float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum x, in every element
-        const uint32_t wl[4] = {p.lo[u].x, p.lo[u].y, p.lo[u].z, p.lo[u].w};
-        const uint32_t wh[4] = {p.hi[u].x, p.hi[u].y, p.hi[u].z, p.hi[u].w};
+        if constexpr (kInt8) {
+          const int xw = s * 16 + t * 4;  // as below
+          // Words 2j and 2j + 1: the codes of columns 8j .. 8j + 3 and 8j + 4 .. 8j + 7 of the lane's 32.
+          const uint32_t wl[8] = {p.lo[u * kW].x, p.lo[u * kW].y, p.lo[u * kW].z, p.lo[u * kW].w,
+                                  p.lo[u * kW + 1].x, p.lo[u * kW + 1].y, p.lo[u * kW + 1].z, p.lo[u * kW + 1].w};
+          const uint32_t wh[8] = {p.hi[u * kW].x, p.hi[u * kW].y, p.hi[u * kW].z, p.hi[u * kW].w,
+                                  p.hi[u * kW + 1].x, p.hi[u * kW + 1].y, p.hi[u * kW + 1].z, p.hi[u * kW + 1].w};
+          constexpr uint32_t kLow = 0x000F000Fu, kPair = 0x43004300u, kFlip = 0x43084308u;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint4 xx = x_word<kNorm>(x, xw + j);
+            const uint32_t b[4] = {__byte_perm(xx.x, xx.z, 0x5410), __byte_perm(xx.x, xx.z, 0x7632),   // (x0,x4), (x1,x5)
+                                   __byte_perm(xx.y, xx.w, 0x5410), __byte_perm(xx.y, xx.w, 0x7632)};  // (x2,x6), (x3,x7)
+            // Bytes (c0, c1, c4, c5) and (c2, c3, c6, c7) of each row: pair p = (c_p, c_p+4) at bits 0 and 16
+            // of z >> 8 (p % 2) (low nibbles) and z >> 8 (p % 2) + 4 (high nibbles).
+            const uint32_t zl[2] = {__byte_perm(wl[2 * j], wl[2 * j + 1], 0x5410), __byte_perm(wl[2 * j], wl[2 * j + 1], 0x7632)};
+            const uint32_t zh[2] = {__byte_perm(wh[2 * j], wh[2 * j + 1], 0x5410), __byte_perm(wh[2 * j], wh[2 * j + 1], 0x7632)};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const int sh = 8 * (q & 1);
+              const uint32_t l = zl[q >> 1] >> sh, h = zh[q >> 1] >> sh;
+              mma_bf16(d, and_or(l, kLow, kPair), and_or(h, kLow, kPair), sel_xor(l >> 4, kLow, kFlip),
+                       sel_xor(h >> 4, kLow, kFlip), b[q], times16(b[q]));
+            }
+            mma_bf16(sx, ones, ones, ones, ones, b[0], b[1]);
+            mma_bf16(sx, ones, ones, ones, ones, b[2], b[3]);
+          }
+          acc_lo += fmaf(-2304.0f, sx[0], d[0]);
+          acc_hi += fmaf(-2304.0f, sx[2], d[2]);
+          continue;
+        }
+        const uint32_t wl[4] = {p.lo[u * kW].x, p.lo[u * kW].y, p.lo[u * kW].z, p.lo[u * kW].w};
+        const uint32_t wh[4] = {p.hi[u * kW].x, p.hi[u * kW].y, p.hi[u * kW].z, p.hi[u * kW].w};
         const int xw = s * 16 + t * 4;  // x[128 s + 32 t + 8 j ..] is word xw + j
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -529,7 +593,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       }
     };
     if constexpr (kPipe) {
-      MmaPass<kPipe, kU> even, odd;  // two passes' registers, by turns (no copies between them)
+      Pass even, odd;  // two passes' registers, by turns (no copies between them)
       load_pass(warp, even);
       first_pass();
       for (int s0 = warp; s0 < steps; s0 += 2 * kPass) {
@@ -541,7 +605,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       }
     } else {
       for (int s0 = warp; s0 < steps; s0 += kPass) {
-        MmaPass<kPipe, kU> cur;
+        Pass cur;
         load_pass(s0, cur);
         if (s0 == warp) first_pass();
         compute_pass(s0, cur);
@@ -562,7 +626,7 @@ __device__ void gemv_int4_mma(__nv_bfloat16* __restrict__ out, const uint4* __re
       }
       int row[16];  // the same rows as lo and hi above, for the bias
       block_rows<16>(row, n, silu_f, blk);
-      store<16>(out, total, row, n0, n_out, nullptr, bias, kSilu);
+      store<16>(out, total, row, n0, n_out, kInt8 ? scales : nullptr, bias, kSilu);
     }
     __syncthreads();  // part[] serves the next group
   }
@@ -601,9 +665,9 @@ __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x,
                                              long long stride_w, long long stride_s, int group_shift, int silu_f,
                                              const NormIn* norm) {
   if (silu_f > 0) {
-    gemv_int4_mma<true, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_mma<false, true, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   } else {
-    gemv_int4_mma<false, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_mma<false, false, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   }
 }
 
@@ -614,6 +678,25 @@ __device__ __forceinline__ void gemv_int4_tc_pipe(__nv_bfloat16* out, const uint
                                                   long long stride_s, int group_shift, int silu_f,
                                                   const NormIn* norm) {
   gemv_int4_tc<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+}
+
+template <bool kNorm, bool kPipe = false>
+__device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
+                                              const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
+                                              const NormIn* norm) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
+  if (silu_f > 0) {
+    gemv_mma<true, true, kNorm, kPipe>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+  } else {
+    gemv_mma<true, false, kNorm, kPipe>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+  }
+}
+
+template <bool kNorm>
+__device__ __forceinline__ void gemv_w8a16_tc_pipe(__nv_bfloat16* out, const uint4* x, const int8_t* w,
+                                                   const float* scales, const __nv_bfloat16* bias, int n, int k,
+                                                   long long stride_w, int silu_f, const NormIn* norm) {
+  gemv_w8a16_tc<kNorm, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
 }
 
 }  // namespace mgx_gemv
@@ -664,3 +747,15 @@ MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+
+// The tensor-core W8A16 GEMV (kinds mma, mma_persistent) and its pipelined twin (mma_pipelined): K %
+// 128 == 0, 16-byte aligned rows; grid and blocks as the int4 ones.
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc,
+                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                  int silu_f),
+                 (w, scales, bias, n, k, stride_w, silu_f))
+
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc_pipe,
+                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                  int silu_f),
+                 (w, scales, bias, n, k, stride_w, silu_f))

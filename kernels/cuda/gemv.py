@@ -2,10 +2,10 @@
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
 Four kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
-cores (int4 with groups of a multiple of 128, sm_80 and newer), ``mma_persistent``, the same
+cores (int4 with groups of a multiple of 128, and W8A16; K a multiple of 128, sm_80 and newer), ``mma_persistent``, the same
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
 weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
-issue the loads of their next steps (codes, scales and zeros) before they compute the current ones.
+issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones.
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -42,6 +42,8 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "none"): f"mgx_gemv_bf16_bf16_v{KERNEL_ABI}",
     ("mma", "int4"): f"mgx_gemv_int4_mma_bf16_v{KERNEL_ABI}",
     ("mma_pipe", "int4"): f"mgx_gemv_int4_mma_pipe_bf16_v{KERNEL_ABI}",
+    ("mma", "w8a16"): f"mgx_gemv_w8a16_mma_bf16_v{KERNEL_ABI}",
+    ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -50,10 +52,12 @@ LABELS = {  # how the engine's kernel note names them
     ("gemv", "none"): "bf16 GEMV",
     ("mma", "int4"): "int4 tensor-core GEMV",
     ("mma_pipe", "int4"): "pipelined int4 tensor-core GEMV",
+    ("mma", "w8a16"): "w8a16 tensor-core GEMV",
+    ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
-MMA_COLUMNS = 128  # columns per MMA step: K and the int4 group must be multiples of it
+MMA_COLUMNS = 128  # columns per MMA step: K and the int4 group (W8A16: none, 0) must be multiples of it
 _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 columns
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
 UNROLL = 4  # kUnroll in gemv.cu
@@ -119,8 +123,8 @@ def gemv_applies(
     norm: NormPrologue | None = None,
 ) -> bool:
     """Whether ``gemv`` of ``kind`` runs x @ W^T here: loaded kernels holding its entry for the scheme,
-    one bf16 row on their device, int4 (groups of 8 or more; ``mma``: of a multiple of 128 and K too),
-    w8a16 or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
+    one bf16 row on their device, int4 (groups of 8 or more; the ``mma`` kinds: of a multiple of 128
+    and K too), w8a16 (the ``mma`` kinds: K a multiple of 128) or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
     loads need; with ``norm``, its entry point too and operands it can read."""
     base = _ENTRY_KIND.get(kind)
     entry = (NORM_ENTRIES if norm is not None else ENTRIES).get((base, w.scheme))

@@ -57,6 +57,8 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("int4", {"group_size": 128, "symmetric": False}, "mma"),
     ("int4", {"group_size": 128, "symmetric": True}, "mma_pipelined"),
     ("int4", {"group_size": 128, "symmetric": False}, "mma_pipelined"),
+    ("w8a16", {}, "mma"),
+    ("w8a16", {}, "mma_pipelined"),
 ]
 
 
@@ -65,7 +67,7 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
 @pytest.mark.parametrize("silu", [False, True])
 def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, kind: str, n: int, k: int, silu: bool) -> None:
     """The native GEMVs (one bf16 row; int4, W8A16 or dense bf16 weights on the CUDA cores, int4 with
-    groups of 128 on the tensor cores) against the fp32 reference: within one bf16
+    groups of 128 and W8A16 on the tensor cores) against the fp32 reference: within one bf16
     rounding of the output (relative error < 4e-3 over the row), with and without bias, and fused
     with the SiLU-gated product (2049 outputs for 4098 rows). Rows past the last block's end and K not
     a multiple of the threads' stride are covered by 4098 x 2176 and 6 x 256."""
@@ -118,17 +120,19 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
 @pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (8192, 8192), (4096, 2176)])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("kind", ["mma_persistent", "mma_pipelined"])
-def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: bool, kind: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("scheme", ["int4", "w8a16"])
+def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: bool, kind: str, scheme: str) -> None:  # noqa: ANN001
     """Kind ``mma_persistent`` (the tensor-core GEMV on two blocks per SM, each taking every grid-th
     group of outputs and prefetching ahead) and kind ``mma_pipelined`` (its own entry, loading a
     warp's next steps while it computes the current ones) give the one-block-per-group ``mma``
-    launch's output to the bit (the same sums in the same order), eagerly and replayed from a CUDA
-    graph. K = 2176 is 17 steps: the warps' last passes are partial. n / 16 groups: on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
+    launch's output to the bit, int4 and W8A16 (the same sums in the same order), eagerly and
+    replayed from a CUDA graph. K = 2176 is 17 steps: the warps' last passes are partial. n / 16 groups: on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
     not; K = 8192 takes each warp through its steps twice (the second from L2 prefetches)."""
     from mgx.kernels.cuda import gemv as cg
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + 7)
-    w = make_weight("int4", n, k, device="cuda", generator=gen, group_size=128, symmetric=False)
+    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind="mma")
     assert cg.gemv_applies(native, x, w, kind=kind)
@@ -224,6 +228,12 @@ def test_native_gemv_replays_in_a_cuda_graph_and_declines_what_it_cannot_take(na
     assert not cg.gemv_applies(native, x, make_weight("none", 512, 1024, device="cuda", dtype=torch.float32))
     assert not cg.gemv_applies(native, x[:, 4:1020], make_weight("int4", 512, 1016, device="cuda", group_size=8))
     assert not cg.gemv_applies(None, x, w)
+    # W8A16 on the tensor cores takes whole 128-column steps only; the CUDA-core GEMV any K % 8 == 0.
+    x2 = torch.randn(1, 1032, device="cuda").to(torch.bfloat16)
+    odd = make_weight("w8a16", 512, 1032, device="cuda")
+    assert cg.gemv_applies(native, x2, odd) and not cg.gemv_applies(native, x2, odd, kind="mma")
+    assert not cg.gemv_applies(native, x2, odd, kind="mma_pipelined")
+    assert cg.gemv_applies(native, x, make_weight("w8a16", 512, 1024, device="cuda"), kind="mma_pipelined")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -3,6 +3,10 @@ runs in tests/gpu/test_gpu_kernels.py against the reference)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -36,12 +40,9 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(FakeKernels(cg.ENTRIES["gemv", "w8a16"]), x, w)  # an artifact without the int4 entry
     assert not cg.gemv_applies(every, x, w)  # a CPU tensor
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
-    assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma")  # int4 only
-    assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma_persistent")
-    assert not cg.gemv_applies(every, x, make_weight("w8a16", 64, 256), kind="mma_pipelined")
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
-                               ("mma_pipe", "int4")}  # fmt: skip
+                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -73,3 +74,65 @@ def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     ``mma_pipelined`` has an entry (and twin) of its own."""
     assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined")
     assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+
+
+def _constant(source: str, pattern: str) -> int:
+    found = re.findall(pattern, source)
+    assert len(found) == 1, (pattern, found)
+    return int(found[0], 16)
+
+
+def _lop3(lut: int, a: np.ndarray, b: int, c: int) -> np.ndarray:
+    """PTX lop3.b32 with truth table ``lut`` (a = 0xF0, b = 0xCC, c = 0xAA), bit by bit."""
+    out = np.zeros_like(a)
+    for bit in range(32):
+        i = ((a >> bit) & 1) << 2 | ((b >> bit) & 1) << 1 | ((c >> bit) & 1)
+        out |= ((lut >> i) & 1) << bit
+    return out
+
+
+def _byte_perm(x: np.ndarray, y: np.ndarray, selector: int) -> np.ndarray:
+    """CUDA __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of y:x."""
+    pool = (y.astype(np.uint64) << 32) | x.astype(np.uint64)
+    out = np.zeros_like(x)
+    for i in range(4):
+        pick = (selector >> (4 * i)) & 7
+        out |= ((pool >> np.uint64(8 * pick)) & np.uint64(0xFF)).astype(np.uint32) << np.uint32(8 * i)
+    return out
+
+
+def _bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+
+def test_w8a16_tensor_core_decoding_gives_2304_plus_each_code() -> None:
+    """The W8A16 tensor-core GEMV's decoding, with the constants and LOP3 truth tables read from
+    gemv.cu and its byte permutes and LOP3s emulated bit by bit here (the kernel itself runs on a GPU
+    in tests/gpu): for every pair of words of codes (columns c0..c3, c4..c7), pair p's low-nibble
+    A operand times x plus its high-nibble operand times 16 x is (2304 + q) x for both columns of the
+    pair, for all 256 codes, so the row's total D - 2304 sum x is sum q x."""
+    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
+    and_or_lut = _constant(source, r'lop3\.b32 %0, %1, %2, %3, (0x[0-9A-Fa-f]+);" : "=r"\(r\) : "r"\(a\), "r"\(b\)')
+    sel_xor_lut = _constant(source, r'lop3\.b32 %0, %1, %2, %3, (0x[0-9A-Fa-f]+);" : "=r"\(r\) : "r"\(a\), "r"\(m\)')
+    low = _constant(source, r"kLow = (0x[0-9A-Fa-f]+)u")
+    pair = _constant(source, r"kPair = (0x[0-9A-Fa-f]+)u")
+    flip = _constant(source, r"kFlip = (0x[0-9A-Fa-f]+)u")
+    sel = re.findall(r"__byte_perm\(wl\[2 \* j\], wl\[2 \* j \+ 1\], (0x[0-9A-Fa-f]+)\)", source)
+    assert len(sel) == 2
+    codes = np.arange(-128, 128, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    for _ in range(64):  # words of 4 codes each: columns 0..3 and 4..7
+        q = rng.permutation(np.tile(codes, 2))[:8 * 64].reshape(-1, 8)
+        b = (q & 0xFF).astype(np.uint32)
+        w0 = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+        w1 = b[:, 4] | b[:, 5] << 8 | b[:, 6] << 16 | b[:, 7] << 24
+        z = [_byte_perm(w0, w1, int(s, 16)) for s in sel]
+        for p in range(4):  # pair p: columns p and p + 4, as the kernel's loop over q
+            v = z[p >> 1] >> np.uint32(8 * (p & 1))
+            lo = _lop3(and_or_lut, v, low, pair)
+            hi = _lop3(sel_xor_lut, v >> np.uint32(4), low, flip)
+            for half, column in ((0, p), (16, p + 4)):
+                a_lo = _bf16((lo >> np.uint32(half)) & np.uint32(0xFFFF))
+                a_hi = _bf16((hi >> np.uint32(half)) & np.uint32(0xFFFF))
+                np.testing.assert_array_equal(a_lo + 16 * a_hi, 2304 + q[:, column])
+    assert "2304.0f" in source

@@ -44,10 +44,11 @@ def test_refuses_to_count_interpreted_kernels() -> None:
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
 def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> None:
-    """``--native``: the tensor-core GEMV entries built for sm_90a, their registers and loops. Both
-    kinds keep everything in registers (no stack), the pipelined one within 128 registers a thread
-    (two blocks of 256 threads an SM, which its design counts on), and each has a main loop of 64
-    MMAs (4 steps of 16) with its weight loads inside."""
+    """``--native``: the tensor-core GEMV entries built for sm_90a, their registers and loops. Every
+    entry keeps everything in registers (no stack), the pipelined ones within 128 registers a thread
+    (two blocks of 256 threads an SM, which their design counts on), and each has a main loop with
+    its weight loads inside: int4 64 MMAs (4 steps of 16), W8A16 48 (2 steps of 24: four MMAs for
+    each 8 columns' codes and two for the sum of x)."""
     done = _run("--native", "sm_90a", "--match", "mma")
     assert done.returncode == 0, done.stderr[-2000:]
     found = {}
@@ -56,12 +57,13 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
         assert m, line
         found[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(4))
     assert {re.sub(r"_v\d+$", "", name) for name in found} == {
-        "mgx_gemv_int4_mma_bf16", "mgx_gemv_int4_mma_bf16_norm", "mgx_gemv_int4_mma_pipe_bf16",
-        "mgx_gemv_int4_mma_pipe_bf16_norm"}  # fmt: skip
+        f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16") for kind in ("mma", "mma_pipe")
+        for norm in ("", "_norm")}  # fmt: skip
     for name, (regs, stack, loops) in found.items():
         assert stack == 0, name
         assert regs <= (128 if "_pipe_" in name else 255), name
-        assert re.search(r"\d+ \(HMMA 64, LDG \d+\)", loops), name
+        mmas = 64 if "_int4_" in name else 48
+        assert re.search(rf"\d+ \(HMMA {mmas}, LDG \d+\)", loops), name
 
 
 def test_native_mode_names_a_missing_entry() -> None:
