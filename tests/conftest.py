@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Built native kernels are kept in the temp directory, not the user's cache (shared by the workers
+# of one run and by later runs: the cache's keys are what decides the bytes).
+os.environ.setdefault("MGX_CUDA_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "mgx-test-cuda-kernels"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Without a GPU, Triton kernels run in Triton's interpreter; this must be set before anything

@@ -3,10 +3,20 @@
 The compiler calls ``build_cuda_kernels(arch)`` when the artifact is built for target ``cuda`` and
 stores the bytes with ``arch`` beside them; the runtime hands both to ``load_cuda_kernels``. Only
 the standard library is used here: the build host needs nvcc, not torch.
+
+A build takes nvcc tens of seconds, and one compile asks for the same image several times (the
+``cuda_kernels`` pass, then ``autotune`` to time the native GEMVs), as does every scheme a benchmark
+builds. So images are kept, in the process and on disk (``MGX_CUDA_KERNEL_CACHE``: a directory, or
+``off``; default ``$XDG_CACHE_HOME/mgx/cuda-kernels``, else ``~/.cache/mgx/cuda-kernels``), under a
+key of everything that decides the bytes: nvcc's ``--version``, the command's flags and the name
+and bytes of every source and header here. An entry that is not a cubin is rebuilt; a cache that
+cannot be written is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -14,10 +24,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["CudaBuildError", "SOURCES", "build_cuda_kernels", "find_nvcc", "gencode"]
+__all__ = ["CudaBuildError", "SOURCES", "build_cuda_kernels", "cache_dir", "find_nvcc", "gencode"]
 
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted(p.name for p in HERE.glob("*.cu"))  # every .cu here goes into the one cubin
+_MEMO: dict[str, bytes] = {}  # cache key -> image, for this process
+_VERSIONS: dict[str, str] = {}  # nvcc path -> its --version text
 
 
 class CudaBuildError(RuntimeError):
@@ -48,16 +60,88 @@ def gencode(arch: str) -> str:
 
 
 def build_cuda_kernels(arch: str = "sm_90a", *, nvcc: str | None = None, extra_flags: tuple[str, ...] = ()) -> bytes:
-    """Compile every kernel in ``kernels/cuda/*.cu`` into one cubin for ``arch``; returns its bytes."""
+    """Compile every kernel in ``kernels/cuda/*.cu`` into one cubin for ``arch``; returns its bytes
+    (a kept image when nothing that decides them has changed: see the module docstring)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise CudaBuildError("nvcc not found (set NVCC or CUDA_HOME, or put it on PATH)")
+    flags = [gencode(arch), "-O3", "-std=c++17", "-lineinfo", *extra_flags]
+    key = _cache_key(nvcc, flags)
+    image = _MEMO.get(key) or _read_kept(key)
+    if image is None:
+        image = _run_nvcc(nvcc, flags)
+        _keep(key, image)
+    _MEMO[key] = image
+    return image
+
+
+def _run_nvcc(nvcc: str, flags: list[str]) -> bytes:
     with tempfile.TemporaryDirectory(prefix="mgx-cuda-") as tmp:
         unit = Path(tmp) / "mgx_kernels.cu"
         unit.write_text("".join(f'#include "{HERE / name}"\n' for name in SOURCES))
         cubin = Path(tmp) / "mgx_kernels.cubin"
-        cmd = [nvcc, "-cubin", gencode(arch), "-O3", "-std=c++17", "-lineinfo", *extra_flags, "-o", str(cubin), str(unit)]
+        cmd = [nvcc, "-cubin", *flags, "-o", str(cubin), str(unit)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise CudaBuildError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
         return cubin.read_bytes()
+
+
+def _nvcc_version(nvcc: str) -> str:
+    if nvcc not in _VERSIONS:
+        try:
+            proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise CudaBuildError(f"nvcc at {nvcc} did not run: {e}") from None
+        if proc.returncode != 0:
+            raise CudaBuildError(f"{nvcc} --version failed: {proc.stderr.strip()}")
+        _VERSIONS[nvcc] = proc.stdout
+    return _VERSIONS[nvcc]
+
+
+def _cache_key(nvcc: str, flags: list[str]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for part in (_nvcc_version(nvcc), *flags):
+        h.update(part.encode() + b"\0")
+    for path in sorted(p for p in HERE.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_dir() -> Path | None:
+    """Where built images are kept on disk (``MGX_CUDA_KERNEL_CACHE``), or None when that is off."""
+    env = os.environ.get("MGX_CUDA_KERNEL_CACHE")
+    if env is not None and env.strip().lower() in ("", "0", "off", "none"):
+        return None
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mgx" / "cuda-kernels"
+
+
+def _read_kept(key: str) -> bytes | None:
+    where = cache_dir()
+    if where is None:
+        return None
+    try:
+        image = (where / f"{key}.cubin").read_bytes()
+    except OSError:
+        return None
+    return image if image.startswith(b"\x7fELF") else None  # a torn or foreign file: build again
+
+
+def _keep(key: str, image: bytes) -> None:
+    where = cache_dir()
+    if where is None:
+        return
+    tmp = None
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=where, prefix=f".{key}.", delete=False) as f:
+            tmp = f.name
+            f.write(image)
+        os.replace(tmp, where / f"{key}.cubin")  # whole or not at all, also with builds racing
+    except OSError:  # a read-only or full disk: the image is still used, just not kept
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
