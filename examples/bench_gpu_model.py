@@ -174,7 +174,7 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
             TIMES[f"autotune_{scheme}_shapes"] = result.stats["timings"]
             for shape, t in result.stats["timings"].items():
                 log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
-                    f"best Triton {t['triton_us']:.1f} us)")
+                    f"best Triton {t['triton_us']:.1f} us, {t['triton_config']})")
     fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
     variants = [(scheme, tunings)]
     if untuned_twin and tunings:

@@ -12,7 +12,7 @@ configuration stays in the entry as the fallback for a runtime without the nativ
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
-launch, weight GB/s, the best Triton configuration's us}), for build logs and benchmarks: a slow
+launch, weight GB/s, the best Triton configuration's us and blocks}), for build logs and benchmarks: a slow
 build GPU or a shape that lost shows there before any model runs.
 """
 
@@ -153,10 +153,13 @@ def _weight_copies(w: Any, upload: Callable[[], Any], device: Any) -> list[Any] 
 
 def _timing(best: tuple[float, Any], triton_s: float, w: Any) -> dict[str, Any]:
     """What the build log says of one tuned shape: the winner (a native kind or "triton"), its time
-    per launch and the weight bytes it read per second, and the best Triton configuration's time."""
+    per launch and the weight bytes it read per second, and the best Triton configuration's time and
+    blocks (M x N x K, warps, stages, split K)."""
     seconds, config = best
+    triton = (f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} "
+              f"k{config.split_k}" + (" swap" if config.swap else ""))  # the Triton configuration (the fallback)
     return {"chosen": config.native or "triton", "us": seconds * 1e6, "triton_us": triton_s * 1e6,
-            "weight_gb_s": w.nbytes / seconds / 1e9 if seconds > 0 else 0.0}
+            "weight_gb_s": w.nbytes / seconds / 1e9 if seconds > 0 else 0.0, "triton_config": triton}
 
 
 def copies_for(nbytes: int, l2_bytes: int) -> int:

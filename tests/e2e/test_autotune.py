@@ -93,6 +93,8 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         assert t["chosen"] == "triton"
         assert t["us"] == t["triton_us"] == pytest.approx(fake_seconds(LinearConfig(**e.config)) * 1e6)
         assert t["weight_gb_s"] > 0
+        c = LinearConfig(**e.config)
+        assert t["triton_config"].startswith(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} ")
 
     contents.autotune = result.stats["autotune"]
     path = tmp_path / "tuned.mgx"
