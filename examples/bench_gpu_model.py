@@ -157,11 +157,13 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
 
     t0 = time.perf_counter()
     records, tunings, images = [], {}, {}
-    steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[scheme], ("reorder_weights", {})]
+    # "<scheme>-fused": the same passes, autotune timing the norm across projections as they run (fused: true).
+    base, fused = scheme.removesuffix("-fused"), scheme.endswith("-fused")
+    steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[base], ("reorder_weights", {})]
     if DEVICE == "cuda" and find_nvcc() is not None:
         steps.append(("cuda_kernels", {}))  # the native RMSNorm and GEMVs, as `mgxc compile` builds them
     if autotune_rows:
-        steps.append(("autotune", {"rows": autotune_rows}))
+        steps.append(("autotune", {"rows": autotune_rows, **({"fused": True} if fused else {})}))
     for name, opts in steps:
         t1 = time.perf_counter()
         result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))
@@ -175,7 +177,7 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
             for shape, t in result.stats["timings"].items():
                 log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
                     f"best Triton {t['triton_us']:.1f} us, {t['triton_config']})")
-    fp = Fingerprint("random", "wordlevel", "bf16", scheme, "cuda")
+    fp = Fingerprint("random", "wordlevel", "bf16", base, "cuda")
     variants = [(scheme, tunings)]
     if untuned_twin and tunings:
         variants.append((f"{scheme}-untuned", {}))
@@ -545,7 +547,8 @@ def bench_hf(model, args, bw: float, n_params: int, mode: str) -> None:  # noqa:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
-    parser.add_argument("--schemes", default="bf16,w8a16,int4")
+    parser.add_argument("--schemes", default="bf16,w8a16,int4",
+                        help="of bf16, w8a16, int4; '<scheme>-fused': autotune with fused: true (an A/B)")
     parser.add_argument("--hf", default="eager,compile", help="transformers modes to compare ('' for none)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=256)

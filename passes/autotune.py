@@ -12,7 +12,8 @@ configuration stays in the entry as the fallback for a runtime without the nativ
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
-launch, weight GB/s, the best Triton configuration's us and blocks}), for build logs and benchmarks: a slow
+launch, weight GB/s, the best Triton configuration's us and blocks, and with ``fused`` how it was
+timed: "add", "norm" or ""}), for build logs and benchmarks: a slow
 build GPU or a shape that lost shows there before any model runs.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 from mgx.formats import ir
 
 from ._base import PassContext, PassError, PassResult
-from ._common import options_dict, parse_options
+from ._common import options_dict, parse_options, to_f32
 
 __all__ = ["AutotuneOptions", "run"]
 
@@ -42,6 +43,9 @@ class AutotuneOptions:
     dtype: str = "bf16"  # compute dtype the runtime will use: bf16, f16 or f32
     repeats: int = 20  # timed launches per candidate (median; L2 flushed between launches)
     native: bool = True  # also time the native CUDA GEMV at one row (needs nvcc on the build host)
+    # Time dense one-row projections as the CUDA backend's norm across runs them (``_fused_roles``):
+    # an A/B switch, off until a GPU run shows it choosing better configurations.
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -162,6 +166,89 @@ def _timing(best: tuple[float, Any], triton_s: float, w: Any) -> dict[str, Any]:
             "weight_gb_s": w.nbytes / seconds / 1e9 if seconds > 0 else 0.0, "triton_config": triton}
 
 
+def _fused_roles(graph: ir.Graph) -> dict[tuple[str, int, int], tuple[str, ir.Op, ir.Op]]:
+    """For ``fused``: the dense projections that the CUDA backend runs fused at one row under norm
+    across (its ``_find_fusions``: a linear read only by the next op, an add whose output the op
+    after it RMS-normalizes, and that norm read only by the linear after it). By (kernel, N, K): the
+    producer ("add", its norm, itself), timed with the residual add and the squares in its epilogue,
+    and the reader ("norm", its norm, its producer), timed with the norm in its loads. Shapes met in both roles, or where
+    no chain holds (the first layer's QKV after the embedding's norm), keep the role most of their
+    ops have."""
+    ops = graph.ops
+    users: dict[str, list[ir.Op | None]] = {}
+    for op in ops:
+        for name in op.inputs:
+            users.setdefault(name, []).append(op)
+    for name in graph.outputs:
+        users.setdefault(name, []).append(None)  # read by the caller
+    role_of: dict[int, tuple[str, ir.Op, ir.Op]] = {}  # id(linear) -> its role, its chain's norm and producer
+    for i, op in enumerate(ops[:-3]):
+        if op.kind == "linear" and users.get(op.outputs[0]) == [ops[i + 1]] and _add_norm_linear(graph, ops[i + 1 : i + 4], users):
+            role_of[id(op)] = ("add", ops[i + 2], op)
+            role_of[id(ops[i + 3])] = ("norm", ops[i + 2], op)
+    votes: dict[tuple[str, int, int], Counter] = {}
+    found: dict[tuple[tuple[str, int, int], str], tuple[str, ir.Op, ir.Op]] = {}
+    for op in ops:
+        if op.kind != "linear":
+            continue
+        key = (_kernel_of(graph, op), *graph.tensor(op.weights["weight"]).shape)
+        role = role_of.get(id(op))
+        votes.setdefault(key, Counter())[role[0] if role else ""] += 1
+        if role:
+            found[key, role[0]] = role
+    roles = {}
+    for key, counted in votes.items():
+        role = max(counted, key=lambda r: (counted[r], r != ""))  # a tie goes to the chain's role
+        if role:
+            roles[key] = found[key, role]
+    return roles
+
+
+def _add_norm_linear(graph: ir.Graph, three: list[ir.Op], users: dict[str, list[ir.Op | None]]) -> bool:
+    """An add, the whole-row RMSNorm of its output, and a linear reading only that norm (the norm
+    across chain's tail)."""
+    add, norm, reader = three
+    return (add.kind == "add" and norm.kind == "rms_norm" and norm.inputs == add.outputs and reader.kind == "linear"
+            and reader.inputs == norm.outputs and users.get(norm.outputs[0]) == [reader]
+            and int(norm.attrs["group"]) == graph.tensor(reader.weights["weight"]).shape[1])  # fmt: skip
+
+
+def _fused_launch(fused: tuple[str, ir.Op, ir.Op], launch: Callable[..., Any], x: Any, w: Any, graph: ir.Graph,
+                  entries: dict[Any, Any], device: Any, dtype: Any) -> Callable[[Any], Callable[..., Any]]:
+    """For ``fused``: config -> the timed call of one candidate as norm across runs it (``_fused_roles``).
+    A producer adds a residual and leaves its rows' squares (``linear_add_squares``); a reader applies
+    the norm in its loads (``NormIn``: the norm's weight and eps, squares in as many partial sums as
+    the producer's stored configuration leaves, 16-column tiles if it has none yet), or, for a
+    configuration that is not the one-row GEMV (which cannot take the norm), runs as it is."""
+    import torch
+
+    from mgx.kernels.triton.linear import NormIn, RowSquares, linear_add_squares, runs_gemv
+
+    role, norm, producer = fused
+    if role == "add":
+        residual = torch.randn(1, w.n, dtype=dtype, device=device)
+        return lambda config: lambda c=config, x=x, w=w, r=residual: linear_add_squares(x, w, None, r, config=c)
+    n, k = graph.tensor(producer.weights["weight"]).shape
+    block_n = 16
+    for e in entries.values():  # the producer's one-row entry, when it is tuned already (it comes first)
+        fields = dict(part.split("=", 1) for part in e.shape_key.split(","))
+        if e.kernel == "linear" and (fields.get("scheme"), fields.get("N"), fields.get("K"), fields.get("M")) == (
+                "none", str(n), str(k), "1"):  # fmt: skip
+            block_n = int(e.config["block_n"])
+    t = graph.tensors.get(norm.weights.get("weight", ""))
+    weight = None if t is None else torch.as_tensor(to_f32(t), device=device).to(dtype)
+    tiles = -(-w.k // block_n)
+    squares = RowSquares(torch.rand(1, tiles, device=device, dtype=torch.float32) * (w.k / tiles), tiles)
+    how = NormIn(squares, weight, float(norm.attrs["eps"]))
+
+    def timed(config: Any) -> Callable[..., Any]:
+        if not runs_gemv(1, w, config, dtype):
+            return lambda c=config, f=launch, x=x, w=w: f(x, w, config=c)
+        return lambda c=config, f=launch, x=x, w=w, n=how: f(x, w, config=c, norm=n)
+
+    return timed
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """How many copies of an ``nbytes`` weight span 4x an L2 of ``l2_bytes``: 2 to 16."""
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
@@ -195,6 +282,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     kernels = _native_kernels() if opts.native else None
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
+    roles = _fused_roles(graph) if opts.fused else {}
     entries: dict[str, AutotuneEntry] = {}
     measured: dict[str, dict[str, Any]] = {}  # the winners' times, for the build log (stats["timings"])
     timed = 0
@@ -220,9 +308,14 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 copies = _weight_copies(w, lambda t=t, aux=aux: gpu_weight(t, gpu_arrays(t, aux, device), dtype), device)
             ws = copies if m <= GRAPH_MAX_M else None
             best = None
+            fused = roles.get((kernel, w.n, w.k)) if m == 1 and w.scheme == "none" else None
+            as_run = _fused_launch(fused, launch[kernel], x, w, graph, entries, device, dtype) if fused else None
             for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
                 try:
-                    seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
+                    if as_run is not None:
+                        seconds = _time(as_run(config), opts.repeats, ws)
+                    else:
+                        seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
                 except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
                     failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
                     continue
@@ -230,7 +323,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 if best is None or seconds < best[0]:
                     best = (seconds, config)
             triton_s = best[0] if best is not None else None
-            one_row = best is not None and m == 1 and kernel != "lm_head_argmax"
+            # A fused shape stays on Triton: a native kind there would turn norm across off for its chain.
+            one_row = best is not None and m == 1 and kernel != "lm_head_argmax" and fused is None
             kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k)]
             silu = kernel == "linear_silu_mul"
             # A candidate must first give the Triton kernel's result (within one rounding of the output
@@ -249,7 +343,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     best = (seconds, native)
             if best is not None:
                 entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
-                measured[f"{kernel} {key[1]}"] = _timing(best, triton_s, w)
+                measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": fused[0] if fused else ""}
         copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]

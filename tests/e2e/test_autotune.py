@@ -315,3 +315,64 @@ def test_autotune_says_how_many_candidates_could_not_run_and_why(no_gpu_needed, 
     result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "native": False}, PassContext(target="cuda"))
     assert "configurations could not run (" in result.summary
     assert "x RuntimeError: out of shared memory)" in result.summary and "more detail" not in result.summary
+
+
+@pytest.mark.interpreted
+def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them(monkeypatch) -> None:  # noqa: ANN001
+    """``fused: true`` (an A/B switch, off by default): the dense one-row projections of norm across
+    chains are timed as the CUDA backend runs them. o_proj and down (each read only by an add whose
+    RMSNorm one linear reads) through ``linear_add_squares`` with a residual; QKV and gate/up through
+    the GEMV with the norm in its loads (``NormIn``: the norm's weight and eps, one partial square a
+    producer tile). Each such candidate call runs here once under the interpreter; the timings say
+    which role each shape was timed in, and those shapes get no native kind."""
+    import torch
+
+    from mgx.kernels.triton.linear import NormIn
+
+    monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: object())  # natives offered everywhere...
+    from mgx.kernels.cuda import gemv as cg
+
+    monkeypatch.setattr(cg, "gemv_applies", lambda *a, **k: True)
+    monkeypatch.setattr(cg, "gemv", reference_gemv())
+    seen: dict[int, list[tuple]] = {}  # id(the NormIn) or 0 -> the defaults of each timed call
+    ran_add: list = []  # what the first producer call returned: (sum, its squares)
+
+    def timer(fn, repeats, weights=None):  # noqa: ANN001, ANN202
+        config = fn.__defaults__[0]
+        if config.native:
+            return 1e9  # ...and never faster, so the Triton entries are what is checked below
+        last = fn.__defaults__[-1]
+        calls = seen.setdefault(id(last) if isinstance(last, NormIn) else 0, [])
+        calls.append(fn.__defaults__)
+        residual = len(fn.__defaults__) == 4 and isinstance(fn.__defaults__[3], torch.Tensor)
+        if len(calls) == 1 or (residual and not ran_add):
+            out = fn()  # the call as timed must run
+            if residual:
+                ran_add.append(out)
+        return fake_seconds(config)
+
+    monkeypatch.setattr(autotune_pass, "_time", timer)
+    contents = tiny_contents(num_layers=3)
+    graph = contents.graph
+    for name in ("fuse_qkv", "fuse_gate_up"):
+        PASSES[name](graph, {}, PassContext(target="cuda"))
+    roles = autotune_pass._fused_roles(graph)
+    hidden = graph.arch.hidden_size
+    by_kernel = {(k, n): role for (k, n, _), (role, _, _) in roles.items()}
+    qkv = graph.tensor(next(op for op in graph.ops if op.kind == "linear").weights["weight"]).shape[0]
+    assert by_kernel == {("linear", qkv): "norm", ("linear", hidden): "add",
+                         ("linear_silu_mul", 2 * graph.arch.intermediate_size): "norm"}  # fmt: skip
+    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "fused": True}, PassContext(target="cuda"))
+    timings = result.stats["timings"]
+    fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in timings.items()}
+    assert fused == {"linear": "norm", "linear/o": "add", "linear_silu_mul": "norm", "lm_head_argmax": ""}
+    assert all(t["chosen"] == "triton" for t in timings.values())
+    norm_calls = [d for k, calls in seen.items() if k for d in calls]
+    assert norm_calls and {type(d[-1]) for d in norm_calls} == {NormIn}  # QKV and gate/up with the norm in loads
+    adds = [d for d in seen[0] if len(d) == 4 and isinstance(d[3], torch.Tensor) and d[3].shape == (1, hidden)]
+    assert adds  # o_proj and down with a residual
+    total, squares = ran_add[0]
+    assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
+    plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
+    assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
