@@ -47,13 +47,16 @@ _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _OPCODE = re.compile(r"\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int, norm: bool, arch: int) -> str:
-    """SASS of ``_linear_kernel`` as the one-row GEMV of ``scheme`` with that configuration."""
+def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int, norm: bool, arch: int,
+                 **overrides: object) -> str:
+    """SASS of ``_linear_kernel`` as the one-row GEMV of ``scheme`` with that configuration
+    (``overrides``: other constexpr values, e.g. OVERLAP=True)."""
     names = linear._linear_kernel.arg_names
     const = dict(SCHEME=linear.SCHEME_IDS[scheme], GROUP=128 if scheme == "int4" else 1, SYMMETRIC=False,
                  META_PACKED=False, HAS_BIAS=False, SILU_MUL=False, USE_DOT=False, DOT_PREC="ieee", BLOCK_M=1,
                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True, SPLIT_K=split, SWAP=False, FAST_CVT=True,
-                 OVERLAP=False, RES_SQ=False, NORM_IN=norm, NORM_W=norm, BLOCK_SQ=256)  # fmt: skip
+                 OVERLAP=False, RES_SQ=False, NORM_IN=norm, NORM_W=norm, BLOCK_SQ=256, PF_LINES=0, PF_STEP=1)  # fmt: skip
+    const.update(overrides)
     sig = {}
     for name in names:
         if name in const:

@@ -211,6 +211,46 @@ def test_overlapped_launches_give_the_same_results(native, graphed: bool) -> Non
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_triton_gemvs_prefetching_their_weights_give_the_same_results(graphed: bool) -> None:
+    """A chain of one-row Triton linears (dense QKV, W8A16 gate/up with the SiLU product, INT4 down
+    with split K) launched overlapped with the weight prefetch (``overlapped_launches(True, 16384)``)
+    gives the bits of ordinary launches, eagerly and replayed from a CUDA graph."""
+    from mgx.kernels.triton._common import overlapped_launches
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("overlapped launches need sm_90")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    h, f = 4096, 14336
+    qkv = make_weight("none", 6144, h, device="cuda", generator=gen)
+    gate_up = make_weight("w8a16", 2 * f, h, device="cuda", generator=gen)
+    down = make_weight("int4", h, f, device="cuda", generator=gen, group_size=128)
+    x = torch.randn(1, h, device="cuda", generator=gen).to(torch.bfloat16)
+    split = lin.LinearConfig(block_m=1, block_n=32, block_k=512, num_warps=4, num_stages=2, split_k=4)
+    ws = lin.new_split_workspace(torch.device("cuda"), h, 1024)
+
+    def chain() -> list[torch.Tensor]:
+        a = lin.linear(x, qkv)
+        up = lin.linear_silu_mul(a[:, :h].contiguous(), gate_up)
+        return [a, up, lin.linear(up, down, config=split, workspace=ws)]
+
+    want = chain()
+    with overlapped_launches(True, 16384):
+        if graphed:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = chain()
+            for t in outs:
+                t.fill_(float("nan"))
+            graph.replay()
+            got = outs
+        else:
+            got = chain()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_native_gemv_replays_in_a_cuda_graph_and_declines_what_it_cannot_take(native) -> None:
     from mgx.kernels.cuda import gemv as cg
 
