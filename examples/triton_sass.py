@@ -13,10 +13,11 @@ which matters where a GEMV is bound by instructions (W8A16, INT4) rather than by
 
 With ``--native ARCH`` (e.g. sm_90a; needs nvcc) it builds the native kernels (``kernels/cuda``) as
 ``mgxc`` does and prints, for each GEMV entry point, its registers and stack bytes a thread and the
-instructions of each loop of 20 or more, its nested loops left out, largest first, with its MMAs
-and global loads. nvcc may compile one loop twice (e.g. for a null and a given zeros pointer); an
-outer loop over output groups holds the epilogue. A tensor-core kernel's main loop takes kMmaUnroll
-128-column steps a warp, the pipelined one's 2 x kMmaPipeUnroll.
+instructions of each loop of 20 or more, its nested loops left out, largest first, with its MMAs,
+global loads and copies from global to shared memory (LDGSTS: cp.async). nvcc may compile one loop
+twice (e.g. for a null and a given zeros pointer); an outer loop over output groups holds the
+epilogue. A tensor-core kernel's main loop takes kMmaUnroll 128-column steps a warp, the pipelined
+one's 2 x kMmaPipeUnroll, the asynchronous one's one step.
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ def native_report(arch: str, match: str) -> list[str]:
     for name, body in sorted(zip(parts[1::2], parts[2::2])):
         if match in name:
             r, st = regs.get(name, (-1, -1))
-            found = sorted(((sum(ops.values()), ops["HMMA"], ops["LDG"]) for ops in loops(body, own=True)), reverse=True)
-            sizes = ", ".join(f"{n} (HMMA {h}, LDG {ld})" if h else str(n) for n, h, ld in found if n >= 20)
+            found = sorted(((sum(ops.values()), ops["HMMA"], ops["LDG"], ops["LDGSTS"]) for ops in loops(body, own=True)),
+                           reverse=True)  # fmt: skip
+            sizes = ", ".join((f"{n} (HMMA {h}, LDG {ld}" + (f", LDGSTS {cp})" if cp else ")")) if h else str(n)
+                              for n, h, ld, cp in found if n >= 20)  # fmt: skip
             lines.append(f"{name}: {r} registers, {st} bytes of stack; loops {sizes or 'none'}")
     return lines
 

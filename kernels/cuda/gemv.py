@@ -1,11 +1,13 @@
 """Launching the native GEMV (``gemv.cu``): one bf16 activation row times int4, W8A16 or dense bf16
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
-Four kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
+Five kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
 cores (int4 with groups of a multiple of 128, and W8A16; K a multiple of 128, sm_80 and newer), ``mma_persistent``, the same
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
 weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
-issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones.
+issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones,
+and ``mma_async`` (W8A16 only, entry ``mma_async``), whose warps stream their codes through a ring
+of steps in shared memory (``cp.async``), so that the codes in flight take no registers.
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -32,10 +34,11 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 __all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
            "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined")
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "mma_async")
 # kind -> the entry it launches (ENTRIES' first key)
-_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe"}
-_MMA = ("mma", "mma_pipe")  # the tensor-core entries: 16 outputs a block, 128-column steps
+_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe",
+               "mma_async": "mma_async"}  # fmt: skip
+_MMA = ("mma", "mma_pipe", "mma_async")  # the tensor-core entries: 16 outputs a block, 128-column steps
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -44,6 +47,7 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma_pipe", "int4"): f"mgx_gemv_int4_mma_pipe_bf16_v{KERNEL_ABI}",
     ("mma", "w8a16"): f"mgx_gemv_w8a16_mma_bf16_v{KERNEL_ABI}",
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
+    ("mma_async", "w8a16"): f"mgx_gemv_w8a16_mma_async_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -54,6 +58,7 @@ LABELS = {  # how the engine's kernel note names them
     ("mma_pipe", "int4"): "pipelined int4 tensor-core GEMV",
     ("mma", "w8a16"): "w8a16 tensor-core GEMV",
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
+    ("mma_async", "w8a16"): "asynchronous w8a16 tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu

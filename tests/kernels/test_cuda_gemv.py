@@ -42,7 +42,8 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
-                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16")}  # fmt: skip
+                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"),
+                               ("mma_async", "w8a16")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -71,9 +72,10 @@ def test_rmsnorm_prologue_operands_and_entry_names() -> None:
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
-    ``mma_pipelined`` has an entry (and twin) of its own."""
-    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    ``mma_pipelined`` and ``mma_async`` have an entry (and twin) of their own."""
+    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "mma_async")
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "mma_async"}
+    assert set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
 
 
 def _constant(source: str, pattern: str) -> int:
