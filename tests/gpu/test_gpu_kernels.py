@@ -197,21 +197,27 @@ def test_overlapped_launches_give_the_same_results(native, graphed: bool) -> Non
     want = chain()
     try:
         assert native.allow_overlap(10 * major + minor)
-        if graphed:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = chain()
-            for t in outs:
-                t.fill_(float("nan"))
-            graph.replay()
-            got = outs
-        else:
-            got = chain()
+        got = _run_chain(chain, graphed)
     finally:
         native.overlap = False
-    torch.cuda.synchronize()
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def _run_chain(chain, graphed: bool) -> list[torch.Tensor]:  # noqa: ANN001
+    """``chain()``'s outputs, launched now or captured into a CUDA graph (outputs poisoned with NaN,
+    then replayed); synchronized."""
+    if not graphed:
+        outs = chain()
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        for t in outs:
+            t.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    return outs
 
 
 @pytest.mark.parametrize("graphed", [False, True])
@@ -239,17 +245,7 @@ def test_triton_gemvs_prefetching_their_weights_give_the_same_results(graphed: b
 
     want = chain()
     with overlapped_launches(True, 16384):
-        if graphed:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = chain()
-            for t in outs:
-                t.fill_(float("nan"))
-            graph.replay()
-            got = outs
-        else:
-            got = chain()
-    torch.cuda.synchronize()
+        got = _run_chain(chain, graphed)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
