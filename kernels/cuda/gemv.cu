@@ -428,8 +428,9 @@ constexpr int kMmaPipeUnroll = 2;
 // bounds) and more bytes are in flight an SM than with the other kinds' three blocks of 80
 // registers. 8 warps x 3 steps x 2 KB = 48 KB of static shared memory a block, the static limit
 // (the warps' sums reuse it); the _norm twin keeps 2 steps beside its row of x (dynamic, up to 16 KB).
-constexpr int kMmaStages = 3;
-constexpr int kMmaStagesNorm = 2;
+// Steps a warp's ring holds: W8A16 3 (2 KB a step), int4 5 (1 KB); the _norm twins fewer, beside
+// their row of x (up to 16 KB of dynamic shared memory).
+__host__ __device__ constexpr int mma_stages(bool int8, bool norm) { return int8 ? (norm ? 2 : 3) : (norm ? 3 : 5); }
 constexpr int kMmaAsyncBlocks = 3;
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -503,10 +504,12 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
   const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };
   const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
   constexpr int kW = kInt8 ? 2 : 1;  // 16-byte words of codes a lane loads per row and step
-  static_assert(!(kAsync && (kPipe || !kInt8)), "the asynchronous kind takes W8A16 codes, not pipelined");
+  static_assert(!(kAsync && kPipe), "the asynchronous kind is not the pipelined one");
   constexpr int kU = kAsync ? 1 : (kPipe ? kMmaPipeUnroll : kMmaUnroll) / kW;
   constexpr int kPass = kMmaWarps * kU;  // steps the block's warps load at once
-  using Pass = MmaPass<kPipe, kU, kW>;
+  // The int4 scales and zeros come with the codes where loads run ahead (pipelined, asynchronous).
+  constexpr bool kAhead = kPipe || (kAsync && !kInt8);
+  using Pass = MmaPass<kAhead, kU, kW>;
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
     const int n0 = blk * (kSilu ? 8 : 16);
     const int lo = row_lo(blk), hi = row_hi(blk);
@@ -612,7 +615,7 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
           mma_bf16(sx, ones, ones, ones, ones, b2, b3);
         }
         float s_lo, s_hi, z_lo, z_hi;
-        if constexpr (kPipe) {
+        if constexpr (kAhead) {
           s_lo = p.s_lo[u], s_hi = p.s_hi[u], z_lo = static_cast<float>(p.z_lo[u]), z_hi = static_cast<float>(p.z_hi[u]);
         } else {
           const int grp = (s << 7) >> group_shift;
@@ -648,10 +651,14 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
     // Asynchronous: the warp's i-th step (s = warp + i kMmaWarps) goes to stage i % kStages of its
     // ring: rows lo and hi, kW words a lane each, lane-contiguous (no bank conflicts), one commit
     // group a step (zeros past K, so the groups stay counted alike).
-    constexpr int kStages = kNorm ? kMmaStagesNorm : kMmaStages;
+    // int4: each step's scales and zeros load into registers as its codes are issued (slot `at` of
+    // a queue that moves down one slot a step, slot 0 the step being computed).
+    constexpr int kStages = mma_stages(kInt8, kNorm);
     if constexpr (kAsync) {
       auto ring = reinterpret_cast<uint4(*)[kStages][2 * kW][32]>(ring_words);
-      const auto issue = [&](int i) {
+      float q_slo[kStages], q_shi[kStages];
+      uint32_t q_zlo[kStages], q_zhi[kStages];
+      const auto issue = [&](int i, int slot) {
         const int s = warp + i * kMmaWarps;
         const bool valid = s < steps;
         const int at = valid ? s : 0;
@@ -664,12 +671,19 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
           copy_async16(&stage[kW + v][lane], b + v, valid);
         }
         copy_async_commit();
+        if constexpr (!kInt8) {
+          const int grp = (at << 7) >> group_shift;
+          q_slo[slot] = valid ? load_now(s_row_lo + grp) : 0.0f;
+          q_shi[slot] = valid ? load_now(s_row_hi + grp) : 0.0f;
+          q_zlo[slot] = z_row_lo != nullptr && valid ? load_now(z_row_lo + grp) : 8u;
+          q_zhi[slot] = z_row_hi != nullptr && valid ? load_now(z_row_hi + grp) : 8u;
+        }
       };
 #pragma unroll
-      for (int i = 0; i < kStages - 1; ++i) issue(i);
+      for (int i = 0; i < kStages - 1; ++i) issue(i, i);
       first_pass();
       for (int i = 0; warp + i * kMmaWarps < steps; ++i) {
-        issue(i + kStages - 1);  // into the stage step i - 1 was read from
+        issue(i + kStages - 1, kStages - 1);  // into the stage step i - 1 was read from
         copy_async_wait<kStages - 1>();  // step i has landed (each lane reads only its own copies)
         Pass cur;
         const uint4(*stage)[32] = ring[warp][i % kStages];
@@ -677,6 +691,13 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
         for (int v = 0; v < kW; ++v) {
           cur.lo[v] = stage[v][lane];
           cur.hi[v] = stage[kW + v][lane];
+        }
+        if constexpr (!kInt8) {
+          cur.s_lo[0] = q_slo[0], cur.s_hi[0] = q_shi[0], cur.z_lo[0] = q_zlo[0], cur.z_hi[0] = q_zhi[0];
+#pragma unroll
+          for (int j = 0; j + 1 < kStages; ++j) {
+            q_slo[j] = q_slo[j + 1], q_shi[j] = q_shi[j + 1], q_zlo[j] = q_zlo[j + 1], q_zhi[j] = q_zhi[j + 1];
+          }
         }
         compute_pass(warp + i * kMmaWarps, cur);
       }
@@ -750,6 +771,22 @@ __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x,
 }
 
 template <bool kNorm>
+__device__ __forceinline__ void gemv_int4_tc_async(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
+                                                   const float* scales, const uint8_t* zeros,
+                                                   const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                                                   long long stride_s, int group_shift, int silu_f,
+                                                   const NormIn* norm) {
+  __shared__ uint4 ring[kMmaWarps * mma_stages(false, kNorm) * 2 * 32];  // as in gemv_w8a16_tc_async
+  if (silu_f > 0) {
+    gemv_mma<false, true, kNorm, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
+                                              silu_f, norm, ring);
+  } else {
+    gemv_mma<false, false, kNorm, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
+                                               silu_f, norm, ring);
+  }
+}
+
+template <bool kNorm>
 __device__ __forceinline__ void gemv_int4_tc_pipe(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
                                                   const float* scales, const uint8_t* zeros,
                                                   const __nv_bfloat16* bias, int n, int k, long long stride_w,
@@ -776,7 +813,7 @@ __device__ __forceinline__ void gemv_w8a16_tc_async(__nv_bfloat16* out, const ui
                                                     long long stride_w, int silu_f, const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
   // One ring for both instantiations below (each would otherwise get its own static shared memory).
-  __shared__ uint4 ring[kMmaWarps * (kNorm ? kMmaStagesNorm : kMmaStages) * 2 * 2 * 32];
+  __shared__ uint4 ring[kMmaWarps * mma_stages(true, kNorm) * 2 * 2 * 32];
   if (silu_f > 0) {
     gemv_mma<true, true, kNorm, false, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm,
                                              ring);
@@ -838,6 +875,13 @@ MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, (mgx_gemv::kMmaWarps * 32), gemv_int4_t
 
 // The same, pipelined (kPipe above): kind mma_pipelined.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, (mgx_gemv::kMmaWarps * 32), gemv_int4_tc_pipe,
+                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                  long long stride_w, long long stride_s, int group_shift, int silu_f),
+                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+
+// The same streamed through shared memory (kAsync above): kind mma_async.
+MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_async_bf16, (mgx_gemv::kMmaWarps * 32, mgx_gemv::kMmaAsyncBlocks),
+                 gemv_int4_tc_async,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))

@@ -6,8 +6,9 @@ cores (int4 with groups of a multiple of 128, and W8A16; K a multiple of 128, sm
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
 weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
 issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones,
-and ``mma_async`` (W8A16 only, entry ``mma_async``), whose warps stream their codes through a ring
-of steps in shared memory (``cp.async``), so that the codes in flight take no registers.
+and ``mma_async`` (its own entry), whose warps stream their codes through a ring of steps in shared
+memory (``cp.async``), so that the codes in flight take no registers (int4 scales and zeros load
+into registers as their codes are issued).
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -48,6 +49,7 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma", "w8a16"): f"mgx_gemv_w8a16_mma_bf16_v{KERNEL_ABI}",
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
     ("mma_async", "w8a16"): f"mgx_gemv_w8a16_mma_async_bf16_v{KERNEL_ABI}",
+    ("mma_async", "int4"): f"mgx_gemv_int4_mma_async_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -59,6 +61,7 @@ LABELS = {  # how the engine's kernel note names them
     ("mma", "w8a16"): "w8a16 tensor-core GEMV",
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
     ("mma_async", "w8a16"): "asynchronous w8a16 tensor-core GEMV",
+    ("mma_async", "int4"): "asynchronous int4 tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu

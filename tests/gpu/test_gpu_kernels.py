@@ -60,6 +60,8 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("w8a16", {}, "mma"),
     ("w8a16", {}, "mma_pipelined"),
     ("w8a16", {}, "mma_async"),
+    ("int4", {"group_size": 128, "symmetric": True}, "mma_async"),
+    ("int4", {"group_size": 128, "symmetric": False}, "mma_async"),
 ]
 
 
@@ -122,12 +124,12 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize(("kind", "scheme"), [("mma_persistent", "int4"), ("mma_pipelined", "int4"),
                                               ("mma_persistent", "w8a16"), ("mma_pipelined", "w8a16"),
-                                              ("mma_async", "w8a16")])  # fmt: skip
+                                              ("mma_async", "int4"), ("mma_async", "w8a16")])  # fmt: skip
 def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: bool, kind: str, scheme: str) -> None:  # noqa: ANN001
     """Kind ``mma_persistent`` (the tensor-core GEMV on two blocks per SM, each taking every grid-th
     group of outputs and prefetching ahead), kind ``mma_pipelined`` (its own entry, loading a
-    warp's next steps while it computes the current ones) and kind ``mma_async`` (W8A16: its own
-    entry, the codes streamed through shared memory) give the one-block-per-group ``mma``
+    warp's next steps while it computes the current ones) and kind ``mma_async`` (its own entry,
+    the codes streamed through shared memory) give the one-block-per-group ``mma``
     launch's output to the bit, int4 and W8A16 (the same sums in the same order), eagerly and
     replayed from a CUDA graph. K = 2176 is 17 steps: the warps' last passes are partial. n / 16 groups: on an H200 (264 blocks) those of 28672, 8192 and 6144 rows loop over several groups, 4096 rows
     not; K = 8192 takes each warp through its steps twice (the second from L2 prefetches)."""
@@ -275,7 +277,7 @@ def test_native_gemv_replays_in_a_cuda_graph_and_declines_what_it_cannot_take(na
     assert not cg.gemv_applies(native, x2, odd, kind="mma_async")
     assert cg.gemv_applies(native, x, make_weight("w8a16", 512, 1024, device="cuda"), kind="mma_pipelined")
     assert cg.gemv_applies(native, x, make_weight("w8a16", 512, 1024, device="cuda"), kind="mma_async")
-    assert not cg.gemv_applies(native, x, make_weight("int4", 512, 1024, device="cuda"), kind="mma_async")  # W8A16 only
+    assert not cg.gemv_applies(native, x, make_weight("int4", 512, 1024, device="cuda", group_size=64), kind="mma_async")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -43,7 +43,7 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
                                ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"),
-                               ("mma_async", "w8a16")}  # fmt: skip
+                               ("mma_async", "w8a16"), ("mma_async", "int4")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
