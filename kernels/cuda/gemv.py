@@ -32,8 +32,8 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
-           "gemv_threads"]  # fmt: skip
+__all__ = ["ASYNC_NORM_RING", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv",
+           "gemv_applies", "gemv_threads", "norm_row_fits"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "mma_async")
 # kind -> the entry it launches (ENTRIES' first key)
@@ -106,6 +106,19 @@ class NormPrologue:
         )
 
 
+# Static shared memory of the mma_async _norm twins' rings (gemv.cu: mma_stages(int8, true) steps of
+# 8 warps x 2 rows x 32 lanes x 16 bytes x words a lane): the row of x they normalize must fit beside
+# it in the 48 KB a block may have without opting in (1 KB kept for the rest of their static memory).
+ASYNC_NORM_RING = {"w8a16": 2 * 8 * 2 * 32 * 16 * 2, "int4": 3 * 8 * 2 * 32 * 16}
+STATIC_SHARED_LIMIT = 48 * 1024
+
+
+def norm_row_fits(base: str, scheme: str, k: int) -> bool:
+    """Whether a _norm entry of ``base`` (an ENTRIES kind) has room for its row of K bf16 columns."""
+    ring = ASYNC_NORM_RING.get(scheme, 0) if base == "mma_async" else 0
+    return 2 * k + ring + (1024 if ring else 0) <= STATIC_SHARED_LIMIT
+
+
 def gemv_threads(k: int) -> int:
     """Threads per block for K columns: enough that each keeps about UNROLL words of 8 columns per
     row in flight, a power of two from one warp to MAX_THREADS."""
@@ -152,7 +165,7 @@ def gemv_applies(
         return False
     if w.scales is not None and (w.scales.stride(-1) != 1 or (w.zeros is not None and w.zeros.stride(-1) != 1)):
         return False
-    if norm is not None and not norm.applies(x):
+    if norm is not None and not (norm.applies(x) and norm_row_fits(base, w.scheme, w.k)):
         return False
     return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 
