@@ -422,14 +422,12 @@ constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issu
 // The same, pipelined (two passes' registers): 2 steps = 128 registers a thread on sm_90a, two blocks
 // an SM, 32 KB of codes an SM in flight throughout; 3 steps spilled, 4 took 183 registers (one block).
 constexpr int kMmaPipeUnroll = 2;
-// Asynchronous (kind mma_async, W8A16): each warp streams its steps through a ring of kMmaStages
-// steps in shared memory (cp.async), one step computed while the next ones are in flight; the codes
-// wait in shared memory, not in registers, so more blocks fit an SM (kMmaAsyncBlocks by launch
-// bounds) and more bytes are in flight an SM than with the other kinds' three blocks of 80
-// registers. 8 warps x 3 steps x 2 KB = 48 KB of static shared memory a block, the static limit
-// (the warps' sums reuse it); the _norm twin keeps 2 steps beside its row of x (dynamic, up to 16 KB).
-// Steps a warp's ring holds: W8A16 3 (2 KB a step), int4 5 (1 KB); the _norm twins fewer, beside
-// their row of x (up to 16 KB of dynamic shared memory).
+// Asynchronous (kind mma_async): each warp streams its steps through a ring in shared memory
+// (cp.async), one step computed while the next ones are in flight; the codes wait in shared memory,
+// not in registers, so more bytes are in flight an SM at kMmaAsyncBlocks blocks (launch bounds).
+// Steps a warp's ring holds: W8A16 3 of 2 KB (8 warps: 48 KB a block, the static limit; the warps'
+// sums reuse it), int4 5 of 1 KB; the _norm twins fewer, beside their row of x (up to 16 KB of
+// dynamic shared memory; gemv.py's ASYNC_NORM_RING).
 __host__ __device__ constexpr int mma_stages(bool int8, bool norm) { return int8 ? (norm ? 2 : 3) : (norm ? 3 : 5); }
 constexpr int kMmaAsyncBlocks = 3;
 
@@ -758,15 +756,31 @@ __device__ __forceinline__ void gemv_bf16(__nv_bfloat16* out, const uint4* x, co
                                        k, stride_w, silu_f, norm);
 }
 
-template <bool kNorm, bool kPipe = false>
+// The ring of the asynchronous kind in static shared memory: one per entry, which both of its
+// instantiations below (SiLU product or not) share (each would otherwise get its own); null for the
+// other kinds.
+template <bool kAsync, bool kInt8, bool kNorm>
+__device__ __forceinline__ uint4* mma_ring() {
+  if constexpr (kAsync) {
+    __shared__ uint4 words[kMmaWarps * mma_stages(kInt8, kNorm) * 2 * (kInt8 ? 2 : 1) * 32];
+    return words;
+  } else {
+    return nullptr;
+  }
+}
+
+template <bool kNorm, bool kPipe = false, bool kAsync = false>
 __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                              const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                              long long stride_w, long long stride_s, int group_shift, int silu_f,
                                              const NormIn* norm) {
+  uint4* ring = mma_ring<kAsync, false, kNorm>();
   if (silu_f > 0) {
-    gemv_mma<false, true, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_mma<false, true, kNorm, kPipe, kAsync>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
+                                                silu_f, norm, ring);
   } else {
-    gemv_mma<false, false, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_mma<false, false, kNorm, kPipe, kAsync>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
+                                                 silu_f, norm, ring);
   }
 }
 
@@ -776,14 +790,7 @@ __device__ __forceinline__ void gemv_int4_tc_async(__nv_bfloat16* out, const uin
                                                    const __nv_bfloat16* bias, int n, int k, long long stride_w,
                                                    long long stride_s, int group_shift, int silu_f,
                                                    const NormIn* norm) {
-  __shared__ uint4 ring[kMmaWarps * mma_stages(false, kNorm) * 2 * 32];  // as in gemv_w8a16_tc_async
-  if (silu_f > 0) {
-    gemv_mma<false, true, kNorm, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
-                                              silu_f, norm, ring);
-  } else {
-    gemv_mma<false, false, kNorm, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
-                                               silu_f, norm, ring);
-  }
+  gemv_int4_tc<kNorm, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
 }
 
 template <bool kNorm>
@@ -795,15 +802,18 @@ __device__ __forceinline__ void gemv_int4_tc_pipe(__nv_bfloat16* out, const uint
   gemv_int4_tc<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
 }
 
-template <bool kNorm, bool kPipe = false>
+template <bool kNorm, bool kPipe = false, bool kAsync = false>
 __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                               const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
                                               const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
+  uint4* ring = mma_ring<kAsync, true, kNorm>();
   if (silu_f > 0) {
-    gemv_mma<true, true, kNorm, kPipe>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_mma<true, true, kNorm, kPipe, kAsync>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm,
+                                               ring);
   } else {
-    gemv_mma<true, false, kNorm, kPipe>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_mma<true, false, kNorm, kPipe, kAsync>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f,
+                                                norm, ring);
   }
 }
 
@@ -811,16 +821,7 @@ template <bool kNorm>
 __device__ __forceinline__ void gemv_w8a16_tc_async(__nv_bfloat16* out, const uint4* x, const int8_t* w,
                                                     const float* scales, const __nv_bfloat16* bias, int n, int k,
                                                     long long stride_w, int silu_f, const NormIn* norm) {
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
-  // One ring for both instantiations below (each would otherwise get its own static shared memory).
-  __shared__ uint4 ring[kMmaWarps * mma_stages(true, kNorm) * 2 * 2 * 32];
-  if (silu_f > 0) {
-    gemv_mma<true, true, kNorm, false, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm,
-                                             ring);
-  } else {
-    gemv_mma<true, false, kNorm, false, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm,
-                                              ring);
-  }
+  gemv_w8a16_tc<kNorm, false, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
 }
 
 template <bool kNorm>
