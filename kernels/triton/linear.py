@@ -585,6 +585,17 @@ def _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, 
 
 
 @triton.jit
+def _k_share(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [k_lo, k_hi) of this program's share of K (program axis 2 of SPLIT_K): whole BLOCK_K
+    tiles, so EVEN still holds per share."""
+    if SPLIT_K == 1:
+        return 0, K
+    span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = tl.program_id(2) * span
+    return k_lo, tl.minimum(K, k_lo + span)
+
+
+@triton.jit
 def _weight_lines(
     stride_w, N, K, row0, SCHEME: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
@@ -593,13 +604,7 @@ def _weight_lines(
     (PF_STEP elements apart) of this program's share of each of its rows, rows row0 + its rn. The
     shares are ``_linear_kernel``'s (SPLIT_K programs along K); an int4 row holds K / 2 bytes."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = K
-    else:
-        span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_lo = tl.program_id(2) * span
-        k_hi = tl.minimum(K, k_lo + span)
+    k_lo, k_hi = _k_share(K, SPLIT_K, BLOCK_K)
     if SCHEME == 2:  # two codes a byte
         k_lo = k_lo // 2
         k_hi = k_hi // 2
@@ -648,13 +653,7 @@ def _linear_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = K
-    else:  # this program's share of K: whole BLOCK_K tiles, so EVEN still holds per share
-        span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_lo = tl.program_id(2) * span
-        k_hi = tl.minimum(K, k_lo + span)
+    k_lo, k_hi = _k_share(K, SPLIT_K, BLOCK_K)
     rstd = 1.0
     if NORM_IN:
         j = tl.arange(0, BLOCK_SQ)
