@@ -303,6 +303,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
                                (backend, "tuned_gemvs", "triton_gemvs", "tuned_gemvs"),
                                (backend, "norm_across", "norm_kernels", "norm_across"),
                                (backend, "norm_across_w8a16", "w8a16_norm_kernels", "w8a16_norm_across"),
+                               (backend, "norm_across_dense", "dense_norm_kernels", "dense_norm_across"),
                                (backend, "narrow_decode_tiles", "decode_tiles_64", "decode_tiles_32"),
                                (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile"),
                                (backend, "prefetch_weights", "weights_not_prefetched", "weights_prefetched")):  # fmt: skip

@@ -43,8 +43,9 @@ class AutotuneOptions:
     dtype: str = "bf16"  # compute dtype the runtime will use: bf16, f16 or f32
     repeats: int = 20  # timed launches per candidate (median; L2 flushed between launches)
     native: bool = True  # also time the native CUDA GEMV at one row (needs nvcc on the build host)
-    # Time dense one-row projections as the CUDA backend's norm across runs them (``_fused_roles``):
-    # an A/B switch, off until a GPU run shows it choosing better configurations.
+    # Time dense one-row projections as the CUDA backend's norm across runs them (``_fused_roles``;
+    # the backend gives dense readers the norm only with MGX_CUDA_NORM_ACROSS_DENSE=1 since the
+    # fourteenth session): an A/B switch, off until a GPU run shows it choosing better configurations.
     fused: bool = False
 
     def __post_init__(self) -> None:

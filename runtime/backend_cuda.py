@@ -27,11 +27,15 @@ finishes and waits for it before reading its output or writing anything (``overl
 ``linear`` that runs as the Triton one-row GEMV, the add and the norm have no kernel of their own:
 the first projection adds the residual in its epilogue and stores its rows' partial sums of squares
 (``linear_add_squares``), the second normalizes x as it loads it (``linear(norm=)``;
-``MGX_CUDA_NORM_ACROSS=0`` turns it off). Only where the second one's weights are dense or INT4
+``MGX_CUDA_NORM_ACROSS=0`` turns it off). Only where the second one's weights are INT4
 (``NORM_IN_SCHEMES``): on the H200 the 8B W8A16 graph took 3.98 ms with it against 2.80 ms with the
 norm kernels (1B 0.843 vs 0.769), when the W8A16 GEMV normalized x at every weight element it
-loaded; normalizing a vector instead, 1B still took 0.738 vs 0.729 ms (eleventh session).
-``MGX_CUDA_NORM_ACROSS_W8A16=1`` includes W8A16 readers, for that A/B.
+loaded; normalizing a vector instead, 1B still took 0.738 vs 0.729 ms (eleventh session). Dense
+readers lost wherever autotune gave gate/up a one-row GEMV configuration (so that it took the norm):
+the 8B bf16 graph took 4.612 ms with it against 4.138 with the norm kernels (fourteenth session;
+4.60 vs 4.29 ms twice in the twelfth); where autotune chose the swapped tensor-core tiles it never
+ran. ``MGX_CUDA_NORM_ACROSS_W8A16=1`` and ``MGX_CUDA_NORM_ACROSS_DENSE=1`` include those readers,
+for these A/Bs.
 
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
@@ -114,8 +118,8 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us).
 SELF_MERGE_MAX_SPLITS = 16
 # Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
-# default; W8A16 lost on the H200 (module docstring).
-NORM_IN_SCHEMES = frozenset({"none", "int4"})
+# default; W8A16 and dense readers lost on the H200 (module docstring).
+NORM_IN_SCHEMES = frozenset({"int4"})
 GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
 SDPA_MAX_SEQS = 4  # fresh prompts per step that torch's SDPA takes one by one (more: the varlen kernel)
 # How fresh prompts reach SDPA's fused kernels, in the order tried: query heads mapped to KV heads by
@@ -356,6 +360,7 @@ class CUDABackend(Backend):
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
+        self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
         # Decode attention over 32-token tiles instead of 64 (so up to twice the splits): the kernel
         # bench's best at a 640-token context on the H200, but no gain in the 8B graph and 1% slower
         # in all three 1B ones (README), so off.
@@ -840,13 +845,14 @@ class CUDABackend(Backend):
     def _across(self, op: Op, x: Array) -> _Across | None:
         """``op`` held back for ``norm_across`` (see the module docstring), or None where that fusion
         does not run: switched off, a grouped norm, the norm's reader on weights outside
-        ``NORM_IN_SCHEMES`` (W8A16 ones unless ``norm_across_w8a16``), or the projection not on the
-        Triton kernels."""
+        ``NORM_IN_SCHEMES`` (W8A16 ones unless ``norm_across_w8a16``, dense ones unless
+        ``norm_across_dense``), or the projection not on the Triton kernels."""
         chain = self._fuse.norm_across.get(id(op)) if self.norm_across else None
         if chain is None or self._norm[id(chain[1])][2] != self._weights[id(op)].n:
             return None
         scheme = self._weights[id(chain[2])].scheme
-        if scheme not in NORM_IN_SCHEMES and not (scheme == "w8a16" and self.norm_across_w8a16):
+        switched_on = {"w8a16": self.norm_across_w8a16, "none": self.norm_across_dense}
+        if scheme not in NORM_IN_SCHEMES and not switched_on.get(scheme, False):
             return None
         runs, config = self._runs_triton(op, x, gemv_only=False)
         return _Across(op, x, config, chain[0], chain[2]) if runs else None

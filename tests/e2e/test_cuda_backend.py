@@ -77,12 +77,13 @@ def _spy_kernels(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[str]:
 def test_interpreted_norm_across_projections_matches_the_reference(model: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """By default, at one-row steps the add and the RMSNorm between two projections run inside them
     (o_proj / down add the residual and leave the rows' squares; the fused QKV or gate/up GEMV
-    normalizes x as it loads it; a W8A16 one with MGX_CUDA_NORM_ACROSS_W8A16=1); longer steps fall
-    back to the norm kernel. Tokens equal the reference's and logits agree within ATOL, and both
-    halves of the fusion ran."""
+    normalizes x as it loads it; dense and W8A16 ones with MGX_CUDA_NORM_ACROSS_DENSE=1 and
+    MGX_CUDA_NORM_ACROSS_W8A16=1); longer steps fall back to the norm kernel. Tokens equal the
+    reference's and logits agree within ATOL, and both halves of the fusion ran."""
 
     monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
     monkeypatch.setenv("MGX_CUDA_NORM_ACROSS_W8A16", "1")  # W8A16 readers: off by default
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS_DENSE", "1")  # dense readers: off by default
     graph = compiled(model, pipeline)
     ran = _spy_kernels(monkeypatch, "linear_add_squares", "linear", "linear_silu_mul")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
@@ -94,17 +95,19 @@ def test_interpreted_norm_across_projections_matches_the_reference(model: str, p
 
 
 @pytest.mark.interpreted
-def test_interpreted_norm_across_skips_w8a16_readers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default a W8A16 projection does not take the RMSNorm in its loads (``NORM_IN_SCHEMES``):
-    one-row steps of a W8A16 artifact run the add + RMSNorm kernel between the projections, and no
-    projection adds the residual; the reference's logits."""
+@pytest.mark.parametrize(("model", "pipeline"), [("qk-norm-bias-fused", "w8a16-tiled"), ("gqa", "dense-fused")])
+def test_interpreted_norm_across_skips_w8a16_and_dense_readers(model: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a W8A16 or dense projection does not take the RMSNorm in its loads
+    (``NORM_IN_SCHEMES``): one-row steps of such an artifact run the add + RMSNorm kernel between
+    the projections, and no projection adds the residual; the reference's logits."""
 
-    for name in ("MGX_CUDA_NORM_ACROSS", "MGX_CUDA_NORM_ACROSS_W8A16"):
+    for name in ("MGX_CUDA_NORM_ACROSS", "MGX_CUDA_NORM_ACROSS_W8A16", "MGX_CUDA_NORM_ACROSS_DENSE"):
         monkeypatch.delenv(name, raising=False)
-    graph = compiled("qk-norm-bias-fused", "w8a16-tiled")
+    graph = compiled(model, pipeline)
     ran = _spy_kernels(monkeypatch, "linear_add_squares", "rms_norm", "linear", "linear_silu_mul")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
-    assert backend.norm_across and backend._fuse.norm_across and not backend.norm_across_w8a16
+    assert backend.norm_across and backend._fuse.norm_across
+    assert not backend.norm_across_w8a16 and not backend.norm_across_dense
     _check_one_row_steps(graph, backend)
     assert ran.count("rms_norm+residual") >= 2 * graph.arch.num_layers - 1
     assert not {"linear_add_squares", "linear+norm", "linear_silu_mul+norm"} & set(ran)
