@@ -305,8 +305,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
                                (backend, "norm_across_w8a16", "w8a16_norm_kernels", "w8a16_norm_across"),
                                (backend, "norm_across_dense", "dense_norm_kernels", "dense_norm_across"),
                                (backend, "narrow_decode_tiles", "decode_tiles_64", "decode_tiles_32"),
-                               (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile"),
-                               (backend, "prefetch_weights", "weights_not_prefetched", "weights_prefetched")):  # fmt: skip
+                               (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile")):  # fmt: skip
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped

@@ -13,11 +13,10 @@ which matters where a GEMV is bound by instructions (W8A16, INT4) rather than by
 
 With ``--native ARCH`` (e.g. sm_90a; needs nvcc) it builds the native kernels (``kernels/cuda``) as
 ``mgxc`` does and prints, for each GEMV entry point, its registers and stack bytes a thread and the
-instructions of each loop of 20 or more, its nested loops left out, largest first, with its MMAs,
-global loads and copies from global to shared memory (LDGSTS: cp.async). nvcc may compile one loop
-twice (e.g. for a null and a given zeros pointer); an outer loop over output groups holds the
-epilogue. A tensor-core kernel's main loop takes kMmaUnroll 128-column steps a warp, the pipelined
-one's 2 x kMmaPipeUnroll, the asynchronous one's one step.
+instructions of each loop of 20 or more, its nested loops left out, largest first, with its MMAs
+and global loads. nvcc may compile one loop twice (e.g. for a null and a given zeros pointer); an
+outer loop over output groups holds the epilogue. A tensor-core kernel's main loop takes kMmaUnroll
+128-column steps a warp, the pipelined one's 2 x kMmaPipeUnroll.
 """
 
 from __future__ import annotations
@@ -48,16 +47,13 @@ _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _OPCODE = re.compile(r"\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int, norm: bool, arch: int,
-                 **overrides: object) -> str:
-    """SASS of ``_linear_kernel`` as the one-row GEMV of ``scheme`` with that configuration
-    (``overrides``: other constexpr values, e.g. OVERLAP=True)."""
+def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int, norm: bool, arch: int) -> str:
+    """SASS of ``_linear_kernel`` as the one-row GEMV of ``scheme`` with that configuration."""
     names = linear._linear_kernel.arg_names
     const = dict(SCHEME=linear.SCHEME_IDS[scheme], GROUP=128 if scheme == "int4" else 1, SYMMETRIC=False,
                  META_PACKED=False, HAS_BIAS=False, SILU_MUL=False, USE_DOT=False, DOT_PREC="ieee", BLOCK_M=1,
                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True, SPLIT_K=split, SWAP=False, FAST_CVT=True,
-                 OVERLAP=False, RES_SQ=False, NORM_IN=norm, NORM_W=norm, BLOCK_SQ=256, PF_LINES=0, PF_STEP=1)  # fmt: skip
-    const.update(overrides)
+                 OVERLAP=False, RES_SQ=False, NORM_IN=norm, NORM_W=norm, BLOCK_SQ=256)  # fmt: skip
     sig = {}
     for name in names:
         if name in const:
@@ -116,10 +112,8 @@ def native_report(arch: str, match: str) -> list[str]:
     for name, body in sorted(zip(parts[1::2], parts[2::2])):
         if match in name:
             r, st = regs.get(name, (-1, -1))
-            found = sorted(((sum(ops.values()), ops["HMMA"], ops["LDG"], ops["LDGSTS"]) for ops in loops(body, own=True)),
-                           reverse=True)  # fmt: skip
-            sizes = ", ".join((f"{n} (HMMA {h}, LDG {ld}" + (f", LDGSTS {cp})" if cp else ")")) if h else str(n)
-                              for n, h, ld, cp in found if n >= 20)  # fmt: skip
+            found = sorted(((sum(ops.values()), ops["HMMA"], ops["LDG"]) for ops in loops(body, own=True)), reverse=True)
+            sizes = ", ".join(f"{n} (HMMA {h}, LDG {ld})" if h else str(n) for n, h, ld in found if n >= 20)
             lines.append(f"{name}: {r} registers, {st} bytes of stack; loops {sizes or 'none'}")
     return lines
 

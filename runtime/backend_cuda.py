@@ -273,21 +273,6 @@ class _Fusions:
     norm_across: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
 
 
-PREFETCH_BYTES = 16384  # weight bytes a program prefetches (MGX_CUDA_PREFETCH_BYTES overrides)
-
-
-def _prefetch_bytes_from_env() -> int:
-    """MGX_CUDA_PREFETCH_BYTES (default ``PREFETCH_BYTES``): a power of two of at least 128, else a clear error."""
-    raw = os.environ.get("MGX_CUDA_PREFETCH_BYTES", str(PREFETCH_BYTES))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 128 or value & (value - 1):
-        raise ValueError(f"MGX_CUDA_PREFETCH_BYTES must be a power of two of at least 128, got {raw!r}")
-    return value
-
-
 def _on_cublas(w: GpuWeight, m: int) -> bool:
     """Whether ``linear`` runs ``m`` rows of ``w`` as a dense cuBLAS product (dense weights past the
     GEMV's rows; quantized weights, dequantized first, from ``DEQUANTIZE_MIN_M`` rows)."""
@@ -372,11 +357,6 @@ class CUDABackend(Backend):
         major, minor = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._sm = 10 * major + minor
         self._overlap = os.environ.get("MGX_CUDA_PDL", "1") != "0" and self._sm >= 90
-        # Overlapped, the one-row Triton linear kernels ask L2 for the first PREFETCH bytes of each
-        # program's weights before they wait for the kernel before them (MGX_CUDA_PREFETCH=1; bytes
-        # a program: MGX_CUDA_PREFETCH_BYTES, a power of two). Off until measured on the H200.
-        self.prefetch_weights = os.environ.get("MGX_CUDA_PREFETCH", "0") == "1"
-        self._prefetch_bytes = _prefetch_bytes_from_env()
         # Long prefills on quantized weights: dequantize into this buffer, then cuBLAS (``linear``).
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
@@ -586,7 +566,7 @@ class CUDABackend(Backend):
             if fed is None:
                 batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
         self._last_launch = None
-        with overlapped_launches(self._overlap, self._prefetch_bytes if self.prefetch_weights else 0):
+        with overlapped_launches(self._overlap):
             if unwaited:
                 out: StepResult = self._launch_graph(run_ops, batch, fed)
             elif graphed:

@@ -74,29 +74,6 @@ __device__ __forceinline__ uint32_t load_now(const uint8_t* p) {
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// 16 bytes from global to shared memory without registers (cp.async, sm_80+; past L1), or 16 zeros
-// where !valid (nothing read). The memory clobber keeps the shared loads written before it before it.
-__device__ __forceinline__ void copy_async16(uint4* smem, const uint4* gmem, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copy_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Until at most N of this thread's committed groups of copies are still in flight.
-template <int N>
-__device__ __forceinline__ void copy_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // Words of 8 bf16 columns of x: from global memory through the read-only cache, or (the RMSNorm
 // prologue's row) from shared memory.
 template <bool kShared>
@@ -422,14 +399,6 @@ constexpr int kMmaUnroll = 4;  // 128-column steps per warp whose loads are issu
 // The same, pipelined (two passes' registers): 2 steps = 128 registers a thread on sm_90a, two blocks
 // an SM, 32 KB of codes an SM in flight throughout; 3 steps spilled, 4 took 183 registers (one block).
 constexpr int kMmaPipeUnroll = 2;
-// Asynchronous (kind mma_async): each warp streams its steps through a ring in shared memory
-// (cp.async), one step computed while the next ones are in flight; the codes wait in shared memory,
-// not in registers, so more bytes are in flight an SM at kMmaAsyncBlocks blocks (launch bounds).
-// Steps a warp's ring holds: W8A16 3 of 2 KB (8 warps: 48 KB a block, the static limit; the warps'
-// sums reuse it), int4 5 of 1 KB; the _norm twins fewer, beside their row of x (up to 16 KB of
-// dynamic shared memory; gemv.py's ASYNC_NORM_RING).
-__host__ __device__ constexpr int mma_stages(bool int8, bool norm) { return int8 ? (norm ? 2 : 3) : (norm ? 3 : 5); }
-constexpr int kMmaAsyncBlocks = 3;
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
@@ -487,11 +456,11 @@ struct MmaPass<true, U, W> {
 };
 
 // kInt8: W8A16 codes (scales per row, applied in store(); zeros and group_shift unused), else int4.
-template <bool kInt8, bool kSilu, bool kNorm, bool kPipe, bool kAsync = false>
+template <bool kInt8, bool kSilu, bool kNorm, bool kPipe>
 __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                          const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                          const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
-                         int group_shift, int silu_f, const NormIn* norm, uint4* ring_words = nullptr) {
+                         int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -502,12 +471,9 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
   const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };
   const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
   constexpr int kW = kInt8 ? 2 : 1;  // 16-byte words of codes a lane loads per row and step
-  static_assert(!(kAsync && kPipe), "the asynchronous kind is not the pipelined one");
-  constexpr int kU = kAsync ? 1 : (kPipe ? kMmaPipeUnroll : kMmaUnroll) / kW;
+  constexpr int kU = (kPipe ? kMmaPipeUnroll : kMmaUnroll) / kW;
   constexpr int kPass = kMmaWarps * kU;  // steps the block's warps load at once
-  // The int4 scales and zeros come with the codes where loads run ahead (pipelined, asynchronous).
-  constexpr bool kAhead = kPipe || (kAsync && !kInt8);
-  using Pass = MmaPass<kAhead, kU, kW>;
+  using Pass = MmaPass<kPipe, kU, kW>;
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
     const int n0 = blk * (kSilu ? 8 : 16);
     const int lo = row_lo(blk), hi = row_hi(blk);
@@ -613,7 +579,7 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
           mma_bf16(sx, ones, ones, ones, ones, b2, b3);
         }
         float s_lo, s_hi, z_lo, z_hi;
-        if constexpr (kAhead) {
+        if constexpr (kPipe) {
           s_lo = p.s_lo[u], s_hi = p.s_hi[u], z_lo = static_cast<float>(p.z_lo[u]), z_hi = static_cast<float>(p.z_hi[u]);
         } else {
           const int grp = (s << 7) >> group_shift;
@@ -626,81 +592,7 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
         acc_hi = fmaf(s_hi, fmaf(-(128.0f + z_hi), sx[2], d[2]), acc_hi);
       }
     };
-    // The warps' sums through shared memory `part`, added and stored by thread 0.
-    const auto finish = [&](float (*part)[16]) {
-      if (t == 0) {
-        part[warp][g] = acc_lo;
-        part[warp][g + 8] = acc_hi;
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float total[16];
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          total[r] = 0.0f;
-          for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
-        }
-        int row[16];  // the same rows as lo and hi above, for the bias
-        block_rows<16>(row, n, silu_f, blk);
-        store<16>(out, total, row, n0, n_out, kInt8 ? scales : nullptr, bias, kSilu);
-      }
-      __syncthreads();  // part[] serves the next group
-    };
-    // Asynchronous: the warp's i-th step (s = warp + i kMmaWarps) goes to stage i % kStages of its
-    // ring: rows lo and hi, kW words a lane each, lane-contiguous (no bank conflicts), one commit
-    // group a step (zeros past K, so the groups stay counted alike).
-    // int4: each step's scales and zeros load into registers as its codes are issued (slot `at` of
-    // a queue that moves down one slot a step, slot 0 the step being computed).
-    constexpr int kStages = mma_stages(kInt8, kNorm);
-    if constexpr (kAsync) {
-      auto ring = reinterpret_cast<uint4(*)[kStages][2 * kW][32]>(ring_words);
-      float q_slo[kStages], q_shi[kStages];
-      uint32_t q_zlo[kStages], q_zhi[kStages];
-      const auto issue = [&](int i, int slot) {
-        const int s = warp + i * kMmaWarps;
-        const bool valid = s < steps;
-        const int at = valid ? s : 0;
-        const uint4* a = reinterpret_cast<const uint4*>(w_lo + at * 64 * kW) + kW * t;
-        const uint4* b = reinterpret_cast<const uint4*>(w_hi + at * 64 * kW) + kW * t;
-        uint4(*stage)[32] = ring[warp][i % kStages];
-#pragma unroll
-        for (int v = 0; v < kW; ++v) {
-          copy_async16(&stage[v][lane], a + v, valid);
-          copy_async16(&stage[kW + v][lane], b + v, valid);
-        }
-        copy_async_commit();
-        if constexpr (!kInt8) {
-          const int grp = (at << 7) >> group_shift;
-          q_slo[slot] = valid ? load_now(s_row_lo + grp) : 0.0f;
-          q_shi[slot] = valid ? load_now(s_row_hi + grp) : 0.0f;
-          q_zlo[slot] = z_row_lo != nullptr && valid ? load_now(z_row_lo + grp) : 8u;
-          q_zhi[slot] = z_row_hi != nullptr && valid ? load_now(z_row_hi + grp) : 8u;
-        }
-      };
-#pragma unroll
-      for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-      first_pass();
-      for (int i = 0; warp + i * kMmaWarps < steps; ++i) {
-        issue(i + kStages - 1, kStages - 1);  // into the stage step i - 1 was read from
-        copy_async_wait<kStages - 1>();  // step i has landed (each lane reads only its own copies)
-        Pass cur;
-        const uint4(*stage)[32] = ring[warp][i % kStages];
-#pragma unroll
-        for (int v = 0; v < kW; ++v) {
-          cur.lo[v] = stage[v][lane];
-          cur.hi[v] = stage[kW + v][lane];
-        }
-        if constexpr (!kInt8) {
-          cur.s_lo[0] = q_slo[0], cur.s_hi[0] = q_shi[0], cur.z_lo[0] = q_zlo[0], cur.z_hi[0] = q_zhi[0];
-#pragma unroll
-          for (int j = 0; j + 1 < kStages; ++j) {
-            q_slo[j] = q_slo[j + 1], q_shi[j] = q_shi[j + 1], q_zlo[j] = q_zlo[j + 1], q_zhi[j] = q_zhi[j + 1];
-          }
-        }
-        compute_pass(warp + i * kMmaWarps, cur);
-      }
-      copy_async_wait<0>();  // the zero fills past K land before the next group reuses the ring
-    } else if constexpr (kPipe) {
+    if constexpr (kPipe) {
       Pass even, odd;  // two passes' registers, by turns (no copies between them)
       load_pass(warp, even);
       first_pass();
@@ -719,13 +611,24 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
         compute_pass(s0, cur);
       }
     }
-    if constexpr (kAsync) {
-      __syncthreads();  // every warp has read the ring: its first words take the warps' sums
-      finish(reinterpret_cast<float(*)[16]>(ring_words));
-    } else {
-      __shared__ float part[kMmaWarps][16];
-      finish(part);
+    __shared__ float part[kMmaWarps][16];
+    if (t == 0) {
+      part[warp][g] = acc_lo;
+      part[warp][g + 8] = acc_hi;
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total[16];
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        total[r] = 0.0f;
+        for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
+      }
+      int row[16];  // the same rows as lo and hi above, for the bias
+      block_rows<16>(row, n, silu_f, blk);
+      store<16>(out, total, row, n0, n_out, kInt8 ? scales : nullptr, bias, kSilu);
+    }
+    __syncthreads();  // part[] serves the next group
   }
 }
 
@@ -756,41 +659,16 @@ __device__ __forceinline__ void gemv_bf16(__nv_bfloat16* out, const uint4* x, co
                                        k, stride_w, silu_f, norm);
 }
 
-// The ring of the asynchronous kind in static shared memory: one per entry, which both of its
-// instantiations below (SiLU product or not) share (each would otherwise get its own); null for the
-// other kinds.
-template <bool kAsync, bool kInt8, bool kNorm>
-__device__ __forceinline__ uint4* mma_ring() {
-  if constexpr (kAsync) {
-    __shared__ uint4 words[kMmaWarps * mma_stages(kInt8, kNorm) * 2 * (kInt8 ? 2 : 1) * 32];
-    return words;
-  } else {
-    return nullptr;
-  }
-}
-
-template <bool kNorm, bool kPipe = false, bool kAsync = false>
+template <bool kNorm, bool kPipe = false>
 __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                              const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                              long long stride_w, long long stride_s, int group_shift, int silu_f,
                                              const NormIn* norm) {
-  uint4* ring = mma_ring<kAsync, false, kNorm>();
   if (silu_f > 0) {
-    gemv_mma<false, true, kNorm, kPipe, kAsync>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
-                                                silu_f, norm, ring);
+    gemv_mma<false, true, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   } else {
-    gemv_mma<false, false, kNorm, kPipe, kAsync>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
-                                                 silu_f, norm, ring);
+    gemv_mma<false, false, kNorm, kPipe>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   }
-}
-
-template <bool kNorm>
-__device__ __forceinline__ void gemv_int4_tc_async(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
-                                                   const float* scales, const uint8_t* zeros,
-                                                   const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                                                   long long stride_s, int group_shift, int silu_f,
-                                                   const NormIn* norm) {
-  gemv_int4_tc<kNorm, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
 }
 
 template <bool kNorm>
@@ -802,26 +680,16 @@ __device__ __forceinline__ void gemv_int4_tc_pipe(__nv_bfloat16* out, const uint
   gemv_int4_tc<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
 }
 
-template <bool kNorm, bool kPipe = false, bool kAsync = false>
+template <bool kNorm, bool kPipe = false>
 __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                               const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
                                               const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
-  uint4* ring = mma_ring<kAsync, true, kNorm>();
   if (silu_f > 0) {
-    gemv_mma<true, true, kNorm, kPipe, kAsync>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm,
-                                               ring);
+    gemv_mma<true, true, kNorm, kPipe>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   } else {
-    gemv_mma<true, false, kNorm, kPipe, kAsync>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f,
-                                                norm, ring);
+    gemv_mma<true, false, kNorm, kPipe>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   }
-}
-
-template <bool kNorm>
-__device__ __forceinline__ void gemv_w8a16_tc_async(__nv_bfloat16* out, const uint4* x, const int8_t* w,
-                                                    const float* scales, const __nv_bfloat16* bias, int n, int k,
-                                                    long long stride_w, int silu_f, const NormIn* norm) {
-  gemv_w8a16_tc<kNorm, false, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
 }
 
 template <bool kNorm>
@@ -838,12 +706,12 @@ __device__ __forceinline__ void gemv_w8a16_tc_pipe(__nv_bfloat16* out, const uin
 // memory, K <= MAX_NORM_K in gemv.py) and writes res + delta to res_out when delta is given. The remaining
 // parameters are the same; a _norm grid may be smaller than the number of output groups.
 #define MGX_UNPAREN(...) __VA_ARGS__
-#define MGX_GEMV_ENTRIES(NAME, BOUNDS, FN, PARAMS, ARGS)                                                           \
-  extern "C" __global__ void __launch_bounds__(MGX_UNPAREN BOUNDS)                                                \
+#define MGX_GEMV_ENTRIES(NAME, THREADS, FN, PARAMS, ARGS)                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME)(__nv_bfloat16* out, const __nv_bfloat16* x, MGX_UNPAREN PARAMS) {                           \
     mgx_gemv::FN<false>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS, nullptr);                       \
   }                                                                                                               \
-  extern "C" __global__ void __launch_bounds__(MGX_UNPAREN BOUNDS)                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME##_norm)(__nv_bfloat16* out, __nv_bfloat16* res_out, const __nv_bfloat16* res,                \
                              const __nv_bfloat16* delta, const __nv_bfloat16* g, float eps, MGX_UNPAREN PARAMS) { \
     extern __shared__ uint4 xs[];                                                                                 \
@@ -853,56 +721,41 @@ __device__ __forceinline__ void gemv_w8a16_tc_pipe(__nv_bfloat16* out, const uin
 
 // out [N] (or [F] with silu_f = F > 0, W holding 2F rows: gate then up) from x [K]; bias [N] or null;
 // zeros null for symmetric int4; stride_w in bytes. Grid: ceil(outputs / 4) blocks (2 with silu_f) of blockDim.x threads.
-MGX_GEMV_ENTRIES(mgx_gemv_int4_bf16, (mgx_gemv::kMaxThreads), gemv_int4,
+MGX_GEMV_ENTRIES(mgx_gemv_int4_bf16, mgx_gemv::kMaxThreads, gemv_int4,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
 
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_bf16, (mgx_gemv::kMaxThreads), gemv_w8a16,
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_bf16, mgx_gemv::kMaxThreads, gemv_w8a16,
                  (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
                   int silu_f),
                  (w, scales, bias, n, k, stride_w, silu_f))
 
-MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, (mgx_gemv::kMaxThreads), gemv_bf16,
+MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, mgx_gemv::kMaxThreads, gemv_bf16,
                  (const __nv_bfloat16* w, const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f),
                  (w, bias, n, k, stride_w, silu_f))
 
 // The tensor-core int4 GEMV: groups of a multiple of 128, K % 128 == 0, 16-byte aligned rows. Grid:
 // ceil(outputs / 16) blocks (8 with silu_f) of kMmaWarps warps.
-MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, (mgx_gemv::kMmaWarps * 32), gemv_int4_tc,
+MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
 
 // The same, pipelined (kPipe above): kind mma_pipelined.
-MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, (mgx_gemv::kMmaWarps * 32), gemv_int4_tc_pipe,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
-
-// The same streamed through shared memory (kAsync above): kind mma_async.
-MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_async_bf16, (mgx_gemv::kMmaWarps * 32, mgx_gemv::kMmaAsyncBlocks),
-                 gemv_int4_tc_async,
+MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc_pipe,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
 
 // The tensor-core W8A16 GEMV (kinds mma, mma_persistent) and its pipelined twin (mma_pipelined): K %
 // 128 == 0, 16-byte aligned rows; grid and blocks as the int4 ones.
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_bf16, (mgx_gemv::kMmaWarps * 32), gemv_w8a16_tc,
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc,
                  (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
                   int silu_f),
                  (w, scales, bias, n, k, stride_w, silu_f))
 
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_pipe_bf16, (mgx_gemv::kMmaWarps * 32), gemv_w8a16_tc_pipe,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
-
-// The same streamed through shared memory (kAsync above): kind mma_async, sm_80 and newer, at most
-// 64 registers a thread so that kMmaAsyncBlocks blocks fit an SM.
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_async_bf16, (mgx_gemv::kMmaWarps * 32, mgx_gemv::kMmaAsyncBlocks),
-                 gemv_w8a16_tc_async,
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc_pipe,
                  (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
                   int silu_f),
                  (w, scales, bias, n, k, stride_w, silu_f))

@@ -1,14 +1,11 @@
 """Launching the native GEMV (``gemv.cu``): one bf16 activation row times int4, W8A16 or dense bf16
 weights, optionally fused with the SiLU-gated product of a gate/up projection.
 
-Five kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
+Four kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` on the tensor
 cores (int4 with groups of a multiple of 128, and W8A16; K a multiple of 128, sm_80 and newer), ``mma_persistent``, the same
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
 weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
-issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones,
-and ``mma_async`` (its own entry), whose warps stream their codes through a ring of steps in shared
-memory (``cp.async``), so that the codes in flight take no registers (int4 scales and zeros load
-into registers as their codes are issued).
+issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones.
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -32,14 +29,13 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ASYNC_NORM_RING", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv",
-           "gemv_applies", "gemv_threads", "norm_row_fits"]  # fmt: skip
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
+           "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "mma_async")
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined")
 # kind -> the entry it launches (ENTRIES' first key)
-_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe",
-               "mma_async": "mma_async"}  # fmt: skip
-_MMA = ("mma", "mma_pipe", "mma_async")  # the tensor-core entries: 16 outputs a block, 128-column steps
+_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe"}
+_MMA = ("mma", "mma_pipe")  # the tensor-core entries: 16 outputs a block, 128-column steps
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -48,8 +44,6 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma_pipe", "int4"): f"mgx_gemv_int4_mma_pipe_bf16_v{KERNEL_ABI}",
     ("mma", "w8a16"): f"mgx_gemv_w8a16_mma_bf16_v{KERNEL_ABI}",
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
-    ("mma_async", "w8a16"): f"mgx_gemv_w8a16_mma_async_bf16_v{KERNEL_ABI}",
-    ("mma_async", "int4"): f"mgx_gemv_int4_mma_async_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -60,8 +54,6 @@ LABELS = {  # how the engine's kernel note names them
     ("mma_pipe", "int4"): "pipelined int4 tensor-core GEMV",
     ("mma", "w8a16"): "w8a16 tensor-core GEMV",
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
-    ("mma_async", "w8a16"): "asynchronous w8a16 tensor-core GEMV",
-    ("mma_async", "int4"): "asynchronous int4 tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
@@ -104,19 +96,6 @@ class NormPrologue:
         return self.total is None or all(
             t is None or self.total.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in (x, self.delta)
         )
-
-
-# Static shared memory of the mma_async _norm twins' rings (gemv.cu: mma_stages(int8, true) steps of
-# 8 warps x 2 rows x 32 lanes x 16 bytes x words a lane): the row of x they normalize must fit beside
-# it in the 48 KB a block may have without opting in (1 KB kept for the rest of their static memory).
-ASYNC_NORM_RING = {"w8a16": 2 * 8 * 2 * 32 * 16 * 2, "int4": 3 * 8 * 2 * 32 * 16}
-STATIC_SHARED_LIMIT = 48 * 1024
-
-
-def norm_row_fits(base: str, scheme: str, k: int) -> bool:
-    """Whether a _norm entry of ``base`` (an ENTRIES kind) has room for its row of K bf16 columns."""
-    ring = ASYNC_NORM_RING.get(scheme, 0) if base == "mma_async" else 0
-    return 2 * k + ring + (1024 if ring else 0) <= STATIC_SHARED_LIMIT
 
 
 def gemv_threads(k: int) -> int:
@@ -165,7 +144,7 @@ def gemv_applies(
         return False
     if w.scales is not None and (w.scales.stride(-1) != 1 or (w.zeros is not None and w.zeros.stride(-1) != 1)):
         return False
-    if norm is not None and not (norm.applies(x) and norm_row_fits(base, w.scheme, w.k)):
+    if norm is not None and not norm.applies(x):
         return False
     return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 

@@ -27,33 +27,19 @@ COMPILED = tl.constexpr(not _INTERPRETING)
 
 
 _OVERLAP = contextvars.ContextVar("mgx_triton_overlap", default=False)
-_PREFETCH = contextvars.ContextVar("mgx_triton_prefetch", default=0)
 
 
 @contextlib.contextmanager
-def overlapped_launches(on: bool, prefetch: int = 0) -> Iterator[None]:
+def overlapped_launches(on: bool) -> Iterator[None]:
     """Inside it, the kernels that take ``overlap_options()`` (the linear, decode attention and LM
     head kernels) are launched overlapped: programmatic dependent launches (sm_90 and newer), each
     letting the next kernel start and waiting for the one before it first (``overlap_start``).
-    Never in the interpreter.
-
-    ``prefetch`` (bytes, a power of two; 0: none): overlapped, each program of the one-row linear
-    kernels first asks L2 for up to that many bytes of its weights, which no kernel before it
-    writes, and only then waits (``prefetch_weights``)."""
-    on = bool(on) and not _INTERPRETING
-    if prefetch < 0 or prefetch & (prefetch - 1):
-        raise ValueError(f"prefetch must be 0 or a power of two of bytes, got {prefetch}")
-    token, token_pf = _OVERLAP.set(on), _PREFETCH.set(int(prefetch) if on else 0)
+    Never in the interpreter."""
+    token = _OVERLAP.set(bool(on) and not _INTERPRETING)
     try:
         yield
     finally:
         _OVERLAP.reset(token)
-        _PREFETCH.reset(token_pf)
-
-
-def prefetch_bytes() -> int:
-    """The weight bytes per program that overlapped one-row linear launches prefetch (0: none)."""
-    return _PREFETCH.get()
 
 
 def overlap_options() -> dict[str, Any]:
@@ -69,21 +55,6 @@ def overlap_start(OVERLAP: tl.constexpr):
     if OVERLAP:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte line of each of ``ptrs`` where ``mask`` holds (``prefetch.global.L2``:
-    nothing comes back, nothing waits). Compiled only; the interpreter skips it."""
-    if COMPILED:
-        tl.inline_asm_elementwise(
-            asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            constraints="=r,l,r",
-            args=[ptrs, mask.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 def interpreting() -> bool:

@@ -35,8 +35,6 @@ from ._common import (
     next_pow2,
     overlap_options,
     overlap_start,
-    prefetch_bytes,
-    prefetch_l2,
     round_as,
     rows_of,
 )
@@ -585,48 +583,6 @@ def _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, 
 
 
 @triton.jit
-def _k_share(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns [k_lo, k_hi) of this program's share of K (program axis 2 of SPLIT_K): whole BLOCK_K
-    tiles, so EVEN still holds per share."""
-    if SPLIT_K == 1:
-        return 0, K
-    span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = tl.program_id(2) * span
-    return k_lo, tl.minimum(K, k_lo + span)
-
-
-@triton.jit
-def _weight_lines(
-    stride_w, N, K, row0, SCHEME: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-):  # fmt: skip
-    """Element offsets from W's start [BLOCK_N, PF_LINES] and their mask: the first PF_LINES lines
-    (PF_STEP elements apart) of this program's share of each of its rows, rows row0 + its rn. The
-    shares are ``_linear_kernel``'s (SPLIT_K programs along K); an int4 row holds K / 2 bytes."""
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo, k_hi = _k_share(K, SPLIT_K, BLOCK_K)
-    if SCHEME == 2:  # two codes a byte
-        k_lo = k_lo // 2
-        k_hi = k_hi // 2
-    col = k_lo + tl.arange(0, PF_LINES) * PF_STEP
-    offs = (rn + row0).to(tl.int64)[:, None] * stride_w + col[None, :]
-    return offs, (rn < N)[:, None] & (col < k_hi)[None, :]
-
-
-@triton.jit
-def prefetch_weights(
-    w_ptr, stride_w, N, K, SCHEME: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-):  # fmt: skip
-    """Ask L2 for the start of this program's weights (with SILU_MUL, of its gate and its up rows)."""
-    offs, mask = _weight_lines(stride_w, N, K, 0, SCHEME, SPLIT_K, BLOCK_N, BLOCK_K, PF_LINES, PF_STEP)
-    prefetch_l2(w_ptr + offs, mask)
-    if SILU_MUL:
-        offs, mask = _weight_lines(stride_w, N, K, N, SCHEME, SPLIT_K, BLOCK_N, BLOCK_K, PF_LINES, PF_STEP)
-        prefetch_l2(w_ptr + offs, mask)
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, sq_ptr, nw_ptr,
     M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om, stride_rm, n_sq, eps,
@@ -635,17 +591,12 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP: tl.constexpr, FAST_CVT: tl.constexpr, OVERLAP: tl.constexpr,
     RES_SQ: tl.constexpr, NORM_IN: tl.constexpr, NORM_W: tl.constexpr, BLOCK_SQ: tl.constexpr,
-    PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
 ):  # fmt: skip
     # With SILU_MUL, W has 2N rows (gate rows, then up rows) and out = silu(x @ Wg^T) * (x @ Wu^T).
     # m varies fastest across programs, so the programs that share a weight tile run together.
     # RES_SQ (``linear_add_squares``): the residual is added in the epilogue and the rows' partial
     # sums of squares stored; NORM_IN (``linear(norm=)``, the GEMV only): x is the RMSNorm's input,
     # normalized as loaded with 1/rms from the n_sq partial sums its producer stored.
-    # PF_LINES (launched overlapped, ``prefetch_bytes``): the weights depend on no kernel before this
-    # one, so their first lines are asked of L2 before the wait, while that kernel finishes.
-    if PF_LINES > 0:
-        prefetch_weights(w_ptr, stride_w, N, K, SCHEME, SILU_MUL, SPLIT_K, BLOCK_N, BLOCK_K, PF_LINES, PF_STEP)
     overlap_start(OVERLAP)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -653,7 +604,13 @@ def _linear_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    k_lo, k_hi = _k_share(K, SPLIT_K, BLOCK_K)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:  # this program's share of K: whole BLOCK_K tiles, so EVEN still holds per share
+        span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = tl.program_id(2) * span
+        k_hi = tl.minimum(K, k_lo + span)
     rstd = 1.0
     if NORM_IN:
         j = tl.arange(0, BLOCK_SQ)
@@ -946,27 +903,10 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         SPLIT_K=split_k, SWAP=swap, FAST_CVT=not interpreting(), RES_SQ=residual is not None,
         NORM_IN=norm is not None, NORM_W=norm is not None and norm.weight is not None, BLOCK_SQ=block_sq,
         num_warps=cfg.num_warps, num_stages=num_stages, **overlap_options(),
-        **_prefetch_options(w, silu_mul, use_dot and not swap, cfg.block_n),
     )  # fmt: skip
     if residual is not None:
         return out, RowSquares(sq, grid[1])
     return out
-
-
-PREFETCH_SCHEMES = ("none", "w8a16", "int4")  # row-major codes (the 2:4 layouts are not prefetched)
-PREFETCH_LINE = 128  # bytes of the L2 line a prefetch brings
-
-
-def _prefetch_options(w: GpuWeight, silu_mul: bool, gemm: bool, block_n: int) -> dict[str, int]:
-    """PF_LINES and PF_STEP of a launch: the lines a row of the program's weights to prefetch, so
-    that its rows (gate and up: twice block_n) take ``prefetch_bytes()`` together (at least a line
-    each), and the elements a line holds. No lines for the tile GEMM (many rows: the weights are read
-    while the activations are, not the start's latency) or the 2:4 layouts."""
-    total = prefetch_bytes()
-    if not total or gemm or w.scheme not in PREFETCH_SCHEMES or w.weight.stride(-1) != 1:
-        return {"PF_LINES": 0, "PF_STEP": 1}
-    rows = block_n * (2 if silu_mul else 1)
-    return {"PF_LINES": max(1, total // (rows * PREFETCH_LINE)), "PF_STEP": PREFETCH_LINE // w.weight.element_size()}
 
 
 def runs_gemv(m: int, w: GpuWeight, config: LinearConfig | None, dtype: torch.dtype) -> bool:

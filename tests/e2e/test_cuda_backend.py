@@ -114,37 +114,6 @@ def test_interpreted_norm_across_skips_w8a16_and_dense_readers(model: str, pipel
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize(("switch", "size", "want"), [(None, None, 0), ("1", None, 16384), ("1", "4096", 4096), ("0", "4096", 0)])
-def test_interpreted_weight_prefetch_switch_reaches_the_launches(switch, size, want, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """MGX_CUDA_PREFETCH=1 (off by default) hands the launches of a step the prefetch size
-    (MGX_CUDA_PREFETCH_BYTES, default ``PREFETCH_BYTES``), and the reference's logits stay."""
-    from mgx.runtime import backend_cuda
-
-    for name, value in (("MGX_CUDA_PREFETCH", switch), ("MGX_CUDA_PREFETCH_BYTES", size)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    sizes: list[int] = []
-    real = backend_cuda.overlapped_launches
-    monkeypatch.setattr(backend_cuda, "overlapped_launches", lambda on, prefetch=0: sizes.append(prefetch) or real(on, prefetch))
-    graph = compiled("gqa", "dense")
-    backend = CUDABackend(graph, device="cpu", dtype="f32")
-    assert backend.prefetch_weights is (switch == "1")
-    _check_one_row_steps(graph, backend, steps=2)
-    assert sizes and set(sizes) == {want}
-
-
-@pytest.mark.parametrize("size", ["1000", "64", "-128", "lots"])
-def test_a_bad_weight_prefetch_size_is_refused_by_name(size: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgx.runtime import backend_cuda
-
-    monkeypatch.setenv("MGX_CUDA_PREFETCH_BYTES", size)
-    with pytest.raises(ValueError, match=f"MGX_CUDA_PREFETCH_BYTES must be a power of two of at least 128, got '{size}'"):
-        backend_cuda._prefetch_bytes_from_env()
-
-
-@pytest.mark.interpreted
 def test_interpreted_norm_across_switched_off_runs_the_norm_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """MGX_CUDA_NORM_ACROSS=0: one-row steps run the add + RMSNorm kernel between the projections
     again (no projection adds the residual or normalizes its input), with the reference's logits."""

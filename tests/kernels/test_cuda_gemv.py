@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from mgx.kernels.cuda import gemv as cg  # noqa: E402
-from mgx.kernels.cuda.build import find_nvcc  # noqa: E402
 from mgx.kernels.triton.testing import make_weight  # noqa: E402
 
 
@@ -43,8 +42,7 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
-                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"),
-                               ("mma_async", "w8a16"), ("mma_async", "int4")}  # fmt: skip
+                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -70,46 +68,12 @@ def test_rmsnorm_prologue_operands_and_entry_names() -> None:
         assert cg.NORM_ENTRIES[key] == f"{base}_norm_v{version}"
 
 
-def test_async_norm_twins_take_only_rows_that_fit_beside_their_ring() -> None:
-    """The mma_async _norm twins keep their ring in static shared memory (W8A16 32 KB, int4 24 KB):
-    with 1 KB for the rest, the row of x (2 bytes a column) must fit in the 48 KB left, so W8A16
-    takes K up to 7,680 there and int4 up to the prologue's own limit; the other kinds any K."""
-    assert cg.ASYNC_NORM_RING == {"w8a16": 32768, "int4": 24576}
-    assert cg.norm_row_fits("mma_async", "w8a16", 7680) and not cg.norm_row_fits("mma_async", "w8a16", 7808)
-    assert cg.norm_row_fits("mma_async", "int4", cg.MAX_NORM_K)
-    assert cg.norm_row_fits("mma", "w8a16", cg.MAX_NORM_K) and cg.norm_row_fits("gemv", "none", cg.MAX_NORM_K)
-
-
-@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
-def test_async_norm_rings_are_the_static_shared_memory_the_entries_declare() -> None:
-    """ASYNC_NORM_RING against what nvcc gives the _norm twins for sm_80 (cuobjdump's SHARED: the
-    ring and the prologue's 32 bytes of partial sums), so the two cannot drift apart."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-
-    from mgx.kernels.cuda.build import build_cuda_kernels
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(build_cuda_kernels("sm_80"))
-        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    shared = {name: int(b) for name, b in re.findall(r"Function (\w+):\s*REG:\d+ STACK:\d+ SHARED:(\d+)", usage)}
-    for scheme, ring in cg.ASYNC_NORM_RING.items():
-        assert shared[cg.NORM_ENTRIES["mma_async", scheme]] == ring + 32, scheme
-
-
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
-    ``mma_pipelined`` and ``mma_async`` have an entry (and twin) of their own."""
-    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "mma_async")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "mma_async"}
-    assert set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    ``mma_pipelined`` has an entry (and twin) of its own."""
+    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined")
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
 
 
 def _constant(source: str, pattern: str) -> int:
