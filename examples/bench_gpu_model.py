@@ -157,7 +157,8 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
 
     t0 = time.perf_counter()
     records, tunings, images = [], {}, {}
-    # "<scheme>-fused": the same passes, autotune timing the norm across projections as they run (fused: true).
+    # "<scheme>-fused": the same passes, autotune timing the norm across projections as they run (fused:
+    # true); bench_mgx runs it with norm across for dense readers (MGX_CUDA_NORM_ACROSS_DENSE's switch).
     base, fused = scheme.removesuffix("-fused"), scheme.endswith("-fused")
     steps = [("fuse_qkv", {}), ("fuse_gate_up", {}), *SCHEME_PASSES[base], ("reorder_weights", {})]
     if DEVICE == "cuda" and find_nvcc() is not None:
@@ -240,6 +241,8 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
                                                               kv_memory=args.kv_memory))  # fmt: skip
     sync()
     load_s = time.perf_counter() - t0
+    if scheme.endswith("-fused"):  # its configurations were timed as norm across runs dense readers
+        engine.runner.backend.norm_across_dense = True
     up = engine.runner.backend.upload_stats
     row = {"engine": f"mgx {scheme}", "load_s": load_s, "upload_gb_s": up.gb_per_s, "weight_bytes": up.bytes}
     row["tunings"], row["kernels"] = engine.tuning_note, engine.kernels_note
