@@ -112,8 +112,10 @@ def native_report(arch: str, match: str) -> list[str]:
     for name, body in sorted(zip(parts[1::2], parts[2::2])):
         if match in name:
             r, st = regs.get(name, (-1, -1))
-            found = sorted(((sum(ops.values()), ops["HMMA"], ops["LDG"]) for ops in loops(body, own=True)), reverse=True)
-            sizes = ", ".join(f"{n} (HMMA {h}, LDG {ld})" if h else str(n) for n, h, ld in found if n >= 20)
+            found = sorted(((sum(ops.values()), ops["HMMA"], ops["IMMA"], ops["LDG"]) for ops in loops(body, own=True)),
+                           reverse=True)  # fmt: skip
+            sizes = ", ".join(f"{n} ({'HMMA' if h else 'IMMA'} {h or i}, LDG {ld})" if h or i else str(n)
+                              for n, h, i, ld in found if n >= 20)  # fmt: skip
             lines.append(f"{name}: {r} registers, {st} bytes of stack; loops {sizes or 'none'}")
     return lines
 

@@ -455,6 +455,34 @@ struct MmaPass<true, U, W> {
   uint32_t z_lo[U], z_hi[U];
 };
 
+// The end of a tensor-core GEMV's output group: lanes t = 0 of every warp hold the partial sums of
+// rows g (acc_lo) and g + 8 (acc_hi) over the warp's steps; the block adds them up through shared
+// memory and thread 0 stores the group (row_scale: W8A16's, else null). Every thread of the block
+// calls it; it returns once part[] may serve the next group.
+__device__ __forceinline__ void finish_group(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
+                                             int n, int silu_f, const float* __restrict__ row_scale,
+                                             const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
+  __shared__ float part[kMmaWarps][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+  if ((lane & 3) == 0) {
+    part[warp][g] = acc_lo;
+    part[warp][g + 8] = acc_hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      total[r] = 0.0f;
+      for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
+    }
+    int row[16];  // the rows the group's lanes read, for the bias and the row scales
+    const int n0 = block_rows<16>(row, n, silu_mul ? silu_f : 0, blk);
+    store<16>(out, total, row, n0, silu_mul ? silu_f : n, row_scale, bias, silu_mul);
+  }
+  __syncthreads();  // part[] serves the next group
+}
+
 // kInt8: W8A16 codes (scales per row, applied in store(); zeros and group_shift unused), else int4.
 template <bool kInt8, bool kSilu, bool kNorm, bool kPipe>
 __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
@@ -475,7 +503,6 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
   constexpr int kPass = kMmaWarps * kU;  // steps the block's warps load at once
   using Pass = MmaPass<kPipe, kU, kW>;
   for (int blk = blockIdx.x; blk < groups; blk += gridDim.x) {  // as in gemv_rows
-    const int n0 = blk * (kSilu ? 8 : 16);
     const int lo = row_lo(blk), hi = row_hi(blk);
     const uint8_t* w_lo = w + lo * stride_w;
     const uint8_t* w_hi = w + hi * stride_w;
@@ -611,24 +638,285 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
         compute_pass(s0, cur);
       }
     }
-    __shared__ float part[kMmaWarps][16];
-    if (t == 0) {
-      part[warp][g] = acc_lo;
-      part[warp][g + 8] = acc_hi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total[16];
+    finish_group(out, acc_lo, acc_hi, blk, n, silu_f, kInt8 ? scales : nullptr, bias, kSilu);
+  }
+}
+
+// ---- W8A16 on the integer tensor cores (kind imma) -------------------------------------------------
+//
+// The int8 codes enter mma.m16n8k32.s8.u8 as loaded: nothing decodes them, and no register moves
+// build A's fragments. x is made integer instead, per 128-column step: with e the exponent field of
+// the step's largest |x|, the FFMA x 2^(148 - e) + 1.5 2^23 leaves U = X + 2^22 in the low 23 bits,
+// X = rn(x 2^(148 - e)) below 2^22 in magnitude -- exact for every x within 2^14 of the largest, the
+// rest rounded at 2^-23 of it -- and U's three bytes are u8 columns of B, with a column of ones beside
+// them: sum q X = D0 + 2^8 D1 + 2^16 (D3 - 64 D2) (columns: byte 0, byte 1, ones, byte 2), each D below
+// 2^24 in magnitude (64 products a step of |q| <= 128 and bytes <= 255), so every part converts to
+// fp32 exactly. A's 16 rows are 8 rows of W twice: A-row g takes columns 16 t + 0..3 and 8..11 of W's
+// row g, A-row g + 8 columns 16 t + 4..7 and 12..15 of the same row, so the 16 bytes lane (g, t)
+// loads from row g are its A fragment as they are; B's columns 0-3 hold the first part's x, 4-7 the
+// second's (the x 4 columns on), and D[g][0..3] + D[g + 8][4..7] is row g's sum. A quad's lane t holds
+// D columns 2t and 2t + 1 of both A-rows and weighs the useful pair (even t: 1 and 2^8; odd t: (top -
+// 64 ones) by 2^16); the step's value times 2^(e - 148) adds to an fp32 total, the quad's lanes add
+// at the end and the row's scale multiplies once (store()). An x that is Inf or NaN makes its step's
+// factor NaN: the outputs are NaN, as a dense product's would be.
+// A warp takes 16 rows of W as two such sets (rows g and g + 8 of the group, as the other tensor-core
+// GEMVs) against the same B, converts the x of its own steps (each lane four columns), passes the bytes
+// through its shared buffer into B's layout, and keeps its next pass of codes and x in flight while it
+// computes (as mma_pipelined), also across the end of a group (imma_finish: no block barrier).
+#ifndef MGX_IMMA_UNROLL
+#define MGX_IMMA_UNROLL 1
+#endif
+#ifndef MGX_IMMA_WARPS
+#define MGX_IMMA_WARPS 8
+#endif
+constexpr int kImmaUnroll = MGX_IMMA_UNROLL;  // steps per pass (two passes' registers); 2 was slower on the H200
+constexpr int kImmaWarps = MGX_IMMA_WARPS;    // warps per block (gemv.py's IMMA_THREADS / 32)
+constexpr int kImmaBuffer = 640;   // bytes of a warp's buffer: B's four distinct columns of 128 bytes, offset
+
+// Where B column c (0: byte 0, 1: byte 1, 2: ones, 3: byte 2) starts in a warp's buffer: the offsets
+// make a warp's LDS.64 of all eight columns free of bank conflicts.
+__device__ __forceinline__ int imma_column(int c) { return 128 * c + 8 * (c & 1) + 64 * (c >> 1); }
+
+__device__ __forceinline__ void mma_s8u8(int (&d)[4], uint4 a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // m16n8k32 integer MMA needs sm_80; the launcher never picks this kernel on older GPUs
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xFFFFFFFFu, v);
+#else
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        total[r] = 0.0f;
-        for (int i = 0; i < kMmaWarps; ++i) total[r] += part[i][r];
-      }
-      int row[16];  // the same rows as lo and hi above, for the bias
-      block_rows<16>(row, n, silu_f, blk);
-      store<16>(out, total, row, n0, n_out, kInt8 ? scales : nullptr, bias, kSilu);
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+#endif
+}
+
+// Columns 4 l .. 4 l + 3 of x (two words of bf16), in written order with the codes' loads.
+template <bool kShared>
+__device__ __forceinline__ uint2 x_quad(const uint4* __restrict__ x, int l) {
+  if constexpr (kShared) {
+    return reinterpret_cast<const uint2*>(x)[l];
+  } else {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(reinterpret_cast<const uint2*>(x) + l));
+    return v;
+  }
+}
+
+// Lane l's part of a step: its four x (columns 4 l ..) as bytes of B's columns 0, 1 and 3 in the warp's
+// buffer, each 16 columns' words in the order 0, 2, 1, 3 (a part's two words side by side); returns the
+// step's factor 2^(e - 148) (NaN: Inf or NaN in the step's x). Every lane of the warp calls it.
+__device__ __forceinline__ float imma_stage_x(uint8_t* buf, uint2 xv, int lane) {
+  uint32_t m = __vmaxu2(xv.x & 0x7FFF7FFFu, xv.y & 0x7FFF7FFFu);  // |x| as bits, ordered as the values
+  m = warp_max(max(m & 0xFFFFu, m >> 16));
+  const int e = static_cast<int>(m >> 7);  // bf16 exponent field of the largest |x|
+  const int ec = max(e, 22);               // below (zero, tiny x): 2^126 keeps the factor finite
+  const float up = __uint_as_float(static_cast<uint32_t>(275 - ec) << 23);  // 2^(148 - ec)
+  constexpr float kMagic = 12582912.0f;   // 1.5 2^23: the sum's low 23 bits are 2^22 + rn(x up)
+  const uint32_t u0 = __float_as_uint(fmaf(lo_bf16(xv.x), up, kMagic));
+  const uint32_t u1 = __float_as_uint(fmaf(hi_bf16(xv.x), up, kMagic));
+  const uint32_t u2 = __float_as_uint(fmaf(lo_bf16(xv.y), up, kMagic));
+  const uint32_t u3 = __float_as_uint(fmaf(hi_bf16(xv.y), up, kMagic));
+  const uint32_t p01 = __byte_perm(u0, u1, 0x5140), p23 = __byte_perm(u2, u3, 0x5140);  // bytes 0, 0', 1, 1'
+  const int at = 16 * (lane >> 2) + 4 * (((lane & 1) << 1) | ((lane >> 1) & 1));
+  __syncwarp();  // the warp's reads of the last step are done
+  *reinterpret_cast<uint32_t*>(buf + imma_column(0) + at) = __byte_perm(p01, p23, 0x5410);
+  *reinterpret_cast<uint32_t*>(buf + imma_column(1) + at) = __byte_perm(p01, p23, 0x7632);
+  *reinterpret_cast<uint32_t*>(buf + imma_column(3) + at) = __byte_perm(__byte_perm(u0, u1, 0x0062), __byte_perm(u2, u3, 0x0062), 0x5410);
+  __syncwarp();
+  return e == 255 ? __uint_as_float(0x7FC00000u) : __uint_as_float(static_cast<uint32_t>(ec - 21) << 23);
+}
+
+// Warp `warp`'s buffer (one array per kernel, whichever instantiation asks).
+__device__ __forceinline__ uint8_t* imma_buffer(int warp) {
+  __shared__ __align__(16) uint8_t buffers[kImmaWarps][kImmaBuffer];
+  return buffers[warp];
+}
+
+// Lane t's share of one set's step sums d (see above): its useful pair of D columns (lo, hi), as
+// fp32 hi' * c_hi + lo * c_lo with hi' = hi - m * lo; (m, c_lo, c_hi) = (0, 1, 2^8) for even t and
+// (64, 0, 2^16) for odd t (ImmaLane).
+struct ImmaLane {
+  int m;
+  float c_lo, c_hi;
+  bool second;  // t >= 2: the pair is D[g + 8][..], the second part's
+};
+
+__device__ __forceinline__ float imma_value(const int (&d)[4], const ImmaLane& l) {
+  const int lo = l.second ? d[2] : d[0], hi = l.second ? d[3] : d[1];
+  return fmaf(static_cast<float>(hi - l.m * lo), l.c_hi, static_cast<float>(lo) * l.c_lo);
+}
+
+// The end of an imma output group without a block barrier: each warp leaves its partial sums (rows g
+// and g + 8 in lanes t = 0) in the group's half of `ImmaTally` and counts itself in; the warp that
+// arrives last adds the partials in warp order (the same sums whichever warp it is) and stores the
+// group, one output a lane, while the others go on to their next group. Groups alternate halves; a
+// warp waits before it writes a half only while that half's group before is not yet stored.
+struct ImmaTally {
+  float part[2][kImmaWarps][16];
+  int arrived[2];
+  int stored[2];  // groups of that half stored so far
+};
+
+__device__ __forceinline__ ImmaTally& imma_tally() {
+  __shared__ ImmaTally tally;
+  return tally;
+}
+
+__device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
+                                            int use, int n, int silu_f, const float* __restrict__ row_scale,
+                                            const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
+  ImmaTally& tally = imma_tally();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, h = use & 1;
+  if (lane == 0) {  // this half's group before must be stored: its partials are read until then
+    while (atomicAdd(&tally.stored[h], 0) < (use >> 1)) {
     }
-    __syncthreads();  // part[] serves the next group
+  }
+  __syncwarp();
+  if ((lane & 3) == 0) {
+    tally.part[h][warp][g] = acc_lo;
+    tally.part[h][warp][g + 8] = acc_hi;
+  }
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) {
+    __threadfence_block();
+    last = atomicAdd(&tally.arrived[h], 1) == kImmaWarps - 1;
+    __threadfence_block();
+  }
+  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+  float v = 0.0f;
+  if (lane < 16) {
+    for (int i = 0; i < kImmaWarps; ++i) v += tally.part[h][i][lane];
+  }
+  const int per = silu_mul ? 8 : 16, n_out = silu_mul ? silu_f : n, n0 = blk * per;
+  const int i = min(n0 + lane % per, n_out - 1);  // as block_rows<16>
+  const int row = silu_mul && lane >= 8 ? silu_f + i : i;
+  if (lane < 16) {
+    if (row_scale != nullptr) v *= row_scale[row];
+    if (bias != nullptr) v += __bfloat162float(bias[row]);
+  }
+  const float up = __shfl_down_sync(0xFFFFFFFFu, v, 8);  // lane r < 8: row r + 8's total
+  if (silu_mul) {
+    if (lane < 8 && n0 + lane < n_out) out[n0 + lane] = __float2bfloat16_rn(silu_times(v, up));
+  } else if (lane < 16 && n0 + lane < n_out) {
+    out[n0 + lane] = __float2bfloat16_rn(v);
+  }
+  __syncwarp();
+  if (lane == 0) {
+    tally.arrived[h] = 0;
+    __threadfence_block();
+    atomicAdd(&tally.stored[h], 1);
+  }
+}
+
+template <bool kSilu, bool kNorm>
+__device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
+                          const float* __restrict__ scales, const __nv_bfloat16* __restrict__ bias, int n, int k,
+                          long long stride_w, int silu_f, const NormIn* norm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n_out = kSilu ? silu_f : n;
+  const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
+  const int steps = k >> 7;
+  uint8_t* buf = imma_buffer(warp);
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones (sum q)
+  if (threadIdx.x < 4) (&imma_tally().arrived[0])[threadIdx.x] = 0;  // arrived[2], stored[2]
+  __syncthreads();
+  // Lane (g, t) reads B column g % 4 of part g / 4 (a warp's LDS.64 covers all eight).
+  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
+  const ImmaLane weigh{(t & 1) ? 64 : 0, (t & 1) ? 0.0f : 1.0f, (t & 1) ? 65536.0f : 256.0f, t >= 2};
+  const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };  // as gemv_mma
+  const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
+  constexpr int kU = kImmaUnroll;
+  constexpr int kPass = kImmaWarps * kU;
+  struct Pass {
+    uint4 lo[2 * kU], hi[2 * kU];  // step u's bytes 16 t .. and 64 + 16 t .. of rows lo and hi at 2 u, 2 u + 1
+    uint2 xv[kU];
+  };
+  // A warp's passes run as one stream over the block's groups (b, b + grid, ...; its passes of a group
+  // at steps warp, warp + kPass, ...): the next pass is loaded before the current one is computed, also
+  // across the end of a group, whose sums the block then adds and stores while those loads are on
+  // their way. A warp with no step in a group (K below 128 x 8) still takes one empty pass of it.
+  const auto next = [&](int b, int s0) { return s0 + kPass < steps ? make_int2(b, s0 + kPass) : make_int2(b + gridDim.x, warp); };
+  const auto load_w = [&](int2 at, Pass& p) {
+    const uint8_t* w_lo = w + row_lo(at.x) * stride_w;
+    const uint8_t* w_hi = w + row_hi(at.x) * stride_w;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int s = at.y + u * kImmaWarps;
+      const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 128) + t;
+      const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 128) + t;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const bool in = s < steps && at.x < groups;
+      p.lo[2 * u] = in ? load_stream_now(a) : zero;
+      p.lo[2 * u + 1] = in ? load_stream_now(a + 4) : zero;
+      p.hi[2 * u] = in ? load_stream_now(b) : zero;
+      p.hi[2 * u + 1] = in ? load_stream_now(b + 4) : zero;
+    }
+  };
+  const auto load_x = [&](int2 at, Pass& p) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int s = at.y + u * kImmaWarps;
+      p.xv[u] = s < steps && at.x < groups ? x_quad<kNorm>(x, s * 32 + lane) : make_uint2(0, 0);
+    }
+  };
+  float acc_lo = 0.0f, acc_hi = 0.0f;
+  int uses = 0;  // groups this warp has finished
+  const auto compute = [&](int2 at, const Pass& p) {  // then, at a group's last pass, its sums out
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (at.y + u * kImmaWarps >= steps) break;
+      const float factor = imma_stage_x(buf, p.xv[u], lane);
+      int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2 b = *reinterpret_cast<const uint2*>(buf + b_at + 64 * h);
+        mma_s8u8(d, p.lo[2 * u + h], b.x, b.y);
+        mma_s8u8(e, p.hi[2 * u + h], b.x, b.y);
+      }
+      acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
+      acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
+    }
+    if (at.y + kPass < steps) return;
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
+      acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
+      acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
+    }
+    imma_finish(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, scales, bias, kSilu);
+    acc_lo = acc_hi = 0.0f;
+  };
+  int2 at = make_int2(blockIdx.x, warp);
+  if constexpr (kNorm) {  // as in gemv_rows
+    prefetch_steps<2>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
+    mgx_pdl_wait();
+    norm_prologue(const_cast<uint4*>(x), *norm, k);
+  }
+  Pass even, odd;  // two passes' registers, by turns
+  load_w(at, even);
+  mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
+  load_x(at, even);
+  while (at.x < groups) {
+    int2 later = next(at.x, at.y);
+    load_w(later, odd);
+    load_x(later, odd);
+    compute(at, even);
+    at = later;
+    if (at.x >= groups) break;
+    later = next(at.x, at.y);
+    load_w(later, even);
+    load_x(later, even);
+    compute(at, odd);
+    at = later;
   }
 }
 
@@ -699,6 +987,18 @@ __device__ __forceinline__ void gemv_w8a16_tc_pipe(__nv_bfloat16* out, const uin
   gemv_w8a16_tc<kNorm, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
 }
 
+template <bool kNorm>
+__device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
+                                                const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
+                                                const NormIn* norm) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
+  if (silu_f > 0) {
+    gemv_imma<true, kNorm>(out, x, codes, scales, bias, n, k, stride_w, silu_f, norm);
+  } else {
+    gemv_imma<false, kNorm>(out, x, codes, scales, bias, n, k, stride_w, silu_f, norm);
+  }
+}
+
 }  // namespace mgx_gemv
 
 // Each GEMV has two entry points: NAME(out, x, ...) reads x [K]; NAME_norm(out, res_out, res, delta,
@@ -756,6 +1056,13 @@ MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_t
                  (w, scales, bias, n, k, stride_w, silu_f))
 
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc_pipe,
+                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                  int silu_f),
+                 (w, scales, bias, n, k, stride_w, silu_f))
+
+// W8A16 on the integer tensor cores (kind imma): K % 128 == 0, 16-byte aligned rows; grid and blocks
+// as the other tensor-core GEMVs.
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
                  (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
                   int silu_f),
                  (w, scales, bias, n, k, stride_w, silu_f))

@@ -5,7 +5,10 @@ Four kinds (``KINDS``): ``gemv`` on the CUDA cores (every scheme here), ``mma`` 
 cores (int4 with groups of a multiple of 128, and W8A16; K a multiple of 128, sm_80 and newer), ``mma_persistent``, the same
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
 weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
-issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones.
+issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones,
+and ``imma`` (W8A16 only), whose int8 codes enter integer MMAs undecoded against x made integer per
+128-column step (three bytes of a fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
+on ``IMMA_BLOCKS_PER_SM`` blocks per SM, each warp streaming its loads across the block's groups.
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -32,10 +35,11 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 __all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
            "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined")
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
 # kind -> the entry it launches (ENTRIES' first key)
-_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe"}
-_MMA = ("mma", "mma_pipe")  # the tensor-core entries: 16 outputs a block, 128-column steps
+_ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe", "imma": "imma",
+               "imma_persistent": "imma"}
+_MMA = ("mma", "mma_pipe", "imma")  # the tensor-core entries: 16 outputs a block, 128-column steps
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -44,6 +48,7 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma_pipe", "int4"): f"mgx_gemv_int4_mma_pipe_bf16_v{KERNEL_ABI}",
     ("mma", "w8a16"): f"mgx_gemv_w8a16_mma_bf16_v{KERNEL_ABI}",
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
+    ("imma", "w8a16"): f"mgx_gemv_w8a16_imma_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -54,9 +59,11 @@ LABELS = {  # how the engine's kernel note names them
     ("mma_pipe", "int4"): "pipelined int4 tensor-core GEMV",
     ("mma", "w8a16"): "w8a16 tensor-core GEMV",
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
+    ("imma", "w8a16"): "w8a16 integer tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
+IMMA_THREADS = 256  # kImmaWarps * 32 in gemv.cu (kinds imma and imma_persistent)
 MMA_COLUMNS = 128  # columns per MMA step: K and the int4 group (W8A16: none, 0) must be multiples of it
 _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 columns
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
@@ -71,6 +78,9 @@ NORM_BLOCKS_PER_SM = 4
 # Autotune times both and stores the faster per shape (on the H200 it took mma_persistent for 1 of 4
 # int4 shapes at 1B and 8B; every mma launch made persistent was 7% (1B) and 14% (8B) slower).
 MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 256 threads fit an SM
+# Kind ``imma_persistent``: 64 registers a thread (sm_90a), four blocks fit; three measured best of 2-6 on
+# the H200 (a variant of the kernel, 2026-12-01).
+IMMA_BLOCKS_PER_SM = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +180,7 @@ def gemv(
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
     per_block = rows // 2 if silu_mul else rows
-    threads = MMA_THREADS if base in _MMA else gemv_threads(w.k)
+    threads = (IMMA_THREADS if base == "imma" else MMA_THREADS) if base in _MMA else gemv_threads(w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)
@@ -193,6 +203,8 @@ def gemv(
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
+    elif kind == "imma_persistent":
+        blocks = min(blocks, IMMA_BLOCKS_PER_SM * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

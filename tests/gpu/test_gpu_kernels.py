@@ -59,6 +59,8 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("int4", {"group_size": 128, "symmetric": False}, "mma_pipelined"),
     ("w8a16", {}, "mma"),
     ("w8a16", {}, "mma_pipelined"),
+    ("w8a16", {}, "imma"),
+    ("w8a16", {}, "imma_persistent"),
 ]
 
 
@@ -143,6 +145,39 @@ def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: 
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (4098, 2176), (40, 256)])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("kind", ["imma", "imma_persistent"])
+def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int, k: int, silu: bool, kind: str) -> None:  # noqa: ANN001
+    """Kinds ``imma`` and ``imma_persistent`` (W8A16 codes in integer MMAs, x made integer per 128-column step against its
+    largest |x|) on rows with large outliers (|x| up to 2000 among N(0, 1)): within one bf16 rounding
+    of the fp32 reference (rel. error < 4e-3), replayed from a CUDA graph to the bit of the eager
+    launch, and a NaN in x makes every output NaN, as the reference's. The persistent launch gives the
+    one-block-per-group launch's bits (the same sums in the same order); K = 256 leaves six of eight
+    warps without a step."""
+    from mgx.kernels.cuda import gemv as cg
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + 11)
+    w = make_weight("w8a16", n, k, device="cuda", generator=gen)
+    x = torch.randn(1, k, device="cuda", generator=gen)
+    x[0, torch.randint(0, k, (6,), device="cuda", generator=gen)] = torch.tensor([2000.0, -700.0, 90.0, -3.5e2, 1e3, 64.0],
+                                                                                device="cuda")  # fmt: skip
+    x = x.to(torch.bfloat16)
+    ref = lin.linear_silu_mul_ref if silu else lin.linear_ref
+    assert cg.gemv_applies(native, x, w, kind=kind)
+    want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
+    assert rel_err(want, ref(x, w)) < 4e-3
+    assert torch.equal(want, cg.gemv(x, w, kernels=native, silu_mul=silu, kind="imma"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
+    out.fill_(0.0)
+    graph.replay()
+    assert torch.equal(out, want)
+    x[0, k // 3] = float("nan")
+    assert torch.isnan(cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)).all()
 
 
 def test_native_gemv_rmsnorm_prologue_declines_what_it_cannot_take(native) -> None:

@@ -42,7 +42,7 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
-                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16")}  # fmt: skip
+                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"), ("imma", "w8a16")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -71,9 +71,12 @@ def test_rmsnorm_prologue_operands_and_entry_names() -> None:
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
-    ``mma_pipelined`` has an entry (and twin) of its own."""
-    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    ``mma_pipelined`` and ``imma`` (W8A16 only) have entries (and twins) of their own."""
+    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    w = make_weight("int4", 64, 256, group_size=128)
+    every = FakeKernels(*cg.ENTRIES.values())
+    assert not cg.gemv_applies(every, torch.randn(1, 256).to(torch.bfloat16), w, kind="imma")  # no int4 entry
 
 
 def _constant(source: str, pattern: str) -> int:
@@ -136,3 +139,91 @@ def test_w8a16_tensor_core_decoding_gives_2304_plus_each_code() -> None:
                 a_hi = _bf16((hi >> np.uint32(half)) & np.uint32(0xFFFF))
                 np.testing.assert_array_equal(a_lo + 16 * a_hi, 2304 + q[:, column])
     assert "2304.0f" in source
+
+
+def _imma_column(c: int) -> int:
+    return 128 * c + 8 * (c & 1) + 64 * (c >> 1)
+
+
+def _imma_warp_step(codes: np.ndarray, x_bits: np.ndarray, selectors: dict[str, int]) -> np.ndarray:
+    """One 128-column step of the ``imma`` GEMV for one warp, emulated lane by lane as gemv.cu does it:
+    lane l's four x through the FFMA (fp32, as the GPU rounds it) and byte permutes into the warp's
+    buffer, then each lane's A fragment (16 bytes of its W row as loaded) and B fragment (an 8-byte
+    read of the buffer) placed into m16n8k32 by the PTX layout (A: row g regs 0 and 2, row g + 8 regs 1
+    and 3, k-slots 4t.. and 16 + 4t..; B: column g, the same k-slots; D: columns 2t, 2t + 1), and the
+    quad's weighing of D. ``codes``: int8 [16, 128] (rows lo 0-7, hi 8-15); returns fp32 [16] sums."""
+    x = _bf16(x_bits)
+    m = int((x_bits & 0x7FFF).max())
+    e = m >> 7
+    ec = max(e, 22)
+    up = np.float32(2.0 ** (148 - ec))
+    buf = np.zeros(640, np.uint8)
+    buf[_imma_column(2):_imma_column(2) + 128] = 1
+    for lane in range(32):
+        u = (x[4 * lane:4 * lane + 4].astype(np.float32) * up + np.float32(12582912.0)).astype(np.float32).view(np.uint32)
+        p01 = _byte_perm(u[0:1], u[1:2], selectors["pair"])
+        p23 = _byte_perm(u[2:3], u[3:4], selectors["pair"])
+        top = _byte_perm(_byte_perm(u[0:1], u[1:2], selectors["top"]), _byte_perm(u[2:3], u[3:4], selectors["top"]), 0x5410)
+        at = 16 * (lane >> 2) + 4 * (((lane & 1) << 1) | ((lane >> 1) & 1))
+        for c, word in ((0, _byte_perm(p01, p23, 0x5410)), (1, _byte_perm(p01, p23, 0x7632)), (3, top)):
+            buf[_imma_column(c) + at:_imma_column(c) + at + 4] = np.frombuffer(word.astype("<u4").tobytes(), np.uint8)
+    total = np.zeros(16)
+    for rows in (slice(0, 8), slice(8, 16)):
+        w = codes[rows]
+        d = np.zeros((16, 8), np.int64)
+        for h in range(2):
+            a = np.zeros((16, 32), np.int64)
+            b = np.zeros((32, 8), np.int64)
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                frag = w[g, 64 * h + 16 * t:64 * h + 16 * t + 16].astype(np.int64)  # 16 bytes of row g
+                a[g, 4 * t:4 * t + 4], a[g + 8, 4 * t:4 * t + 4] = frag[0:4], frag[4:8]
+                a[g, 16 + 4 * t:20 + 4 * t], a[g + 8, 16 + 4 * t:20 + 4 * t] = frag[8:12], frag[12:16]
+                at = _imma_column(g & 3) + 16 * t + 8 * (g >> 2) + 64 * h
+                b[4 * t:4 * t + 4, g], b[16 + 4 * t:20 + 4 * t, g] = buf[at:at + 4], buf[at + 4:at + 8]
+            d += a @ b
+        assert np.abs(d).max() < 2**24  # every part converts to fp32 exactly
+        for g in range(8):
+            for t in range(4):
+                lo, hi = (d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) if t >= 2 else (d[g, 2 * t], d[g, 2 * t + 1])
+                total[rows.start + g] += (hi - 64 * lo) * 65536.0 if t & 1 else hi * 256.0 + lo
+    factor = np.nan if e == 255 else 2.0 ** (ec - 148)
+    return total * factor
+
+
+def test_w8a16_integer_tensor_core_step_is_the_exact_product_within_fixed_point_rounding() -> None:
+    """The ``imma`` kind's arithmetic (the kernel itself runs on a GPU in tests/gpu), with the byte
+    permutes read from gemv.cu: one warp's step gives sum q x for its 16 rows within 2^-23 of the
+    step's largest |x| times sum |q| (x made integer: rn(x 2^(148 - e)), exact within 2^14 of the
+    largest), on plain rows, rows with one large outlier, all-zero x, tiny x, and NaN (every output
+    NaN)."""
+    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
+    pair = re.findall(r"__byte_perm\(u0, u1, (0x[0-9A-Fa-f]+)\), p23 = __byte_perm\(u2, u3, (0x[0-9A-Fa-f]+)\)", source)
+    top = re.findall(r"__byte_perm\(__byte_perm\(u0, u1, (0x[0-9A-Fa-f]+)\)", source)
+    assert len(pair) == 1 and pair[0][0] == pair[0][1] and len(top) == 1
+    for text in ("12582912.0f", "275 - ec", "ec - 21", "max(e, 22)", "(t & 1) ? 64 : 0", "(t & 1) ? 65536.0f : 256.0f"):
+        assert text in source, text
+    selectors = {"pair": int(pair[0][0], 16), "top": int(top[0], 16)}
+    rng = np.random.default_rng(3)
+    for case in ("plain", "outlier", "zero", "tiny", "nan"):
+        codes = rng.integers(-128, 128, (16, 128)).astype(np.int8)
+        x = rng.standard_normal(128).astype(np.float32)
+        if case == "outlier":
+            x[rng.integers(128)] = 3000.0
+        elif case == "zero":
+            x[:] = 0.0
+        elif case == "tiny":
+            x *= 1e-30
+        elif case == "nan":
+            x[5] = np.nan
+        bits = (x.view(np.uint32) >> 16).astype(np.uint32)  # bf16 by truncation: any bf16 will do
+        got = _imma_warp_step(codes, bits, selectors)
+        if case == "nan":
+            assert np.isnan(got).all()
+            continue
+        xv = _bf16(bits)
+        want = codes.astype(np.float64) @ xv
+        bound = 2.0**-23 * max(np.abs(xv).max(), 2.0**-104) * np.abs(codes.astype(np.float64)).sum(axis=1)
+        assert np.all(np.abs(got - want) <= bound), (case, np.abs(got - want).max(), bound.min())
+        if case == "zero":
+            assert np.all(got == 0)
