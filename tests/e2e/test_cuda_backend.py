@@ -159,10 +159,12 @@ def _check_one_row_steps(graph, backend: CUDABackend, steps: int = 4) -> None:  
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_norm_across_projections_matches_the_reference(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreted test above, compiled on the GPU, eager and in CUDA graphs."""
+    """The interpreted test above, compiled on the GPU, eager and in CUDA graphs (dense readers take
+    the norm only with MGX_CUDA_NORM_ACROSS_DENSE=1, as there)."""
     from mgx.runtime import backend_cuda
 
     monkeypatch.delenv("MGX_CUDA_NORM_ACROSS", raising=False)
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS_DENSE", "1")
     graph = compiled("gqa", "dense-fused", target="cuda")
     ran: list[int] = []
     real = backend_cuda.linear_add_squares
