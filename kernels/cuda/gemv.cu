@@ -677,15 +677,25 @@ constexpr int kImmaBuffer = 640;   // bytes of a warp's buffer: B's four distinc
 // make a warp's LDS.64 of all eight columns free of bank conflicts.
 __device__ __forceinline__ int imma_column(int c) { return 128 * c + 8 * (c & 1) + 64 * (c >> 1); }
 
-__device__ __forceinline__ void mma_s8u8(int (&d)[4], uint4 a, uint32_t b0, uint32_t b1) {
+// D += A B over k = 32: A int8 (kUnsignedA: u8, int4 codes), B u8.
+template <bool kUnsignedA>
+__device__ __forceinline__ void mma_imma(int (&d)[4], uint4 a, uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // m16n8k32 integer MMA needs sm_80; the launcher never picks this kernel on older GPUs
 #else
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  if constexpr (kUnsignedA) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  }
 #endif
 }
 
@@ -695,6 +705,16 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
 #else
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+#endif
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(0xFFFFFFFFu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
   return v;
 #endif
 }
@@ -711,28 +731,76 @@ __device__ __forceinline__ uint2 x_quad(const uint4* __restrict__ x, int l) {
   }
 }
 
-// Lane l's part of a step: its four x (columns 4 l ..) as bytes of B's columns 0, 1 and 3 in the warp's
-// buffer, each 16 columns' words in the order 0, 2, 1, 3 (a part's two words side by side); returns the
-// step's factor 2^(e - 148) (NaN: Inf or NaN in the step's x). Every lane of the warp calls it.
-__device__ __forceinline__ float imma_stage_x(uint8_t* buf, uint2 xv, int lane) {
-  uint32_t m = __vmaxu2(xv.x & 0x7FFF7FFFu, xv.y & 0x7FFF7FFFu);  // |x| as bits, ordered as the values
-  m = warp_max(max(m & 0xFFFFu, m >> 16));
+// Columns 8 o .. 8 o + 7 of x (four words of bf16), in written order with the codes' loads.
+template <bool kShared>
+__device__ __forceinline__ uint4 x_oct(const uint4* __restrict__ x, int o) {
+  if constexpr (kShared) {
+    return x[o];
+  } else {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(x + o));
+    return v;
+  }
+}
+
+// The step's scale from m, the bits of its largest |x| (bf16, sign cleared, warp-reduced): up = 2^(148 -
+// ec) makes x integer; the returned factor 2^(e - 148) undoes it (NaN: Inf or NaN in the step's x).
+__device__ __forceinline__ float imma_factor(uint32_t m, float& up) {
   const int e = static_cast<int>(m >> 7);  // bf16 exponent field of the largest |x|
   const int ec = max(e, 22);               // below (zero, tiny x): 2^126 keeps the factor finite
-  const float up = __uint_as_float(static_cast<uint32_t>(275 - ec) << 23);  // 2^(148 - ec)
-  constexpr float kMagic = 12582912.0f;   // 1.5 2^23: the sum's low 23 bits are 2^22 + rn(x up)
-  const uint32_t u0 = __float_as_uint(fmaf(lo_bf16(xv.x), up, kMagic));
-  const uint32_t u1 = __float_as_uint(fmaf(hi_bf16(xv.x), up, kMagic));
-  const uint32_t u2 = __float_as_uint(fmaf(lo_bf16(xv.y), up, kMagic));
-  const uint32_t u3 = __float_as_uint(fmaf(hi_bf16(xv.y), up, kMagic));
+  up = __uint_as_float(static_cast<uint32_t>(275 - ec) << 23);  // 2^(148 - ec)
+  return e == 255 ? __uint_as_float(0x7FC00000u) : __uint_as_float(static_cast<uint32_t>(ec - 21) << 23);
+}
+
+constexpr float kMagic = 12582912.0f;  // 1.5 2^23: x up + kMagic has 2^22 + rn(x up) in its low 23 bits
+
+// Bytes 0, 1 and 2 of u0..u3 (four x made integer, in B's k order) as the words at `at` of B's columns 0,
+// 1 and 3 in the warp's buffer, between the warp's reads of the step before and of this one.
+__device__ __forceinline__ void imma_put(uint8_t* buf, int at, uint32_t u0, uint32_t u1, uint32_t u2, uint32_t u3) {
   const uint32_t p01 = __byte_perm(u0, u1, 0x5140), p23 = __byte_perm(u2, u3, 0x5140);  // bytes 0, 0', 1, 1'
-  const int at = 16 * (lane >> 2) + 4 * (((lane & 1) << 1) | ((lane >> 1) & 1));
   __syncwarp();  // the warp's reads of the last step are done
   *reinterpret_cast<uint32_t*>(buf + imma_column(0) + at) = __byte_perm(p01, p23, 0x5410);
   *reinterpret_cast<uint32_t*>(buf + imma_column(1) + at) = __byte_perm(p01, p23, 0x7632);
   *reinterpret_cast<uint32_t*>(buf + imma_column(3) + at) = __byte_perm(__byte_perm(u0, u1, 0x0062), __byte_perm(u2, u3, 0x0062), 0x5410);
   __syncwarp();
-  return e == 255 ? __uint_as_float(0x7FC00000u) : __uint_as_float(static_cast<uint32_t>(ec - 21) << 23);
+}
+
+// Lane l's part of a step: its four x (columns 4 l ..) as bytes of B's columns 0, 1 and 3 in the warp's
+// buffer, each 16 columns' words in the order 0, 2, 1, 3 (a part's two words side by side); returns the
+// step's factor 2^(e - 148) (NaN: Inf or NaN in the step's x). Every lane of the warp calls it.
+__device__ __forceinline__ float imma_stage_x(uint8_t* buf, uint2 xv, int lane) {
+  uint32_t m = __vmaxu2(xv.x & 0x7FFF7FFFu, xv.y & 0x7FFF7FFFu);  // |x| as bits, ordered as the values
+  float up;
+  const float factor = imma_factor(warp_max(max(m & 0xFFFFu, m >> 16)), up);
+  const uint32_t u0 = __float_as_uint(fmaf(lo_bf16(xv.x), up, kMagic));
+  const uint32_t u1 = __float_as_uint(fmaf(hi_bf16(xv.x), up, kMagic));
+  const uint32_t u2 = __float_as_uint(fmaf(lo_bf16(xv.y), up, kMagic));
+  const uint32_t u3 = __float_as_uint(fmaf(hi_bf16(xv.y), up, kMagic));
+  imma_put(buf, 16 * (lane >> 2) + 4 * (((lane & 1) << 1) | ((lane >> 1) & 1)), u0, u1, u2, u3);
+  return factor;
+}
+
+// The int4 kind's step (see gemv_imma): lane l holds columns 8 o .. 8 o + 7 of x (o = l / 2) and takes
+// those of parity h = l % 2, 8 o + h + 2 i, i = 0..3: the low (h = 0) or high (h = 1) nibbles of byte
+// 4 o + i of a 64-byte row. With o = 4 t + 2 r + p they are B's k-slots 16 r + 4 t + i of part p, so
+// the lane writes one word of each byte column at 64 h + 16 t + 8 p + 4 r, the layout the W8A16 kind
+// reads. Returns the factor as imma_stage_x; sum_x is the step's sum of X (the integer x) over all 128
+// columns, exact in int32 (|X| < 2^22) and then rounded to fp32.
+__device__ __forceinline__ float imma4_stage_x(uint8_t* buf, uint4 xv, int lane, float& sum_x) {
+  const uint32_t m2 = __vmaxu2(__vmaxu2(xv.x & 0x7FFF7FFFu, xv.y & 0x7FFF7FFFu), __vmaxu2(xv.z & 0x7FFF7FFFu, xv.w & 0x7FFF7FFFu));
+  float up;
+  const float factor = imma_factor(warp_max(max(m2 & 0xFFFFu, m2 >> 16)), up);
+  const uint32_t pick = (lane & 1) ? 0x3244u : 0x1044u;  // the word's high or low bf16 as fp32 bits
+  const uint32_t u0 = __float_as_uint(fmaf(__uint_as_float(__byte_perm(xv.x, 0u, pick)), up, kMagic));
+  const uint32_t u1 = __float_as_uint(fmaf(__uint_as_float(__byte_perm(xv.y, 0u, pick)), up, kMagic));
+  const uint32_t u2 = __float_as_uint(fmaf(__uint_as_float(__byte_perm(xv.z, 0u, pick)), up, kMagic));
+  const uint32_t u3 = __float_as_uint(fmaf(__uint_as_float(__byte_perm(xv.w, 0u, pick)), up, kMagic));
+  const int o = lane >> 1;
+  imma_put(buf, 64 * (lane & 1) + 16 * (o >> 2) + 8 * (o & 1) + 4 * ((o >> 1) & 1), u0, u1, u2, u3);
+  constexpr uint32_t kLow23 = 0x7FFFFFu;  // 2^22 + X: a lane's four below 2^25, the warp's 128 below 2^30
+  const int lane_sum = static_cast<int>((u0 & kLow23) + (u1 & kLow23) + (u2 & kLow23) + (u3 & kLow23));
+  sum_x = static_cast<float>(warp_sum(lane_sum) - (1 << 29));  // minus 128 2^22
+  return factor;
 }
 
 // Warp `warp`'s buffer (one array per kernel, whichever instantiation asks).
@@ -818,10 +886,13 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   }
 }
 
-template <bool kSilu, bool kNorm>
+// kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
+// step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
+template <bool kInt4, bool kSilu, bool kNorm>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
-                          const float* __restrict__ scales, const __nv_bfloat16* __restrict__ bias, int n, int k,
-                          long long stride_w, int silu_f, const NormIn* norm) {
+                          const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                          const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
+                          int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -836,10 +907,14 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const auto row_lo = [&](int b) { return min(b * (kSilu ? 8 : 16) + g, n_out - 1); };  // as gemv_mma
   const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
   constexpr int kU = kImmaUnroll;
+  constexpr int kW = kInt4 ? 1 : 2;  // 16-byte words of a row a lane loads per step
   constexpr int kPass = kImmaWarps * kU;
   struct Pass {
-    uint4 lo[2 * kU], hi[2 * kU];  // step u's bytes 16 t .. and 64 + 16 t .. of rows lo and hi at 2 u, 2 u + 1
-    uint2 xv[kU];
+    uint4 lo[kW * kU], hi[kW * kU];  // step u's words of rows lo and hi at kW u ..: W8A16 bytes 16 t .. and
+                                     // 64 + 16 t .., int4 bytes 16 t .. (columns 32 t ..)
+    uint4 xv[kU];                    // W8A16: .x, .y (columns 4 l ..); int4: columns 8 (l / 2) ..
+    float s_lo[kInt4 ? kU : 1], s_hi[kInt4 ? kU : 1];  // int4: the step's scales and zeros
+    uint32_t z_lo[kInt4 ? kU : 1], z_hi[kInt4 ? kU : 1];
   };
   // A warp's passes run as one stream over the block's groups (b, b + grid, ...; its passes of a group
   // at steps warp, warp + kPass, ...): the next pass is loaded before the current one is computed, also
@@ -847,26 +922,41 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   // their way. A warp with no step in a group (K below 128 x 8) still takes one empty pass of it.
   const auto next = [&](int b, int s0) { return s0 + kPass < steps ? make_int2(b, s0 + kPass) : make_int2(b + gridDim.x, warp); };
   const auto load_w = [&](int2 at, Pass& p) {
-    const uint8_t* w_lo = w + row_lo(at.x) * stride_w;
-    const uint8_t* w_hi = w + row_hi(at.x) * stride_w;
+    const int lo = row_lo(at.x), hi = row_hi(at.x);
+    const uint8_t* w_lo = w + lo * stride_w;
+    const uint8_t* w_hi = w + hi * stride_w;
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * kImmaWarps;
-      const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 128) + t;
-      const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 128) + t;
+      const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 64 * kW) + t;
+      const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 64 * kW) + t;
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
-      p.lo[2 * u] = in ? load_stream_now(a) : zero;
-      p.lo[2 * u + 1] = in ? load_stream_now(a + 4) : zero;
-      p.hi[2 * u] = in ? load_stream_now(b) : zero;
-      p.hi[2 * u + 1] = in ? load_stream_now(b + 4) : zero;
+#pragma unroll
+      for (int v = 0; v < kW; ++v) {
+        p.lo[kW * u + v] = in ? load_stream_now(a + 4 * v) : zero;
+        p.hi[kW * u + v] = in ? load_stream_now(b + 4 * v) : zero;
+      }
+      if constexpr (kInt4) {
+        const long long grp = (static_cast<long long>(s) << 7) >> group_shift;
+        p.s_lo[u] = in ? load_now(scales + lo * stride_s + grp) : 0.0f;
+        p.s_hi[u] = in ? load_now(scales + hi * stride_s + grp) : 0.0f;
+        p.z_lo[u] = zeros != nullptr && in ? load_now(zeros + lo * stride_s + grp) : 8u;  // null: symmetric
+        p.z_hi[u] = zeros != nullptr && in ? load_now(zeros + hi * stride_s + grp) : 8u;
+      }
     }
   };
   const auto load_x = [&](int2 at, Pass& p) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * kImmaWarps;
-      p.xv[u] = s < steps && at.x < groups ? x_quad<kNorm>(x, s * 32 + lane) : make_uint2(0, 0);
+      const bool in = s < steps && at.x < groups;
+      if constexpr (kInt4) {
+        p.xv[u] = in ? x_oct<kNorm>(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
+      } else {
+        const uint2 q = in ? x_quad<kNorm>(x, s * 32 + lane) : make_uint2(0, 0);
+        p.xv[u] = make_uint4(q.x, q.y, 0, 0);
+      }
     }
   };
   float acc_lo = 0.0f, acc_hi = 0.0f;
@@ -875,16 +965,35 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (at.y + u * kImmaWarps >= steps) break;
-      const float factor = imma_stage_x(buf, p.xv[u], lane);
+      float sum_x = 0.0f;
+      const float factor = kInt4 ? imma4_stage_x(buf, p.xv[u], lane, sum_x)
+                                 : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
       int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2; ++h) {  // W8A16: 64-column halves; int4: low and high nibbles
         const uint2 b = *reinterpret_cast<const uint2*>(buf + b_at + 64 * h);
-        mma_s8u8(d, p.lo[2 * u + h], b.x, b.y);
-        mma_s8u8(e, p.hi[2 * u + h], b.x, b.y);
+        if constexpr (kInt4) {
+          const auto nibbles = [h](uint4 v) {
+            constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
+            return h == 0 ? make_uint4(v.x & kLowNibbles, v.y & kLowNibbles, v.z & kLowNibbles, v.w & kLowNibbles)
+                          : make_uint4((v.x >> 4) & kLowNibbles, (v.y >> 4) & kLowNibbles, (v.z >> 4) & kLowNibbles,
+                                       (v.w >> 4) & kLowNibbles);
+          };
+          mma_imma<true>(d, nibbles(p.lo[u]), b.x, b.y);
+          mma_imma<true>(e, nibbles(p.hi[u]), b.x, b.y);
+        } else {
+          mma_imma<false>(d, p.lo[2 * u + h], b.x, b.y);
+          mma_imma<false>(e, p.hi[2 * u + h], b.x, b.y);
+        }
       }
-      acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
-      acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
+      if constexpr (kInt4) {  // s (sum q X - z sum X), the zero's part once a quad (lane t = 0)
+        const float zx = t == 0 ? sum_x : 0.0f;
+        acc_lo = fmaf(factor * p.s_lo[u], fmaf(-static_cast<float>(p.z_lo[u]), zx, imma_value(d, weigh)), acc_lo);
+        acc_hi = fmaf(factor * p.s_hi[u], fmaf(-static_cast<float>(p.z_hi[u]), zx, imma_value(e, weigh)), acc_hi);
+      } else {
+        acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
+        acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
+      }
     }
     if (at.y + kPass < steps) return;
 #pragma unroll
@@ -892,12 +1001,12 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
       acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
     }
-    imma_finish(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, scales, bias, kSilu);
+    imma_finish(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
   int2 at = make_int2(blockIdx.x, warp);
   if constexpr (kNorm) {  // as in gemv_rows
-    prefetch_steps<2>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
+    prefetch_steps<kW>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
     mgx_pdl_wait();
     norm_prologue(const_cast<uint4*>(x), *norm, k);
   }
@@ -993,9 +1102,21 @@ __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4*
                                                 const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
   if (silu_f > 0) {
-    gemv_imma<true, kNorm>(out, x, codes, scales, bias, n, k, stride_w, silu_f, norm);
+    gemv_imma<false, true, kNorm>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   } else {
-    gemv_imma<false, kNorm>(out, x, codes, scales, bias, n, k, stride_w, silu_f, norm);
+    gemv_imma<false, false, kNorm>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+  }
+}
+
+template <bool kNorm>
+__device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
+                                               const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                                               long long stride_w, long long stride_s, int group_shift, int silu_f,
+                                               const NormIn* norm) {
+  if (silu_f > 0) {
+    gemv_imma<true, true, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+  } else {
+    gemv_imma<true, false, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
   }
 }
 
@@ -1066,3 +1187,10 @@ MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16
                  (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
                   int silu_f),
                  (w, scales, bias, n, k, stride_w, silu_f))
+
+// int4 on the integer tensor cores (kind imma): groups of a multiple of 128, K % 128 == 0, 16-byte
+// aligned rows; grid and blocks as the other tensor-core GEMVs.
+MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
+                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                  long long stride_w, long long stride_s, int group_shift, int silu_f),
+                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))

@@ -6,8 +6,9 @@ cores (int4 with groups of a multiple of 128, and W8A16; K a multiple of 128, sm
 kernel on ``MMA_BLOCKS_PER_SM`` blocks per SM that loop over the output groups and prefetch the
 weights ahead into L2, and ``mma_pipelined``, its own entry point (``mma_pipe``), whose warps
 issue the loads of their next steps (codes, and int4 scales and zeros) before they compute the current ones,
-and ``imma`` (W8A16 only), whose int8 codes enter integer MMAs undecoded against x made integer per
-128-column step (three bytes of a fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
+and ``imma`` (W8A16, and int4 with groups of a multiple of 128), whose int8 codes (int4: nibbles
+masked into bytes) enter integer MMAs against x made integer per 128-column step (three bytes of a
+fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
 on ``IMMA_BLOCKS_PER_SM`` blocks per SM, each warp streaming its loads across the block's groups.
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
@@ -49,6 +50,7 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma", "w8a16"): f"mgx_gemv_w8a16_mma_bf16_v{KERNEL_ABI}",
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
     ("imma", "w8a16"): f"mgx_gemv_w8a16_imma_bf16_v{KERNEL_ABI}",
+    ("imma", "int4"): f"mgx_gemv_int4_imma_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -60,6 +62,7 @@ LABELS = {  # how the engine's kernel note names them
     ("mma", "w8a16"): "w8a16 tensor-core GEMV",
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
     ("imma", "w8a16"): "w8a16 integer tensor-core GEMV",
+    ("imma", "int4"): "int4 integer tensor-core GEMV",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu

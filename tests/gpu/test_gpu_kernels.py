@@ -61,6 +61,9 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("w8a16", {}, "mma_pipelined"),
     ("w8a16", {}, "imma"),
     ("w8a16", {}, "imma_persistent"),
+    ("int4", {"group_size": 128, "symmetric": True}, "imma"),
+    ("int4", {"group_size": 128, "symmetric": False}, "imma"),
+    ("int4", {"group_size": 128, "symmetric": False}, "imma_persistent"),
 ]
 
 
@@ -150,8 +153,9 @@ def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: 
 @pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (4098, 2176), (40, 256)])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("kind", ["imma", "imma_persistent"])
-def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int, k: int, silu: bool, kind: str) -> None:  # noqa: ANN001
-    """Kinds ``imma`` and ``imma_persistent`` (W8A16 codes in integer MMAs, x made integer per 128-column step against its
+@pytest.mark.parametrize("scheme", ["w8a16", "int4"])
+def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int, k: int, silu: bool, kind: str, scheme: str) -> None:  # noqa: ANN001
+    """Kinds ``imma`` and ``imma_persistent`` (W8A16 codes, or int4 nibbles with zeros, in integer MMAs, x made integer per 128-column step against its
     largest |x|) on rows with large outliers (|x| up to 2000 among N(0, 1)): within one bf16 rounding
     of the fp32 reference (rel. error < 4e-3), replayed from a CUDA graph to the bit of the eager
     launch, and a NaN in x makes every output NaN, as the reference's. The persistent launch gives the
@@ -160,7 +164,8 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     from mgx.kernels.cuda import gemv as cg
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + 11)
-    w = make_weight("w8a16", n, k, device="cuda", generator=gen)
+    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
     x = torch.randn(1, k, device="cuda", generator=gen)
     x[0, torch.randint(0, k, (6,), device="cuda", generator=gen)] = torch.tensor([2000.0, -700.0, 90.0, -3.5e2, 1e3, 64.0],
                                                                                 device="cuda")  # fmt: skip

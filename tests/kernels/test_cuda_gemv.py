@@ -42,7 +42,8 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, make_weight("sparse24", 64, 256))  # no native kernel for 2:4
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
-                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"), ("imma", "w8a16")}  # fmt: skip
+                               ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"), ("imma", "w8a16"),
+                               ("imma", "int4")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -71,12 +72,13 @@ def test_rmsnorm_prologue_operands_and_entry_names() -> None:
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
-    ``mma_pipelined`` and ``imma`` (W8A16 only) have entries (and twins) of their own."""
+    ``mma_pipelined`` and ``imma`` have entries (and twins) of their own; ``imma`` int4 needs groups
+    of a multiple of 128, as ``mma``."""
     assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
     assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
-    w = make_weight("int4", 64, 256, group_size=128)
     every = FakeKernels(*cg.ENTRIES.values())
-    assert not cg.gemv_applies(every, torch.randn(1, 256).to(torch.bfloat16), w, kind="imma")  # no int4 entry
+    for kind in ("mma", "imma", "imma_persistent"):  # groups of 64: the CUDA-core kind only (and a CPU x: none)
+        assert not cg.gemv_applies(every, torch.randn(1, 256).to(torch.bfloat16), make_weight("int4", 64, 256, group_size=64), kind=kind)
 
 
 def _constant(source: str, pattern: str) -> int:
@@ -224,6 +226,102 @@ def test_w8a16_integer_tensor_core_step_is_the_exact_product_within_fixed_point_
         xv = _bf16(bits)
         want = codes.astype(np.float64) @ xv
         bound = 2.0**-23 * max(np.abs(xv).max(), 2.0**-104) * np.abs(codes.astype(np.float64)).sum(axis=1)
+        assert np.all(np.abs(got - want) <= bound), (case, np.abs(got - want).max(), bound.min())
+        if case == "zero":
+            assert np.all(got == 0)
+
+
+def _imma4_warp_step(codes: np.ndarray, zeros: np.ndarray, x_bits: np.ndarray, picks: tuple[int, int]) -> np.ndarray:
+    """One 128-column step of the int4 ``imma`` GEMV for one warp, emulated lane by lane as gemv.cu does
+    it: lane l's eight x (columns 8 (l / 2) ..), of which it takes those of parity l % 2 through the
+    byte permute ``picks[l % 2]`` and the FFMA into the warp's buffer, the step's sum of X from the
+    same words, then each lane's 16 bytes of packed codes masked into low and high nibbles as the A
+    fragments of two m16n8k32 MMAs (u8), B read as the W8A16 kind reads it, the quad's weighing of D
+    and lane t = 0's z sum X. ``codes``: [16, 128] in 0..15 (rows lo 0-7, hi 8-15), ``zeros`` [16];
+    returns the 16 sums of (q - z) x."""
+    e = int((x_bits & 0x7FFF).max()) >> 7
+    ec = max(e, 22)
+    up = np.float32(2.0 ** (148 - ec))
+    words = x_bits[0::2].astype(np.uint32) | x_bits[1::2].astype(np.uint32) << np.uint32(16)  # 64 words of two bf16
+    packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)  # [16, 64]: column 2b + j in nibble j of byte b
+    buf = np.zeros(640, np.uint8)
+    buf[_imma_column(2):_imma_column(2) + 128] = 1
+    sum_low = 0
+    for lane in range(32):
+        o, h = lane >> 1, lane & 1
+        fp = _byte_perm(words[4 * o:4 * o + 4], np.zeros(4, np.uint32), picks[h]).view(np.float32)
+        u = (fp * up + np.float32(12582912.0)).astype(np.float32).view(np.uint32)
+        sum_low += int((u & 0x7FFFFF).sum())
+        p01 = _byte_perm(u[0:1], u[1:2], 0x5140)
+        p23 = _byte_perm(u[2:3], u[3:4], 0x5140)
+        top = _byte_perm(_byte_perm(u[0:1], u[1:2], 0x0062), _byte_perm(u[2:3], u[3:4], 0x0062), 0x5410)
+        at = 64 * h + 16 * (o >> 2) + 8 * (o & 1) + 4 * ((o >> 1) & 1)
+        for c, word in ((0, _byte_perm(p01, p23, 0x5410)), (1, _byte_perm(p01, p23, 0x7632)), (3, top)):
+            buf[_imma_column(c) + at:_imma_column(c) + at + 4] = np.frombuffer(word.astype("<u4").tobytes(), np.uint8)
+    sum_x = float(np.float32(sum_low - (1 << 29)))
+    assert abs(sum_low - (1 << 29)) < 2**29
+    total = np.zeros(16)
+    for rows in (slice(0, 8), slice(8, 16)):
+        w = packed[rows]
+        d = np.zeros((16, 8), np.int64)
+        for h in range(2):
+            a = np.zeros((16, 32), np.int64)
+            b = np.zeros((32, 8), np.int64)
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                raw = w[g, 16 * t:16 * t + 16].astype(np.int64)
+                frag = raw & 0xF if h == 0 else raw >> 4
+                a[g, 4 * t:4 * t + 4], a[g + 8, 4 * t:4 * t + 4] = frag[0:4], frag[4:8]
+                a[g, 16 + 4 * t:20 + 4 * t], a[g + 8, 16 + 4 * t:20 + 4 * t] = frag[8:12], frag[12:16]
+                at = _imma_column(g & 3) + 16 * t + 8 * (g >> 2) + 64 * h
+                b[4 * t:4 * t + 4, g], b[16 + 4 * t:20 + 4 * t, g] = buf[at:at + 4], buf[at + 4:at + 8]
+            d += a @ b
+        assert np.abs(d).max() < 2**24
+        for g in range(8):
+            for t in range(4):
+                lo, hi = (d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) if t >= 2 else (d[g, 2 * t], d[g, 2 * t + 1])
+                total[rows.start + g] += (hi - 64 * lo) * 65536.0 if t & 1 else hi * 256.0 + lo
+            total[rows.start + g] -= zeros[rows.start + g] * sum_x  # lane t = 0's share
+    factor = np.nan if e == 255 else 2.0 ** (ec - 148)
+    return total * factor
+
+
+def test_int4_integer_tensor_core_step_is_the_exact_product_within_fixed_point_rounding() -> None:
+    """The int4 ``imma`` kind's arithmetic (the kernel runs on a GPU in tests/gpu), with the byte
+    permutes that pick a lane's x read from gemv.cu: one warp's step gives sum (q - z) x for its 16
+    rows (zeros 0..15 and the symmetric 8) within 2^-22 of the step's largest |x| times sum |q - z|
+    (x made integer) plus 2^-22 z sum |x| (sum X rounded to fp32), on plain rows, an outlier, zero,
+    tiny and NaN x; a wrong nibble, column or byte would be off by whole codes times x."""
+    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
+    picks = re.findall(r"\(lane & 1\) \? (0x[0-9A-Fa-f]+)u : (0x[0-9A-Fa-f]+)u;", source)
+    assert len(picks) == 1
+    for text in ("kLowNibbles = 0x0F0F0F0Fu", "(v.x >> 4) & kLowNibbles", "64 * (lane & 1) + 16 * (o >> 2) + 8 * (o & 1) + 4 * ((o >> 1) & 1)",
+                 "warp_sum(lane_sum) - (1 << 29)", "s32.u8.u8.s32", "zx = t == 0 ? sum_x : 0.0f"):  # fmt: skip
+        assert text in source, text
+    pick = (int(picks[0][1], 16), int(picks[0][0], 16))  # (even lanes, odd lanes)
+    rng = np.random.default_rng(5)
+    for case in ("plain", "outlier", "zero", "tiny", "nan", "symmetric"):
+        codes = rng.integers(0, 16, (16, 128)).astype(np.int64)
+        zeros = np.full(16, 8) if case == "symmetric" else rng.integers(0, 16, 16)
+        x = rng.standard_normal(128).astype(np.float32)
+        if case == "outlier":
+            x[rng.integers(128)] = -3000.0
+        elif case == "zero":
+            x[:] = 0.0
+        elif case == "tiny":
+            x *= 1e-30
+        elif case == "nan":
+            x[77] = np.nan
+        bits = (x.view(np.uint32) >> 16).astype(np.uint32)
+        got = _imma4_warp_step(codes, zeros, bits, pick)
+        if case == "nan":
+            assert np.isnan(got).all()
+            continue
+        xv = _bf16(bits)
+        centered = (codes - zeros[:, None]).astype(np.float64)
+        want = centered @ xv
+        big = max(np.abs(xv).max(), 2.0**-104)
+        bound = 2.0**-22 * big * np.abs(centered).sum(axis=1) + 2.0**-22 * zeros * np.abs(xv).sum() + 1e-300
         assert np.all(np.abs(got - want) <= bound), (case, np.abs(got - want).max(), bound.min())
         if case == "zero":
             assert np.all(got == 0)
