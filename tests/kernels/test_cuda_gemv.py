@@ -147,6 +147,32 @@ def _imma_column(c: int) -> int:
     return 128 * c + 8 * (c & 1) + 64 * (c >> 1)
 
 
+def _imma_set_sums(fragment, buf: np.ndarray) -> np.ndarray:
+    """Two m16n8k32 MMAs (h = 0, 1) of one set of 8 rows, placed by the PTX layout (A: row g regs 0
+    and 2, row g + 8 regs 1 and 3, k-slots 4t.. and 16 + 4t..; B: column g, the same k-slots; D:
+    columns 2t, 2t + 1) from lane (g, t)'s 16-byte A fragment ``fragment(g, t, h)`` and its 8-byte B
+    read of the warp's buffer, then the quad's weighing of D: the 8 rows' sums of q X."""
+    d = np.zeros((16, 8), np.int64)
+    for h in range(2):
+        a = np.zeros((16, 32), np.int64)
+        b = np.zeros((32, 8), np.int64)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            frag = fragment(g, t, h)
+            a[g, 4 * t:4 * t + 4], a[g + 8, 4 * t:4 * t + 4] = frag[0:4], frag[4:8]
+            a[g, 16 + 4 * t:20 + 4 * t], a[g + 8, 16 + 4 * t:20 + 4 * t] = frag[8:12], frag[12:16]
+            at = _imma_column(g & 3) + 16 * t + 8 * (g >> 2) + 64 * h
+            b[4 * t:4 * t + 4, g], b[16 + 4 * t:20 + 4 * t, g] = buf[at:at + 4], buf[at + 4:at + 8]
+        d += a @ b
+    assert np.abs(d).max() < 2**24  # every part converts to fp32 exactly
+    sums = np.zeros(8)
+    for g in range(8):
+        for t in range(4):
+            lo, hi = (d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) if t >= 2 else (d[g, 2 * t], d[g, 2 * t + 1])
+            sums[g] += (hi - 64 * lo) * 65536.0 if t & 1 else hi * 256.0 + lo
+    return sums
+
+
 def _imma_warp_step(codes: np.ndarray, x_bits: np.ndarray, selectors: dict[str, int]) -> np.ndarray:
     """One 128-column step of the ``imma`` GEMV for one warp, emulated lane by lane as gemv.cu does it:
     lane l's four x through the FFMA (fp32, as the GPU rounds it) and byte permutes into the warp's
@@ -171,24 +197,8 @@ def _imma_warp_step(codes: np.ndarray, x_bits: np.ndarray, selectors: dict[str, 
             buf[_imma_column(c) + at:_imma_column(c) + at + 4] = np.frombuffer(word.astype("<u4").tobytes(), np.uint8)
     total = np.zeros(16)
     for rows in (slice(0, 8), slice(8, 16)):
-        w = codes[rows]
-        d = np.zeros((16, 8), np.int64)
-        for h in range(2):
-            a = np.zeros((16, 32), np.int64)
-            b = np.zeros((32, 8), np.int64)
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                frag = w[g, 64 * h + 16 * t:64 * h + 16 * t + 16].astype(np.int64)  # 16 bytes of row g
-                a[g, 4 * t:4 * t + 4], a[g + 8, 4 * t:4 * t + 4] = frag[0:4], frag[4:8]
-                a[g, 16 + 4 * t:20 + 4 * t], a[g + 8, 16 + 4 * t:20 + 4 * t] = frag[8:12], frag[12:16]
-                at = _imma_column(g & 3) + 16 * t + 8 * (g >> 2) + 64 * h
-                b[4 * t:4 * t + 4, g], b[16 + 4 * t:20 + 4 * t, g] = buf[at:at + 4], buf[at + 4:at + 8]
-            d += a @ b
-        assert np.abs(d).max() < 2**24  # every part converts to fp32 exactly
-        for g in range(8):
-            for t in range(4):
-                lo, hi = (d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) if t >= 2 else (d[g, 2 * t], d[g, 2 * t + 1])
-                total[rows.start + g] += (hi - 64 * lo) * 65536.0 if t & 1 else hi * 256.0 + lo
+        w = codes[rows].astype(np.int64)
+        total[rows] = _imma_set_sums(lambda g, t, h, w=w: w[g, 64 * h + 16 * t:64 * h + 16 * t + 16], buf)
     factor = np.nan if e == 255 else 2.0 ** (ec - 148)
     return total * factor
 
@@ -262,26 +272,9 @@ def _imma4_warp_step(codes: np.ndarray, zeros: np.ndarray, x_bits: np.ndarray, p
     assert abs(sum_low - (1 << 29)) < 2**29
     total = np.zeros(16)
     for rows in (slice(0, 8), slice(8, 16)):
-        w = packed[rows]
-        d = np.zeros((16, 8), np.int64)
-        for h in range(2):
-            a = np.zeros((16, 32), np.int64)
-            b = np.zeros((32, 8), np.int64)
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                raw = w[g, 16 * t:16 * t + 16].astype(np.int64)
-                frag = raw & 0xF if h == 0 else raw >> 4
-                a[g, 4 * t:4 * t + 4], a[g + 8, 4 * t:4 * t + 4] = frag[0:4], frag[4:8]
-                a[g, 16 + 4 * t:20 + 4 * t], a[g + 8, 16 + 4 * t:20 + 4 * t] = frag[8:12], frag[12:16]
-                at = _imma_column(g & 3) + 16 * t + 8 * (g >> 2) + 64 * h
-                b[4 * t:4 * t + 4, g], b[16 + 4 * t:20 + 4 * t, g] = buf[at:at + 4], buf[at + 4:at + 8]
-            d += a @ b
-        assert np.abs(d).max() < 2**24
-        for g in range(8):
-            for t in range(4):
-                lo, hi = (d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) if t >= 2 else (d[g, 2 * t], d[g, 2 * t + 1])
-                total[rows.start + g] += (hi - 64 * lo) * 65536.0 if t & 1 else hi * 256.0 + lo
-            total[rows.start + g] -= zeros[rows.start + g] * sum_x  # lane t = 0's share
+        w = packed[rows].astype(np.int64)
+        total[rows] = _imma_set_sums(lambda g, t, h, w=w: (w[g, 16 * t:16 * t + 16] >> (4 * h)) & 0xF, buf)
+        total[rows] -= zeros[rows] * sum_x  # lane t = 0's share
     factor = np.nan if e == 255 else 2.0 ** (ec - 148)
     return total * factor
 
