@@ -1,6 +1,6 @@
 """Benchmark MGX's GPU kernels against the GPU's measured ceilings and against PyTorch, in one run.
 
-    python examples/bench_gpu_kernels.py [--only rmsnorm,gemv,decode,prefill,lm_head] [--json out.json]
+    python examples/bench_gpu_kernels.py [--only rmsnorm,gemv,native,decode,prefill,lm_head] [--json out.json]
 
 Measures first the copy bandwidth (a large device-to-device copy, bytes read plus bytes written)
 and the bf16 matrix rate, then times each kernel with ``triton.testing.do_bench`` (median; it
@@ -10,6 +10,8 @@ measured copy bandwidth:
 - RMSNorm (native CUDA, Triton) against the Hugging Face-style eager RMSNorm and
   ``torch.nn.functional.rms_norm`` on (1, 4096), (32, 4096), (4096, 4096), (16384, 8192) bf16;
 - GEMV at batch 1 on Llama-3.1-8B shapes for bf16 (cuBLAS and Triton), W8A16, INT4 (g128) and 2:4;
+- ``native``: the native CUDA GEMV kinds alone on the 8B decode products, W8A16 and INT4 (g128),
+  with ``--nvcc-flag`` for gemv.cu's compile-time settings (an A/B in about a minute);
 - paged decode attention (Llama-3.1-8B heads) over long contexts, and prefill attention;
 - the LM head fused with argmax against cuBLAS + torch.argmax.
 
@@ -249,6 +251,25 @@ def bench_gemv(copy_gbps: float, kernels=None) -> None:  # noqa: ANN001
     x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
     for label, scheme, kw in [("bf16", "none", {})] + GEMV_SCHEMES[:2]:
         _gate_up_case(x, make_weight(scheme, n, k, device=DEVICE, **kw), label, configs, copy_gbps, kernels)
+
+
+def bench_native(copy_gbps: float, kernels=None) -> None:  # noqa: ANN001
+    """The native GEMV kinds alone on Llama-3.1-8B's one-row decode products (qkv, o_proj, gate/up
+    with the SiLU product fused, down) for W8A16 and int4 g128: an A/B of gemv.cu in about a minute
+    (``--nvcc-flag`` builds it with other compile-time settings), without ``gemv``'s Triton sweeps."""
+    from mgx.kernels.triton.testing import make_weight
+
+    if DEVICE == "cuda":
+        shapes = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False)]
+    else:
+        shapes = [(64, 256, False), (64, 256, True)]
+    for label, scheme, kw in GEMV_SCHEMES[:2]:
+        for n, k, silu in shapes:
+            x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+            w = make_weight(scheme, n, k, device=DEVICE, **kw)
+            case = f"gate_up+silu N={n} K={k}" if silu else f"N={n} K={k} M=1"
+            nbytes = w.nbytes + x.nbytes + 2 * (n // 2 if silu else n)
+            _native_gemv_row(x, w, label, case, nbytes, copy_gbps, kernels, silu_mul=silu)
 
 
 def _cublas_case(x, dense, configs, copy_gbps: float) -> float:  # noqa: ANN001
@@ -545,6 +566,9 @@ def main() -> None:
     parser.add_argument("--cubin", default=None, help="a prebuilt cubin for the CUDA RMSNorm (default: build now)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     parser.add_argument("--warm", action="store_true", help="compile everything, time nothing")
+    parser.add_argument("--nvcc-flag", action="append", default=[],
+                        help="an extra nvcc flag for the native kernels, e.g. -DMGX_IMMA_UNROLL=2 (repeatable; a "
+                             "flag that changes a launch's shape needs gemv.py's constant to match)")  # fmt: skip
     args = parser.parse_args()
     only = set(args.only.split(","))
     if DEVICE == "cuda":
@@ -553,17 +577,18 @@ def main() -> None:
     ceil = ceilings()
     print(f"# copy bandwidth {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     kernels = None
-    if DEVICE == "cuda" and only & {"rmsnorm", "gemv"}:
+    if DEVICE == "cuda" and only & {"rmsnorm", "gemv", "native"}:
         from mgx.kernels.cuda.build import build_cuda_kernels
         from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
 
         major, minor = torch.cuda.get_device_capability()
         arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-        image = open(args.cubin, "rb").read() if args.cubin else build_cuda_kernels(arch)
+        image = open(args.cubin, "rb").read() if args.cubin else build_cuda_kernels(arch, extra_flags=tuple(args.nvcc_flag))
         kernels = load_cuda_kernels(image, arch)
     sections = [
         ("rmsnorm", lambda: bench_rmsnorm(ceil["copy_GBps"], kernels)),
         ("gemv", lambda: bench_gemv(ceil["copy_GBps"], kernels)),
+        ("native", lambda: bench_native(ceil["copy_GBps"], kernels)),
         ("batch", lambda: bench_batch(ceil["copy_GBps"])),
         ("swap", lambda: bench_swap(ceil["copy_GBps"])),
         ("dequant", lambda: bench_dequant(ceil["bf16_TFLOPs"])),
