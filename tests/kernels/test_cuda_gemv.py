@@ -147,6 +147,29 @@ def _imma_column(c: int) -> int:
     return 128 * c + 8 * (c & 1) + 64 * (c >> 1)
 
 
+def _imma_scale(x_bits: np.ndarray) -> tuple[int, int, np.float32]:
+    """imma_factor's e (the bf16 exponent field of the step's largest |x|), ec = max(e, 22) and up = 2^(148 - ec)."""
+    e = int((x_bits & 0x7FFF).max()) >> 7
+    ec = max(e, 22)
+    return e, ec, np.float32(2.0 ** (148 - ec))
+
+
+def _imma_buffer() -> np.ndarray:
+    """A warp's B buffer with its column of ones (column 2)."""
+    buf = np.zeros(640, np.uint8)
+    buf[_imma_column(2):_imma_column(2) + 128] = 1
+    return buf
+
+
+def _imma_put(buf: np.ndarray, at: int, u: np.ndarray, selectors: dict[str, int]) -> None:
+    """imma_put: bytes 0, 1 and 2 of the four integer x ``u`` as the words at ``at`` of B's columns 0, 1 and 3."""
+    p01 = _byte_perm(u[0:1], u[1:2], selectors["pair"])
+    p23 = _byte_perm(u[2:3], u[3:4], selectors["pair"])
+    top = _byte_perm(_byte_perm(u[0:1], u[1:2], selectors["top"]), _byte_perm(u[2:3], u[3:4], selectors["top"]), 0x5410)
+    for c, word in ((0, _byte_perm(p01, p23, 0x5410)), (1, _byte_perm(p01, p23, 0x7632)), (3, top)):
+        buf[_imma_column(c) + at:_imma_column(c) + at + 4] = np.frombuffer(word.astype("<u4").tobytes(), np.uint8)
+
+
 def _imma_set_sums(fragment, buf: np.ndarray) -> np.ndarray:
     """Two m16n8k32 MMAs (h = 0, 1) of one set of 8 rows, placed by the PTX layout (A: row g regs 0
     and 2, row g + 8 regs 1 and 3, k-slots 4t.. and 16 + 4t..; B: column g, the same k-slots; D:
@@ -181,20 +204,11 @@ def _imma_warp_step(codes: np.ndarray, x_bits: np.ndarray, selectors: dict[str, 
     and 3, k-slots 4t.. and 16 + 4t..; B: column g, the same k-slots; D: columns 2t, 2t + 1), and the
     quad's weighing of D. ``codes``: int8 [16, 128] (rows lo 0-7, hi 8-15); returns fp32 [16] sums."""
     x = _bf16(x_bits)
-    m = int((x_bits & 0x7FFF).max())
-    e = m >> 7
-    ec = max(e, 22)
-    up = np.float32(2.0 ** (148 - ec))
-    buf = np.zeros(640, np.uint8)
-    buf[_imma_column(2):_imma_column(2) + 128] = 1
+    e, ec, up = _imma_scale(x_bits)
+    buf = _imma_buffer()
     for lane in range(32):
         u = (x[4 * lane:4 * lane + 4].astype(np.float32) * up + np.float32(12582912.0)).astype(np.float32).view(np.uint32)
-        p01 = _byte_perm(u[0:1], u[1:2], selectors["pair"])
-        p23 = _byte_perm(u[2:3], u[3:4], selectors["pair"])
-        top = _byte_perm(_byte_perm(u[0:1], u[1:2], selectors["top"]), _byte_perm(u[2:3], u[3:4], selectors["top"]), 0x5410)
-        at = 16 * (lane >> 2) + 4 * (((lane & 1) << 1) | ((lane >> 1) & 1))
-        for c, word in ((0, _byte_perm(p01, p23, 0x5410)), (1, _byte_perm(p01, p23, 0x7632)), (3, top)):
-            buf[_imma_column(c) + at:_imma_column(c) + at + 4] = np.frombuffer(word.astype("<u4").tobytes(), np.uint8)
+        _imma_put(buf, 16 * (lane >> 2) + 4 * (((lane & 1) << 1) | ((lane >> 1) & 1)), u, selectors)
     total = np.zeros(16)
     for rows in (slice(0, 8), slice(8, 16)):
         w = codes[rows].astype(np.int64)
@@ -249,25 +263,17 @@ def _imma4_warp_step(codes: np.ndarray, zeros: np.ndarray, x_bits: np.ndarray, p
     fragments of two m16n8k32 MMAs (u8), B read as the W8A16 kind reads it, the quad's weighing of D
     and lane t = 0's z sum X. ``codes``: [16, 128] in 0..15 (rows lo 0-7, hi 8-15), ``zeros`` [16];
     returns the 16 sums of (q - z) x."""
-    e = int((x_bits & 0x7FFF).max()) >> 7
-    ec = max(e, 22)
-    up = np.float32(2.0 ** (148 - ec))
+    e, ec, up = _imma_scale(x_bits)
     words = x_bits[0::2].astype(np.uint32) | x_bits[1::2].astype(np.uint32) << np.uint32(16)  # 64 words of two bf16
     packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)  # [16, 64]: column 2b + j in nibble j of byte b
-    buf = np.zeros(640, np.uint8)
-    buf[_imma_column(2):_imma_column(2) + 128] = 1
+    buf = _imma_buffer()
     sum_low = 0
     for lane in range(32):
         o, h = lane >> 1, lane & 1
         fp = _byte_perm(words[4 * o:4 * o + 4], np.zeros(4, np.uint32), picks[h]).view(np.float32)
         u = (fp * up + np.float32(12582912.0)).astype(np.float32).view(np.uint32)
         sum_low += int((u & 0x7FFFFF).sum())
-        p01 = _byte_perm(u[0:1], u[1:2], 0x5140)
-        p23 = _byte_perm(u[2:3], u[3:4], 0x5140)
-        top = _byte_perm(_byte_perm(u[0:1], u[1:2], 0x0062), _byte_perm(u[2:3], u[3:4], 0x0062), 0x5410)
-        at = 64 * h + 16 * (o >> 2) + 8 * (o & 1) + 4 * ((o >> 1) & 1)
-        for c, word in ((0, _byte_perm(p01, p23, 0x5410)), (1, _byte_perm(p01, p23, 0x7632)), (3, top)):
-            buf[_imma_column(c) + at:_imma_column(c) + at + 4] = np.frombuffer(word.astype("<u4").tobytes(), np.uint8)
+        _imma_put(buf, 64 * h + 16 * (o >> 2) + 8 * (o & 1) + 4 * ((o >> 1) & 1), u, {"pair": 0x5140, "top": 0x0062})
     sum_x = float(np.float32(sum_low - (1 << 29)))
     assert abs(sum_low - (1 << 29)) < 2**29
     total = np.zeros(16)
