@@ -862,11 +862,9 @@ __device__ __forceinline__ ImmaTally& imma_tally() {
   return tally;
 }
 
-// lane_scale (kind imma_bulk): lane r < 16's row scale, already at hand (row_scale then unused).
 __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
-                                            const __nv_bfloat16* __restrict__ bias, bool silu_mul,
-                                            bool scale_given = false, float lane_scale = 1.0f) {
+                                            const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
   ImmaTally& tally = imma_tally();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, h = use & 1;
   if (lane == 0) {  // this half's group before must be stored: its partials are read until then
@@ -894,11 +892,7 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   const int i = min(n0 + lane % per, n_out - 1);  // as block_rows<16>
   const int row = silu_mul && lane >= 8 ? silu_f + i : i;
   if (lane < 16) {
-    if (scale_given) {
-      v *= lane_scale;
-    } else if (row_scale != nullptr) {
-      v *= row_scale[row];
-    }
+    if (row_scale != nullptr) v *= row_scale[row];
     if (bias != nullptr) v += __bfloat162float(bias[row]);
   }
   const float up = __shfl_down_sync(0xFFFFFFFFu, v, 8);  // lane r < 8: row r + 8's total
@@ -955,14 +949,13 @@ __device__ __forceinline__ void imma_step(uint8_t* buf, int b_at, const ImmaLane
 // A warp's end of output group `blk`: the quad's sums added, imma_finish, the sums zeroed for the next.
 __device__ __forceinline__ void imma_group_end(__nv_bfloat16* __restrict__ out, float& acc_lo, float& acc_hi, int blk,
                                                int use, int n, int silu_f, const float* __restrict__ row_scale,
-                                               const __nv_bfloat16* __restrict__ bias, bool silu_mul,
-                                               bool scale_given = false, float lane_scale = 1.0f) {
+                                               const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
 #pragma unroll
   for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
     acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
     acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
   }
-  imma_finish(out, acc_lo, acc_hi, blk, use, n, silu_f, row_scale, bias, silu_mul, scale_given, lane_scale);
+  imma_finish(out, acc_lo, acc_hi, blk, use, n, silu_f, row_scale, bias, silu_mul);
   acc_lo = acc_hi = 0.0f;
 }
 
@@ -1081,25 +1074,18 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
 // warp. Block b takes a contiguous share of the output groups (the launcher sizes the grid so that
 // the shares are equal: no block has a group more than another); each group is cut into stages of
 // kImmaWarps 128-column steps, one step a consumer warp, and the block's stages run through a ring
-// of `stages` slots in dynamic shared memory, after the row x (as many slots as the launch's dynamic
-// size holds, at most kBulkMaxStages). For each stage the producer's lanes 0..15 copy one of the
-// group's 16 rows each with one cp.async.bulk, and lanes 16..31 the row's scales (int4: the stage's 8
-// groups of 128 and their zeros; W8A16: the row's scale) with cp.async; both complete on the slot's
-// `full` mbarrier. The consumers read their A fragments, scales and zeros from the slot, release it
-// on its `empty` mbarrier and compute while the producer refills it. x is copied into shared memory
-// once (or normalized there by the RMSNorm prologue), so the consumers' loop reads no global memory:
-// a block keeps stages - 1 slots (tens of KB) in flight for a handful of instructions.
+// of `stages` slots in dynamic shared memory (as many as the launch's dynamic size holds after the
+// RMSNorm prologue's row, at most kBulkMaxStages). The producer's lanes 0..15 each copy one of the
+// group's 16 rows of a stage with one cp.async.bulk, completing on the slot's `full` mbarrier; the
+// consumers read their A fragments from the slot, release it on its `empty` mbarrier and compute
+// while the producer refills it. So a block keeps stages - 1 slots of codes (tens of KB) in
+// flight for a handful of instructions, where each lane's loads kept 32-64 bytes. x, and int4's
+// scales and zeros, are still loaded by each consumer lane, one stage ahead.
 // A row's stage in the slot is padded to kBulkPitch bytes, so that a warp's 16-byte fragment reads
 // (lane (g, t): row g, bytes 16 t ..) fall in distinct banks within each quarter warp.
 template <bool kInt4>
 __host__ __device__ constexpr int bulk_pitch() {
   return kImmaWarps * 64 * (kInt4 ? 1 : 2) + 64;
-}
-
-// Bytes after a slot's 16 rows of codes: int4 fp32 scales [16][8] and u8 zeros [16][8]; W8A16 fp32 scales [16].
-template <bool kInt4>
-__host__ __device__ constexpr int bulk_side() {
-  return kInt4 ? 16 * kImmaWarps * 5 : 64;
 }
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -1117,14 +1103,6 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
-__device__ __forceinline__ void copy4_async(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy16_async(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src) : "memory");
-}
-
 template <bool kInt4, bool kSilu, bool kNorm>
 __device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
                                const uint8_t* __restrict__ w, const float* __restrict__ scales,
@@ -1140,7 +1118,7 @@ __device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __r
   constexpr int kW = kInt4 ? 1 : 2;
   constexpr int kStepBytes = 64 * kW;  // a row's bytes per 128-column step
   constexpr int kPitch = bulk_pitch<kInt4>();
-  constexpr int kSlot = 16 * kPitch + bulk_side<kInt4>();
+  constexpr int kSlot = 16 * kPitch;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int per = kSilu ? 8 : 16;
@@ -1150,14 +1128,14 @@ __device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __r
   const int share = (groups + gridDim.x - 1) / gridDim.x;
   const int first = blockIdx.x * share;
   const int total = max(0, min(groups, first + share) - first) * spg;  // the block's stages
+  const int x_bytes = kNorm ? 2 * k : 0;
   uint32_t dynamic;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
-  const int stages = min(kBulkMaxStages, (static_cast<int>(dynamic) - 2 * k) / kSlot);
-  uint4* xs = reinterpret_cast<uint4*>(bulk_dynamic);  // x, or the prologue's row
-  uint8_t* ring = bulk_dynamic + 2 * k;
+  const int stages = min(kBulkMaxStages, (static_cast<int>(dynamic) - x_bytes) / kSlot);
+  uint8_t* ring = bulk_dynamic + x_bytes;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < stages; ++i) {  // full: the producer's lane 0 (bytes) and lanes 16..31 (cp.async)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 17;" ::"r"(shared_address(&full[i])) : "memory");
+    for (int i = 0; i < stages; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&full[i])) : "memory");
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&empty[i])), "r"(kImmaWarps) : "memory");
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -1188,37 +1166,19 @@ __device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __r
     }
   };
   const auto issue = [&](const Walk& at) {  // the producer's copies of a stage into its slot
-    const int nst = min(kImmaWarps, steps - at.s0), bytes = nst * kStepBytes;
-    uint8_t* slot = ring + at.slot * kSlot;
-    const uint32_t bar = shared_address(&full[at.slot]);
-    if (lane == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(16 * bytes) : "memory");
+    const int bytes = min(kImmaWarps, steps - at.s0) * kStepBytes;
+    if (lane == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(&full[at.slot])),
+                   "r"(16 * bytes) : "memory");
+    }
     __syncwarp();
-    const int r = lane & 15;
-    const long long rw = row(at.b, r);
     if (lane < 16) {
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       shared_address(slot + r * kPitch)),
-                   "l"(w + rw * stride_w + at.s0 * kStepBytes), "r"(bytes), "r"(bar)
+                       shared_address(ring + at.slot * kSlot + lane * kPitch)),
+                   "l"(w + row(at.b, lane) * stride_w + at.s0 * kStepBytes), "r"(bytes),
+                   "r"(shared_address(&full[at.slot]))
                    : "memory");
-      return;
     }
-    float* side = reinterpret_cast<float*>(slot + 16 * kPitch);
-    if constexpr (kInt4) {  // groups of 128: the stage's groups are its steps
-      const float* src = scales + rw * stride_s + at.s0;
-      if (nst == kImmaWarps && (stride_s & 3) == 0) {
-        copy16_async(side + 8 * r, src);
-        copy16_async(side + 8 * r + 4, src + 4);
-      } else {
-        for (int i = 0; i < nst; ++i) copy4_async(side + 8 * r + i, src + i);
-      }
-      if (zeros != nullptr) {  // whole words: the launcher checks that a row's zeros are
-        uint8_t* z = reinterpret_cast<uint8_t*>(side + 16 * kImmaWarps) + 8 * r;
-        for (int i = 0; i < nst; i += 4) copy4_async(z + i, zeros + rw * stride_s + at.s0 + i);
-      }
-    } else {
-      copy4_async(side + r, scales + rw);
-    }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
   };
   const bool producer = warp == kImmaWarps;
   Walk at{first, 0, 0, 0u};
@@ -1227,12 +1187,7 @@ __device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __r
     for (; q < min(stages, total); ++q, advance(at)) issue(at);
   }
   mgx_pdl_wait();
-  if constexpr (kNorm) {
-    norm_prologue(xs, *norm, k, kImmaWarps * 32);
-  } else {
-    for (int j = threadIdx.x; j < (k >> 3); j += blockDim.x) xs[j] = x[j];
-    __syncthreads();
-  }
+  if constexpr (kNorm) norm_prologue(const_cast<uint4*>(x), *norm, k, kImmaWarps * 32);
   if (producer) {
     for (; q < total; ++q, advance(at)) {
       bulk_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's stage before is read
@@ -1240,52 +1195,57 @@ __device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __r
     }
     return;
   }
+  struct Side {  // what a consumer lane loads itself for one stage: x and, int4, its rows' scales and zeros
+    uint4 xv;
+    float s_lo, s_hi;
+    uint32_t z_lo, z_hi;
+  };
+  const auto fetch = [&](const Walk& stage, bool in, Side& side) {
+    const int s = stage.s0 + warp;
+    in = in && s < steps;
+    if constexpr (kInt4) {
+      side.xv = in ? x_oct<kNorm>(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
+      const int lo = row(stage.b, g), hi = row(stage.b, g + 8);
+      const long long grp = (static_cast<long long>(s) << 7) >> group_shift;
+      side.s_lo = in ? load_now(scales + lo * stride_s + grp) : 0.0f;
+      side.s_hi = in ? load_now(scales + hi * stride_s + grp) : 0.0f;
+      side.z_lo = zeros != nullptr && in ? load_now(zeros + lo * stride_s + grp) : 8u;  // null: symmetric
+      side.z_hi = zeros != nullptr && in ? load_now(zeros + hi * stride_s + grp) : 8u;
+    } else {
+      const uint2 v = in ? x_quad<kNorm>(x, s * 32 + lane) : make_uint2(0, 0);
+      side.xv = make_uint4(v.x, v.y, 0, 0);
+      side.s_lo = side.s_hi = 0.0f;
+      side.z_lo = side.z_hi = 0u;
+    }
+  };
   const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
   const ImmaLane weigh{(t & 1) ? 64 : 0, (t & 1) ? 0.0f : 1.0f, (t & 1) ? 65536.0f : 256.0f, t >= 2};
   float acc_lo = 0.0f, acc_hi = 0.0f;
-  for (; q < total; ++q, advance(at)) {
-    const int s = at.s0 + warp;
-    const bool in = s < steps;  // a warp past K's last step still takes part in the group's end
-    const bool last = at.s0 + kImmaWarps >= steps;
-    const uint8_t* slot = ring + at.slot * kSlot;
-    const float* side = reinterpret_cast<const float*>(slot + 16 * kPitch);
+  Side now, later;
+  fetch(at, total > 0, now);
+  for (; q < total; ++q) {
+    Walk next = at;
+    advance(next);
+    fetch(next, q + 1 < total, later);
+    const bool in = at.s0 + warp < steps;  // a warp past K's last step still takes part in the group's end
     bulk_wait(&full[at.slot], at.phase);
     uint4 lo[kW], hi[kW];
-    float s_lo = 0.0f, s_hi = 0.0f, lane_scale = 1.0f;
-    uint32_t z_lo = 8u, z_hi = 8u;  // symmetric
     if (in) {
-      const uint8_t* base = slot + warp * kStepBytes + 16 * t;
+      const uint8_t* base = ring + at.slot * kSlot + warp * kStepBytes + 16 * t;
 #pragma unroll
       for (int v = 0; v < kW; ++v) {
         lo[v] = *reinterpret_cast<const uint4*>(base + g * kPitch + 64 * v);
         hi[v] = *reinterpret_cast<const uint4*>(base + (g + 8) * kPitch + 64 * v);
       }
-      if constexpr (kInt4) {
-        s_lo = side[8 * g + warp];
-        s_hi = side[8 * (g + 8) + warp];
-        if (zeros != nullptr) {
-          const uint8_t* z = reinterpret_cast<const uint8_t*>(side + 16 * kImmaWarps);
-          z_lo = z[8 * g + warp];
-          z_hi = z[8 * (g + 8) + warp];
-        }
-      }
     }
-    if (!kInt4 && last) lane_scale = side[lane & 15];
     __syncwarp();
     if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(&empty[at.slot])) : "memory");
-    if (in) {
-      uint4 xv;
-      if constexpr (kInt4) {
-        xv = x_oct<true>(xs, s * 16 + (lane >> 1));
-      } else {
-        const uint2 v = x_quad<true>(xs, s * 32 + lane);
-        xv = make_uint4(v.x, v.y, 0, 0);
-      }
-      imma_step<kInt4>(buf, b_at, weigh, lane, xv, lo, hi, s_lo, s_hi, z_lo, z_hi, acc_lo, acc_hi);
+    if (in) imma_step<kInt4>(buf, b_at, weigh, lane, now.xv, lo, hi, now.s_lo, now.s_hi, now.z_lo, now.z_hi, acc_lo, acc_hi);
+    if (at.s0 + kImmaWarps >= steps) {
+      imma_group_end(out, acc_lo, acc_hi, at.b, at.b - first, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     }
-    if (last) {
-      imma_group_end(out, acc_lo, acc_hi, at.b, at.b - first, n, silu_f, nullptr, bias, kSilu, !kInt4, lane_scale);
-    }
+    now = later;
+    at = next;
   }
 #endif
 }

@@ -91,28 +91,24 @@ MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 2
 # Kind ``imma_persistent``: 64 registers a thread (sm_90a), four blocks fit; three measured best of 2-6 on
 # the H200 (a variant of the kernel, 2026-12-01).
 IMMA_BLOCKS_PER_SM = 3
-# Kind ``imma_bulk``: at most BULK_BLOCKS_PER_SM blocks per SM (about 55 registers a thread, 288
-# threads), each with BULK_SHARED bytes of dynamic shared memory for the row x (2 K bytes) and the ring
-# of slots (``bulk_stages``), a slot being 16 rows of IMMA_THREADS // 32 steps (gemv.cu's bulk_pitch)
-# and their scales (bulk_side).
+# Kind ``imma_bulk``: at most BULK_BLOCKS_PER_SM blocks per SM (about 70 registers a thread, 288
+# threads), each with BULK_SHARED bytes of dynamic shared memory for the RMSNorm row and the ring of
+# slots (``bulk_stages``), a slot being 16 rows of IMMA_THREADS // 32 steps (gemv.cu's bulk_pitch).
 BULK_BLOCKS_PER_SM = 3
-BULK_SHARED = 68 * 1024
+BULK_SHARED = 64 * 1024
 BULK_MAX_STAGES = 8  # kBulkMaxStages in gemv.cu
 
 
 def bulk_slot_bytes(scheme: str) -> int:
     """Bytes of one ring slot of kind ``imma_bulk``: 16 rows of IMMA_THREADS // 32 steps of 128 columns
-    (64 bytes of int4 codes a row and step, 128 of int8), each row padded by 64 bytes, then the rows'
-    scales (int4: fp32 scales and u8 zeros of each step's group of 128; W8A16: one fp32 a row)."""
-    steps = IMMA_THREADS // 32
-    if scheme == "int4":
-        return 16 * (steps * MMA_COLUMNS // 2 + 64) + 16 * steps * 5
-    return 16 * (steps * MMA_COLUMNS + 64) + 16 * 4
+    (64 bytes of int4 codes a row and step, 128 of int8), each row padded by 64 bytes."""
+    step = MMA_COLUMNS // 2 if scheme == "int4" else MMA_COLUMNS
+    return 16 * ((IMMA_THREADS // 32) * step + 64)
 
 
-def bulk_stages(scheme: str, k: int) -> int:
-    """Slots of kind ``imma_bulk``'s ring in BULK_SHARED bytes, after the row x (2 K bytes)."""
-    return min(BULK_MAX_STAGES, (BULK_SHARED - 2 * k) // bulk_slot_bytes(scheme))
+def bulk_stages(scheme: str, k: int, norm: bool) -> int:
+    """Slots of kind ``imma_bulk``'s ring in BULK_SHARED bytes, after the RMSNorm row (2 K bytes) with ``norm``."""
+    return min(BULK_MAX_STAGES, (BULK_SHARED - (2 * k if norm else 0)) // bulk_slot_bytes(scheme))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +136,13 @@ class NormPrologue:
         )
 
 
-def bulk_launch(groups: int, scheme: str, k: int, sms: int) -> tuple[int, int]:
+def bulk_launch(groups: int, scheme: str, k: int, norm: bool, sms: int) -> tuple[int, int]:
     """Kind ``imma_bulk``'s grid and dynamic shared memory for ``groups`` output groups: the fewest
     blocks that give each the same share as BULK_BLOCKS_PER_SM blocks on every SM would (no block has
-    a group more than another, so none runs on alone at the end), and the row x (or the RMSNorm
-    prologue's) followed by the ring's slots."""
+    a group more than another, so none runs on alone at the end), and the RMSNorm row (with
+    ``norm``) followed by the ring's slots."""
     share = -(-groups // (BULK_BLOCKS_PER_SM * sms))
-    return -(-groups // share), 2 * k + bulk_stages(scheme, k) * bulk_slot_bytes(scheme)
+    return -(-groups // share), (2 * k if norm else 0) + bulk_stages(scheme, k, norm) * bulk_slot_bytes(scheme)
 
 
 def gemv_threads(k: int) -> int:
@@ -190,9 +186,8 @@ def gemv_applies(
     if base in _MMA and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
                           or w.weight.stride(0) % 16 or _sm(kernels.arch) < 80):  # fmt: skip
         return False
-    if base == "imma_bulk" and (_sm(kernels.arch) < 90 or bulk_stages(w.scheme, w.k) < 2 or (w.scheme == "int4" and (
-            w.group_size != MMA_COLUMNS or (w.zeros is not None and not w.symmetric and (w.k // MMA_COLUMNS) % 4)))):
-        return False  # int4: the slot holds a scale (and zero) a step; zeros are copied in words of 4
+    if base == "imma_bulk" and (_sm(kernels.arch) < 90 or bulk_stages(w.scheme, w.k, norm is not None) < 2):
+        return False
     word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
         return False
@@ -250,7 +245,7 @@ def gemv(
     elif kind == "imma_persistent":
         blocks = min(blocks, IMMA_BLOCKS_PER_SM * num_sms(x.device))
     if kind == "imma_bulk":
-        blocks, shared = bulk_launch(-(-n_out // per_block), w.scheme, w.k, num_sms(x.device))
+        blocks, shared = bulk_launch(-(-n_out // per_block), w.scheme, w.k, norm is not None, num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

@@ -52,12 +52,6 @@ GEMV_WEIGHTS = [
 ]
 
 
-def bulk_declines(kind: str, scheme: str, kw: dict, k: int) -> bool:
-    """Kind ``imma_bulk`` copies int4 zeros in words of 4 steps: it declines int4 with zeros whose
-    rows are not whole words (K / 128 not a multiple of 4)."""
-    return kind == "imma_bulk" and scheme == "int4" and not kw.get("symmetric", False) and (k // 128) % 4 != 0
-
-
 GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("int4", {"group_size": 128, "symmetric": True}, "mma"),
     ("int4", {"group_size": 128, "symmetric": False}, "mma"),
@@ -90,9 +84,6 @@ def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, kind: 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-    if bulk_declines(kind, scheme, kw, k):
-        assert not cg.gemv_applies(native, x, w, kind=kind)
-        return
     for bias in (None, torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)):
         assert cg.gemv_applies(native, x, w, bias, kind=kind)
         got = cg.gemv(x, w, bias, kernels=native, silu_mul=silu, kind=kind)
@@ -118,9 +109,6 @@ def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, ki
     delta = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
     ref = lin.linear_silu_mul_ref if silu else lin.linear_ref
-    if bulk_declines(kind, scheme, kw, k):
-        assert not cg.gemv_applies(native, res, w, kind=kind, norm=cg.NormPrologue(None, g, 1e-5))
-        return
     for d, weight in ((delta, g), (None, g), (delta, None)):
         total = None if d is None else torch.full_like(res, float("nan"))
         norm = cg.NormPrologue(d, weight, 1e-5, total)
@@ -186,9 +174,6 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
                                                                                 device="cuda")  # fmt: skip
     x = x.to(torch.bfloat16)
     ref = lin.linear_silu_mul_ref if silu else lin.linear_ref
-    if bulk_declines(kind, scheme, kw, k):
-        assert not cg.gemv_applies(native, x, w, kind=kind)
-        return
     assert cg.gemv_applies(native, x, w, kind=kind)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
     assert rel_err(want, ref(x, w)) < 4e-3

@@ -83,30 +83,28 @@ def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["int4", "w8a16"])
-def test_bulk_kind_gives_every_block_an_equal_share_and_room_for_its_ring(scheme: str) -> None:
+@pytest.mark.parametrize("norm", [False, True])
+def test_bulk_kind_gives_every_block_an_equal_share_and_room_for_its_ring(scheme: str, norm: bool) -> None:
     """Kind ``imma_bulk``'s launch: its grid gives every block the same number of output groups (the
     last one at most that many, none without a group), as many as BULK_BLOCKS_PER_SM blocks on every
-    SM would take; its dynamic shared memory holds the row x and at least two ring slots (and at most
-    gemv.cu's kBulkMaxStages), each slot 16 rows of gemv.cu's bulk_pitch bytes and bulk_side bytes of
-    scales, and three such blocks fit an H200 SM's 228 KiB beside their static shared memory (about
-    6.2 KiB) and the 1 KiB the GPU keeps a block."""
+    SM would take; its dynamic shared memory holds the RMSNorm row and at least two ring slots (and at
+    most gemv.cu's kBulkMaxStages), each slot 16 rows of gemv.cu's bulk_pitch bytes, and three such
+    blocks fit an H200 SM's 228 KiB beside their static shared memory (about 6.3 KiB)."""
     source = (Path(cg.__file__).parent / "gemv.cu").read_text()
     pitch = re.findall(r"return kImmaWarps \* 64 \* \(kInt4 \? 1 : 2\) \+ (\d+);", source)
-    side = re.findall(r"return kInt4 \? 16 \* kImmaWarps \* (\d+) : (\d+);", source)
-    assert pitch == ["64"] and side == [("5", "64")]
-    assert re.findall(r"kBulkMaxStages = (\d+);", source) == [str(cg.BULK_MAX_STAGES)]
-    step, extra = (64, 16 * 8 * 5) if scheme == "int4" else (128, 64)
-    assert cg.bulk_slot_bytes(scheme) == 16 * ((cg.IMMA_THREADS // 32) * step + 64) + extra
+    assert pitch == ["64"] and re.findall(r"kBulkMaxStages = (\d+);", source) == [str(cg.BULK_MAX_STAGES)]
+    step = 64 if scheme == "int4" else 128
+    assert cg.bulk_slot_bytes(scheme) == 16 * ((cg.IMMA_THREADS // 32) * step + 64)
     for sms in (1, 108, 132):
         for groups in (1, 2, 255, 256, 384, 396, 397, 1792, 8016):
-            for k in (256, 4096, cg.MAX_NORM_K, 14336):
-                blocks, shared = cg.bulk_launch(groups, scheme, k, sms)
+            for k in (256, 4096, 14336 if not norm else cg.MAX_NORM_K):
+                blocks, shared = cg.bulk_launch(groups, scheme, k, norm, sms)
                 share = -(-groups // blocks)  # the kernel's share of a block
                 assert share == -(-groups // (cg.BULK_BLOCKS_PER_SM * sms))
                 assert (blocks - 1) * share < groups <= blocks * share
-                stages = (shared - 2 * k) // cg.bulk_slot_bytes(scheme)
-                assert 2 <= stages <= cg.BULK_MAX_STAGES and stages == cg.bulk_stages(scheme, k)
-                assert 3 * (shared + 6400 + 1024) <= 228 * 1024
+                stages = (shared - (2 * k if norm else 0)) // cg.bulk_slot_bytes(scheme)
+                assert 2 <= stages <= cg.BULK_MAX_STAGES and stages == cg.bulk_stages(scheme, k, norm)
+                assert 3 * (shared + 6500 + 1024) <= 228 * 1024
 
 
 def _constant(source: str, pattern: str) -> int:
