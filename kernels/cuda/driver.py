@@ -17,8 +17,6 @@ CUDA_SUCCESS = 0
 _ATTR_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _ATTR_CC_MINOR = 76
 _LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_FUNC_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_DEFAULT_SHARED = 48 * 1024  # dynamic shared memory a kernel may take without that attribute
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -67,7 +65,6 @@ def _driver() -> ctypes.CDLL:
         lib.cuModuleUnload.argtypes = [vp]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
         lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
-        lib.cuFuncSetAttribute.argtypes = [vp, i, i]
         if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 12.0 and newer drivers
             lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
         _check(lib, "cuInit", lib.cuInit(0))
@@ -120,7 +117,6 @@ class CudaModule:
         self._module = ctypes.c_void_p()
         _check(lib, "cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(self._module), image))
         self._functions: dict[str, ctypes.c_void_p] = {}
-        self._shared: dict[str, int] = {}  # kernel -> the dynamic shared memory it was allowed past 48 KiB
 
     def function(self, name: str) -> ctypes.c_void_p:
         """The kernel ``name`` (an ``extern "C"`` symbol of the module)."""
@@ -150,10 +146,6 @@ class CudaModule:
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        if shared_bytes > _DEFAULT_SHARED and self._shared.get(name, _DEFAULT_SHARED) < shared_bytes:
-            rc = self._lib.cuFuncSetAttribute(self.function(name), _FUNC_MAX_DYNAMIC_SHARED, shared_bytes)
-            _check(self._lib, f"cuFuncSetAttribute({name}, {shared_bytes} bytes of dynamic shared memory)", rc)
-            self._shared[name] = shared_bytes
         if overlap:
             attr = LaunchAttribute(id=_LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION)
             attr.value = (1).to_bytes(4, "little") + bytes(60)  # programmaticStreamSerializationAllowed

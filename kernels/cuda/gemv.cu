@@ -277,12 +277,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 // Fills xs[0 .. K/8) with the normalized row; every thread of the block returns after it is complete.
-__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, int threads = 0) {
+__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k) {
   __shared__ float part[kMaxThreads / 32];
   const int words = k >> 3;
-  const int nt = threads > 0 ? threads : blockDim.x;  // the first nt threads work; the rest only meet the barriers
   float ss = 0.0f;
-  for (int j = threadIdx.x; threadIdx.x < nt && j < words; j += nt) {
+  for (int j = threadIdx.x; j < words; j += blockDim.x) {
     uint4 a = __ldg(reinterpret_cast<const uint4*>(in.res) + j);
     if (in.delta != nullptr) {
       const uint4 b = __ldg(reinterpret_cast<const uint4*>(in.delta) + j);
@@ -299,12 +298,12 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, i
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-  if ((threadIdx.x & 31) == 0 && threadIdx.x < nt) part[threadIdx.x >> 5] = ss;
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
   ss = 0.0f;
-  for (int i = 0; i < (nt >> 5); ++i) ss += part[i];
+  for (int i = 0; i < (blockDim.x >> 5); ++i) ss += part[i];
   const float rstd = rsqrtf(ss / static_cast<float>(k) + in.eps);
-  for (int j = threadIdx.x; threadIdx.x < nt && j < words; j += nt) {
+  for (int j = threadIdx.x; j < words; j += blockDim.x) {
     const uint4 a = xs[j];
     const uint4 g = in.g != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.g) + j) : make_uint4(0, 0, 0, 0);
     const uint32_t v[4] = {a.x, a.y, a.z, a.w}, gv[4] = {g.x, g.y, g.z, g.w};
@@ -909,56 +908,6 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   }
 }
 
-// One 128-column step of a warp's two sets of 8 rows (lo, hi: kW words of codes each, see gemv_imma):
-// x staged as B, the MMAs, and the step's value added to the lane's sums (int4: its scales and zeros).
-template <bool kInt4>
-__device__ __forceinline__ void imma_step(uint8_t* buf, int b_at, const ImmaLane& weigh, int lane, uint4 xv,
-                                          const uint4* lo, const uint4* hi, float s_lo, float s_hi, uint32_t z_lo,
-                                          uint32_t z_hi, float& acc_lo, float& acc_hi) {
-  float sum_x = 0.0f;
-  const float factor = kInt4 ? imma4_stage_x(buf, xv, lane, sum_x) : imma_stage_x(buf, make_uint2(xv.x, xv.y), lane);
-  int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // W8A16: 64-column halves; int4: low and high nibbles
-    const uint2 b = *reinterpret_cast<const uint2*>(buf + b_at + 64 * h);
-    if constexpr (kInt4) {
-      const auto nibbles = [h](uint4 v) {
-        constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
-        return h == 0 ? make_uint4(v.x & kLowNibbles, v.y & kLowNibbles, v.z & kLowNibbles, v.w & kLowNibbles)
-                      : make_uint4((v.x >> 4) & kLowNibbles, (v.y >> 4) & kLowNibbles, (v.z >> 4) & kLowNibbles,
-                                   (v.w >> 4) & kLowNibbles);
-      };
-      mma_imma<true>(d, nibbles(lo[0]), b.x, b.y);
-      mma_imma<true>(e, nibbles(hi[0]), b.x, b.y);
-    } else {
-      mma_imma<false>(d, lo[h], b.x, b.y);
-      mma_imma<false>(e, hi[h], b.x, b.y);
-    }
-  }
-  if constexpr (kInt4) {  // s (sum q X - z sum X), the zero's part once a quad (lane t = 0)
-    const int t = lane & 3;
-    const float zx = t == 0 ? sum_x : 0.0f;
-    acc_lo = fmaf(factor * s_lo, fmaf(-static_cast<float>(z_lo), zx, imma_value(d, weigh)), acc_lo);
-    acc_hi = fmaf(factor * s_hi, fmaf(-static_cast<float>(z_hi), zx, imma_value(e, weigh)), acc_hi);
-  } else {
-    acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
-    acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
-  }
-}
-
-// A warp's end of output group `blk`: the quad's sums added, imma_finish, the sums zeroed for the next.
-__device__ __forceinline__ void imma_group_end(__nv_bfloat16* __restrict__ out, float& acc_lo, float& acc_hi, int blk,
-                                               int use, int n, int silu_f, const float* __restrict__ row_scale,
-                                               const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
-#pragma unroll
-  for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
-    acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
-    acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
-  }
-  imma_finish(out, acc_lo, acc_hi, blk, use, n, silu_f, row_scale, bias, silu_mul);
-  acc_lo = acc_hi = 0.0f;
-}
-
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
 template <bool kInt4, bool kSilu, bool kNorm>
@@ -1038,11 +987,44 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (at.y + u * kImmaWarps >= steps) break;
-      imma_step<kInt4>(buf, b_at, weigh, lane, p.xv[u], &p.lo[kW * u], &p.hi[kW * u], p.s_lo[kInt4 ? u : 0],
-                       p.s_hi[kInt4 ? u : 0], p.z_lo[kInt4 ? u : 0], p.z_hi[kInt4 ? u : 0], acc_lo, acc_hi);
+      float sum_x = 0.0f;
+      const float factor = kInt4 ? imma4_stage_x(buf, p.xv[u], lane, sum_x)
+                                 : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
+      int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // W8A16: 64-column halves; int4: low and high nibbles
+        const uint2 b = *reinterpret_cast<const uint2*>(buf + b_at + 64 * h);
+        if constexpr (kInt4) {
+          const auto nibbles = [h](uint4 v) {
+            constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
+            return h == 0 ? make_uint4(v.x & kLowNibbles, v.y & kLowNibbles, v.z & kLowNibbles, v.w & kLowNibbles)
+                          : make_uint4((v.x >> 4) & kLowNibbles, (v.y >> 4) & kLowNibbles, (v.z >> 4) & kLowNibbles,
+                                       (v.w >> 4) & kLowNibbles);
+          };
+          mma_imma<true>(d, nibbles(p.lo[u]), b.x, b.y);
+          mma_imma<true>(e, nibbles(p.hi[u]), b.x, b.y);
+        } else {
+          mma_imma<false>(d, p.lo[2 * u + h], b.x, b.y);
+          mma_imma<false>(e, p.hi[2 * u + h], b.x, b.y);
+        }
+      }
+      if constexpr (kInt4) {  // s (sum q X - z sum X), the zero's part once a quad (lane t = 0)
+        const float zx = t == 0 ? sum_x : 0.0f;
+        acc_lo = fmaf(factor * p.s_lo[u], fmaf(-static_cast<float>(p.z_lo[u]), zx, imma_value(d, weigh)), acc_lo);
+        acc_hi = fmaf(factor * p.s_hi[u], fmaf(-static_cast<float>(p.z_hi[u]), zx, imma_value(e, weigh)), acc_hi);
+      } else {
+        acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
+        acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
+      }
     }
     if (at.y + kPass < steps) return;
-    imma_group_end(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
+      acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
+      acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
+    }
+    imma_finish(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
+    acc_lo = acc_hi = 0.0f;
   };
   int2 at = make_int2(blockIdx.x, warp);
   if constexpr (kNorm) {  // as in gemv_rows
@@ -1067,187 +1049,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     compute(at, odd);
     at = later;
   }
-}
-
-// Kind imma_bulk (sm_90): gemv_imma's arithmetic, with the codes brought into shared memory by the
-// bulk copy engine instead of each lane's loads. A block is kImmaWarps consumer warps and one producer
-// warp. Block b takes a contiguous share of the output groups (the launcher sizes the grid so that
-// the shares are equal: no block has a group more than another); each group is cut into stages of
-// kImmaWarps 128-column steps, one step a consumer warp, and the block's stages run through a ring
-// of `stages` slots in dynamic shared memory (as many as the launch's dynamic size holds after the
-// RMSNorm prologue's row, at most kBulkMaxStages). The producer's lanes 0..15 each copy one of the
-// group's 16 rows of a stage with one cp.async.bulk, completing on the slot's `full` mbarrier; the
-// consumers read their A fragments from the slot, release it on its `empty` mbarrier and compute
-// while the producer refills it. So a block keeps stages - 1 slots of codes (tens of KB) in
-// flight for a handful of instructions, where each lane's loads kept 32-64 bytes. x, and int4's
-// scales and zeros, are still loaded by each consumer lane, one stage ahead.
-// A row's stage in the slot is padded to kBulkPitch bytes, so that a warp's 16-byte fragment reads
-// (lane (g, t): row g, bytes 16 t ..) fall in distinct banks within each quarter warp.
-template <bool kInt4>
-__host__ __device__ constexpr int bulk_pitch() {
-  return kImmaWarps * 64 * (kInt4 ? 1 : 2) + 64;
-}
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-template <bool kInt4, bool kSilu, bool kNorm>
-__device__ void gemv_imma_bulk(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x,
-                               const uint8_t* __restrict__ w, const float* __restrict__ scales,
-                               const uint8_t* __restrict__ zeros, const __nv_bfloat16* __restrict__ bias, int n, int k,
-                               long long stride_w, long long stride_s, int group_shift, int silu_f,
-                               const NormIn* norm) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // bulk copies and transaction-counting mbarriers need sm_90; the launcher checks
-#else
-  constexpr int kBulkMaxStages = 8;  // the launcher's BULK_MAX_STAGES
-  extern __shared__ __align__(16) uint8_t bulk_dynamic[];
-  __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
-  constexpr int kW = kInt4 ? 1 : 2;
-  constexpr int kStepBytes = 64 * kW;  // a row's bytes per 128-column step
-  constexpr int kPitch = bulk_pitch<kInt4>();
-  constexpr int kSlot = 16 * kPitch;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int n_out = kSilu ? silu_f : n;
-  const int per = kSilu ? 8 : 16;
-  const int groups = (n_out + per - 1) / per;
-  const int steps = k >> 7;
-  const int spg = (steps + kImmaWarps - 1) / kImmaWarps;  // stages a group
-  const int share = (groups + gridDim.x - 1) / gridDim.x;
-  const int first = blockIdx.x * share;
-  const int total = max(0, min(groups, first + share) - first) * spg;  // the block's stages
-  const int x_bytes = kNorm ? 2 * k : 0;
-  uint32_t dynamic;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
-  const int stages = min(kBulkMaxStages, (static_cast<int>(dynamic) - x_bytes) / kSlot);
-  uint8_t* ring = bulk_dynamic + x_bytes;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < stages; ++i) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&full[i])) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&empty[i])), "r"(kImmaWarps) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if (threadIdx.x < 4) (&imma_tally().arrived[0])[threadIdx.x] = 0;  // arrived[2], stored[2]
-  uint8_t* buf = warp < kImmaWarps ? imma_buffer(warp) : nullptr;
-  if (buf != nullptr) reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // ones
-  __syncthreads();
-  if (stages < 1) __trap();  // the launcher gives room for at least one slot
-  const auto row = [&](int b, int r) {  // row r of group b: 0..7 set lo, 8..15 set hi (as gemv_imma)
-    const int lo = min(b * per + (r & 7), n_out - 1);
-    return r < 8 ? lo : (kSilu ? silu_f + lo : min(b * 16 + r, n - 1));
-  };
-  // Stages in the order both sides walk them: (group b, first step s0), the slot and its phase.
-  struct Walk {
-    int b, s0, slot;
-    uint32_t phase;
-  };
-  const auto advance = [&](Walk& at) {
-    at.s0 += kImmaWarps;
-    if (at.s0 >= steps) {
-      at.s0 = 0;
-      ++at.b;
-    }
-    if (++at.slot == stages) {
-      at.slot = 0;
-      at.phase ^= 1u;
-    }
-  };
-  const auto issue = [&](const Walk& at) {  // the producer's copies of a stage into its slot
-    const int bytes = min(kImmaWarps, steps - at.s0) * kStepBytes;
-    if (lane == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(&full[at.slot])),
-                   "r"(16 * bytes) : "memory");
-    }
-    __syncwarp();
-    if (lane < 16) {
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       shared_address(ring + at.slot * kSlot + lane * kPitch)),
-                   "l"(w + row(at.b, lane) * stride_w + at.s0 * kStepBytes), "r"(bytes),
-                   "r"(shared_address(&full[at.slot]))
-                   : "memory");
-    }
-  };
-  const bool producer = warp == kImmaWarps;
-  Walk at{first, 0, 0, 0u};
-  int q = 0;
-  if (producer) {  // the first slots: the weights do not wait for the kernel before
-    for (; q < min(stages, total); ++q, advance(at)) issue(at);
-  }
-  mgx_pdl_wait();
-  if constexpr (kNorm) norm_prologue(const_cast<uint4*>(x), *norm, k, kImmaWarps * 32);
-  if (producer) {
-    for (; q < total; ++q, advance(at)) {
-      bulk_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's stage before is read
-      issue(at);
-    }
-    return;
-  }
-  struct Side {  // what a consumer lane loads itself for one stage: x and, int4, its rows' scales and zeros
-    uint4 xv;
-    float s_lo, s_hi;
-    uint32_t z_lo, z_hi;
-  };
-  const auto fetch = [&](const Walk& stage, bool in, Side& side) {
-    const int s = stage.s0 + warp;
-    in = in && s < steps;
-    if constexpr (kInt4) {
-      side.xv = in ? x_oct<kNorm>(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
-      const int lo = row(stage.b, g), hi = row(stage.b, g + 8);
-      const long long grp = (static_cast<long long>(s) << 7) >> group_shift;
-      side.s_lo = in ? load_now(scales + lo * stride_s + grp) : 0.0f;
-      side.s_hi = in ? load_now(scales + hi * stride_s + grp) : 0.0f;
-      side.z_lo = zeros != nullptr && in ? load_now(zeros + lo * stride_s + grp) : 8u;  // null: symmetric
-      side.z_hi = zeros != nullptr && in ? load_now(zeros + hi * stride_s + grp) : 8u;
-    } else {
-      const uint2 v = in ? x_quad<kNorm>(x, s * 32 + lane) : make_uint2(0, 0);
-      side.xv = make_uint4(v.x, v.y, 0, 0);
-      side.s_lo = side.s_hi = 0.0f;
-      side.z_lo = side.z_hi = 0u;
-    }
-  };
-  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
-  const ImmaLane weigh{(t & 1) ? 64 : 0, (t & 1) ? 0.0f : 1.0f, (t & 1) ? 65536.0f : 256.0f, t >= 2};
-  float acc_lo = 0.0f, acc_hi = 0.0f;
-  Side now, later;
-  fetch(at, total > 0, now);
-  for (; q < total; ++q) {
-    Walk next = at;
-    advance(next);
-    fetch(next, q + 1 < total, later);
-    const bool in = at.s0 + warp < steps;  // a warp past K's last step still takes part in the group's end
-    bulk_wait(&full[at.slot], at.phase);
-    uint4 lo[kW], hi[kW];
-    if (in) {
-      const uint8_t* base = ring + at.slot * kSlot + warp * kStepBytes + 16 * t;
-#pragma unroll
-      for (int v = 0; v < kW; ++v) {
-        lo[v] = *reinterpret_cast<const uint4*>(base + g * kPitch + 64 * v);
-        hi[v] = *reinterpret_cast<const uint4*>(base + (g + 8) * kPitch + 64 * v);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(&empty[at.slot])) : "memory");
-    if (in) imma_step<kInt4>(buf, b_at, weigh, lane, now.xv, lo, hi, now.s_lo, now.s_hi, now.z_lo, now.z_hi, acc_lo, acc_hi);
-    if (at.s0 + kImmaWarps >= steps) {
-      imma_group_end(out, acc_lo, acc_hi, at.b, at.b - first, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
-    }
-    now = later;
-    at = next;
-  }
-#endif
 }
 
 // One function per entry pair below; x is global memory (kNorm false) or the block's shared row that
@@ -1341,33 +1142,6 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
   }
 }
 
-template <bool kNorm>
-__device__ __forceinline__ void gemv_w8a16_imma_bulk(__nv_bfloat16* out, const uint4* x, const int8_t* w,
-                                                     const float* scales, const __nv_bfloat16* bias, int n, int k,
-                                                     long long stride_w, int silu_f, const NormIn* norm) {
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
-  if (silu_f > 0) {
-    gemv_imma_bulk<false, true, kNorm>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
-  } else {
-    gemv_imma_bulk<false, false, kNorm>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
-  }
-}
-
-template <bool kNorm>
-__device__ __forceinline__ void gemv_int4_imma_bulk(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
-                                                    const float* scales, const uint8_t* zeros,
-                                                    const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                                                    long long stride_s, int group_shift, int silu_f,
-                                                    const NormIn* norm) {
-  if (silu_f > 0) {
-    gemv_imma_bulk<true, true, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
-                                      norm);
-  } else {
-    gemv_imma_bulk<true, false, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
-                                       norm);
-  }
-}
-
 }  // namespace mgx_gemv
 
 // Each GEMV has two entry points: NAME(out, x, ...) reads x [K]; NAME_norm(out, res_out, res, delta,
@@ -1439,19 +1213,6 @@ MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16
 // int4 on the integer tensor cores (kind imma): groups of a multiple of 128, K % 128 == 0, 16-byte
 // aligned rows; grid and blocks as the other tensor-core GEMVs.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
-
-// The same kinds with the codes copied into shared memory by the bulk copy engine (kind imma_bulk,
-// sm_90): kImmaWarps consumer warps and a producer warp; the grid divides the output groups evenly
-// and the dynamic shared memory holds the RMSNorm row (_norm) and then the ring's slots.
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_bulk_bf16, (mgx_gemv::kImmaWarps + 1) * 32, gemv_w8a16_imma_bulk,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
-
-MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_bulk_bf16, (mgx_gemv::kImmaWarps + 1) * 32, gemv_int4_imma_bulk,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))

@@ -9,10 +9,7 @@ issue the loads of their next steps (codes, and int4 scales and zeros) before th
 and ``imma`` (W8A16, and int4 with groups of a multiple of 128), whose int8 codes (int4: nibbles
 masked into bytes) enter integer MMAs against x made integer per 128-column step (three bytes of a
 fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
-on ``IMMA_BLOCKS_PER_SM`` blocks per SM, each warp streaming its loads across the block's groups, and
-``imma_bulk`` (sm_90), the same arithmetic with the codes copied into a ring of shared-memory slots by
-the bulk copy engine (a producer warp beside the computing ones), on a grid that gives every block
-an equal share of the output groups.
+on ``IMMA_BLOCKS_PER_SM`` blocks per SM, each warp streaming its loads across the block's groups.
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -36,14 +33,14 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "bulk_launch",
-           "bulk_slot_bytes", "bulk_stages", "gemv", "gemv_applies", "gemv_threads"]  # fmt: skip
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
+           "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_bulk")
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
 # kind -> the entry it launches (ENTRIES' first key)
 _ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe", "imma": "imma",
-               "imma_persistent": "imma", "imma_bulk": "imma_bulk"}
-_MMA = ("mma", "mma_pipe", "imma", "imma_bulk")  # the tensor-core entries: 16 outputs a block, 128-column steps
+               "imma_persistent": "imma"}
+_MMA = ("mma", "mma_pipe", "imma")  # the tensor-core entries: 16 outputs a block, 128-column steps
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -54,8 +51,6 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
     ("imma", "w8a16"): f"mgx_gemv_w8a16_imma_bf16_v{KERNEL_ABI}",
     ("imma", "int4"): f"mgx_gemv_int4_imma_bf16_v{KERNEL_ABI}",
-    ("imma_bulk", "w8a16"): f"mgx_gemv_w8a16_imma_bulk_bf16_v{KERNEL_ABI}",
-    ("imma_bulk", "int4"): f"mgx_gemv_int4_imma_bulk_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -68,8 +63,6 @@ LABELS = {  # how the engine's kernel note names them
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
     ("imma", "w8a16"): "w8a16 integer tensor-core GEMV",
     ("imma", "int4"): "int4 integer tensor-core GEMV",
-    ("imma_bulk", "w8a16"): "w8a16 integer tensor-core GEMV with bulk copies",
-    ("imma_bulk", "int4"): "int4 integer tensor-core GEMV with bulk copies",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
@@ -91,24 +84,6 @@ MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 2
 # Kind ``imma_persistent``: 64 registers a thread (sm_90a), four blocks fit; three measured best of 2-6 on
 # the H200 (a variant of the kernel, 2026-12-01).
 IMMA_BLOCKS_PER_SM = 3
-# Kind ``imma_bulk``: at most BULK_BLOCKS_PER_SM blocks per SM (about 70 registers a thread, 288
-# threads), each with BULK_SHARED bytes of dynamic shared memory for the RMSNorm row and the ring of
-# slots (``bulk_stages``), a slot being 16 rows of IMMA_THREADS // 32 steps (gemv.cu's bulk_pitch).
-BULK_BLOCKS_PER_SM = 3
-BULK_SHARED = 64 * 1024
-BULK_MAX_STAGES = 8  # kBulkMaxStages in gemv.cu
-
-
-def bulk_slot_bytes(scheme: str) -> int:
-    """Bytes of one ring slot of kind ``imma_bulk``: 16 rows of IMMA_THREADS // 32 steps of 128 columns
-    (64 bytes of int4 codes a row and step, 128 of int8), each row padded by 64 bytes."""
-    step = MMA_COLUMNS // 2 if scheme == "int4" else MMA_COLUMNS
-    return 16 * ((IMMA_THREADS // 32) * step + 64)
-
-
-def bulk_stages(scheme: str, k: int, norm: bool) -> int:
-    """Slots of kind ``imma_bulk``'s ring in BULK_SHARED bytes, after the RMSNorm row (2 K bytes) with ``norm``."""
-    return min(BULK_MAX_STAGES, (BULK_SHARED - (2 * k if norm else 0)) // bulk_slot_bytes(scheme))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,15 +109,6 @@ class NormPrologue:
         return self.total is None or all(
             t is None or self.total.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in (x, self.delta)
         )
-
-
-def bulk_launch(groups: int, scheme: str, k: int, norm: bool, sms: int) -> tuple[int, int]:
-    """Kind ``imma_bulk``'s grid and dynamic shared memory for ``groups`` output groups: the fewest
-    blocks that give each the same share as BULK_BLOCKS_PER_SM blocks on every SM would (no block has
-    a group more than another, so none runs on alone at the end), and the RMSNorm row (with
-    ``norm``) followed by the ring's slots."""
-    share = -(-groups // (BULK_BLOCKS_PER_SM * sms))
-    return -(-groups // share), (2 * k if norm else 0) + bulk_stages(scheme, k, norm) * bulk_slot_bytes(scheme)
 
 
 def gemv_threads(k: int) -> int:
@@ -186,8 +152,6 @@ def gemv_applies(
     if base in _MMA and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
                           or w.weight.stride(0) % 16 or _sm(kernels.arch) < 80):  # fmt: skip
         return False
-    if base == "imma_bulk" and (_sm(kernels.arch) < 90 or bulk_stages(w.scheme, w.k, norm is not None) < 2):
-        return False
     word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
         return False
@@ -219,7 +183,7 @@ def gemv(
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
     per_block = rows // 2 if silu_mul else rows
-    threads = {"imma": IMMA_THREADS, "imma_bulk": IMMA_THREADS + 32}.get(base, MMA_THREADS) if base in _MMA else gemv_threads(w.k)
+    threads = (IMMA_THREADS if base == "imma" else MMA_THREADS) if base in _MMA else gemv_threads(w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)
@@ -244,8 +208,6 @@ def gemv(
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
     elif kind == "imma_persistent":
         blocks = min(blocks, IMMA_BLOCKS_PER_SM * num_sms(x.device))
-    if kind == "imma_bulk":
-        blocks, shared = bulk_launch(-(-n_out // per_block), w.scheme, w.k, norm is not None, num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

@@ -43,7 +43,7 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
                                ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"), ("imma", "w8a16"),
-                               ("imma", "int4"), ("imma_bulk", "w8a16"), ("imma_bulk", "int4")}  # fmt: skip
+                               ("imma", "int4")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -74,37 +74,11 @@ def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
     ``mma_pipelined`` and ``imma`` have entries (and twins) of their own; ``imma`` int4 needs groups
     of a multiple of 128, as ``mma``."""
-    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_bulk")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma", "imma_bulk"}
-    assert set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
     every = FakeKernels(*cg.ENTRIES.values())
-    for kind in ("mma", "imma", "imma_persistent", "imma_bulk"):  # groups of 64: the CUDA-core kind only (and a CPU x: none)
+    for kind in ("mma", "imma", "imma_persistent"):  # groups of 64: the CUDA-core kind only (and a CPU x: none)
         assert not cg.gemv_applies(every, torch.randn(1, 256).to(torch.bfloat16), make_weight("int4", 64, 256, group_size=64), kind=kind)
-
-
-@pytest.mark.parametrize("scheme", ["int4", "w8a16"])
-@pytest.mark.parametrize("norm", [False, True])
-def test_bulk_kind_gives_every_block_an_equal_share_and_room_for_its_ring(scheme: str, norm: bool) -> None:
-    """Kind ``imma_bulk``'s launch: its grid gives every block the same number of output groups (the
-    last one at most that many, none without a group), as many as BULK_BLOCKS_PER_SM blocks on every
-    SM would take; its dynamic shared memory holds the RMSNorm row and at least two ring slots (and at
-    most gemv.cu's kBulkMaxStages), each slot 16 rows of gemv.cu's bulk_pitch bytes, and three such
-    blocks fit an H200 SM's 228 KiB beside their static shared memory (about 6.3 KiB)."""
-    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
-    pitch = re.findall(r"return kImmaWarps \* 64 \* \(kInt4 \? 1 : 2\) \+ (\d+);", source)
-    assert pitch == ["64"] and re.findall(r"kBulkMaxStages = (\d+);", source) == [str(cg.BULK_MAX_STAGES)]
-    step = 64 if scheme == "int4" else 128
-    assert cg.bulk_slot_bytes(scheme) == 16 * ((cg.IMMA_THREADS // 32) * step + 64)
-    for sms in (1, 108, 132):
-        for groups in (1, 2, 255, 256, 384, 396, 397, 1792, 8016):
-            for k in (256, 4096, 14336 if not norm else cg.MAX_NORM_K):
-                blocks, shared = cg.bulk_launch(groups, scheme, k, norm, sms)
-                share = -(-groups // blocks)  # the kernel's share of a block
-                assert share == -(-groups // (cg.BULK_BLOCKS_PER_SM * sms))
-                assert (blocks - 1) * share < groups <= blocks * share
-                stages = (shared - (2 * k if norm else 0)) // cg.bulk_slot_bytes(scheme)
-                assert 2 <= stages <= cg.BULK_MAX_STAGES and stages == cg.bulk_stages(scheme, k, norm)
-                assert 3 * (shared + 6500 + 1024) <= 228 * 1024
 
 
 def _constant(source: str, pattern: str) -> int:
