@@ -908,6 +908,25 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   }
 }
 
+// With the RMSNorm prologue a block takes several output groups (b, b + grid, ...) against the same
+// x, and each warp the same steps in each (warp, warp + kImmaWarps, ...): so a warp keeps what it
+// staged for its first kImmaCache steps in the block's first group -- its lanes' B words, the step's
+// factor and sum X -- and reads them back in the others instead of staging x again (the staging is
+// about a quarter of a step's instructions; the same values, so the same bits).
+#ifndef MGX_IMMA_CACHE
+#define MGX_IMMA_CACHE 4
+#endif
+constexpr int kImmaCache = MGX_IMMA_CACHE;  // steps a warp keeps: all up to K = 128 * kImmaWarps * kImmaCache (0: none)
+struct ImmaCache {
+  uint4 b[kImmaCache > 0 ? kImmaCache : 1][kImmaWarps][32];  // lane's B words (h = 0: .x, .y; h = 1: .z, .w)
+  float2 fs[kImmaCache > 0 ? kImmaCache : 1][kImmaWarps];    // the step's factor and sum X (int4)
+};
+
+__device__ __forceinline__ ImmaCache& imma_cache() {
+  __shared__ ImmaCache cache;
+  return cache;
+}
+
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
 template <bool kInt4, bool kSilu, bool kNorm>
@@ -968,11 +987,13 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
     }
   };
+  // Whether step s of group b reads the warp's kept staging (see ImmaCache).
+  const auto reuse = [&](int b, int s) { return kNorm && b != blockIdx.x && s / kImmaWarps < kImmaCache; };
   const auto load_x = [&](int2 at, Pass& p) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * kImmaWarps;
-      const bool in = s < steps && at.x < groups;
+      const bool in = s < steps && at.x < groups && !reuse(at.x, s);
       if constexpr (kInt4) {
         p.xv[u] = in ? x_oct<kNorm>(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
       } else {
@@ -986,14 +1007,29 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const auto compute = [&](int2 at, const Pass& p) {  // then, at a group's last pass, its sums out
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (at.y + u * kImmaWarps >= steps) break;
-      float sum_x = 0.0f;
-      const float factor = kInt4 ? imma4_stage_x(buf, p.xv[u], lane, sum_x)
-                                 : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
+      const int s = at.y + u * kImmaWarps;
+      if (s >= steps) break;
+      float sum_x = 0.0f, factor;
+      uint4 bw;  // the lane's B words of both halves
+      if (reuse(at.x, s)) {
+        bw = imma_cache().b[s / kImmaWarps][warp][lane];
+        const float2 fs = imma_cache().fs[s / kImmaWarps][warp];
+        factor = fs.x;
+        sum_x = fs.y;
+      } else {
+        factor = kInt4 ? imma4_stage_x(buf, p.xv[u], lane, sum_x)
+                       : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
+        const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
+        bw = make_uint4(b0.x, b0.y, b1.x, b1.y);
+        if (kNorm && s / kImmaWarps < kImmaCache) {  // the block's first group: kept for the others
+          imma_cache().b[s / kImmaWarps][warp][lane] = bw;
+          if (lane == 0) imma_cache().fs[s / kImmaWarps][warp] = make_float2(factor, sum_x);
+        }
+      }
       int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // W8A16: 64-column halves; int4: low and high nibbles
-        const uint2 b = *reinterpret_cast<const uint2*>(buf + b_at + 64 * h);
+        const uint2 b = h == 0 ? make_uint2(bw.x, bw.y) : make_uint2(bw.z, bw.w);
         if constexpr (kInt4) {
           const auto nibbles = [h](uint4 v) {
             constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
