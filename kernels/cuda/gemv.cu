@@ -685,6 +685,14 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 // staging shared by twice the bytes; 96 registers, two blocks an SM: the same times), a bulk L2
 // prefetch of each group's rows (cp.async.bulk.prefetch.L2: 7-32% slower), and codes streamed through
 // a ring of 3-8 steps in shared memory with cp.async (int4 up to 63%, W8A16 19-100% slower).
+// Seventeenth session: a kind whose producer warp copied each group's 16 rows, 8 steps at a time, into
+// a ring of 2-8 shared-memory slots with cp.async.bulk (mbarriers full and empty, scales beside the
+// rows by cp.async, x in shared memory, the grid in equal shares of the groups): right to the bit, but
+// slower on every 8B shape at 1-4 blocks an SM (int4 gate/up 38.0 vs 32.1 us, W8A16 48.8 vs 39.0).
+// Nsight Compute (gate/up, clocks locked at 1.35 GHz): int4 imma runs 295 warp instructions per
+// 16 x 128 step at 65% of the SM's issue rate and 37% of DRAM bandwidth, so it is bound by its
+// instructions; the bulk kind ran 254 a step but issued at 46% (10.7 cycles between a warp's
+// instructions, 35% occupancy). W8A16 imma: 203 a step (twice the bytes), 67-70% of DRAM bandwidth.
 #ifndef MGX_IMMA_UNROLL
 #define MGX_IMMA_UNROLL 1
 #endif
