@@ -916,8 +916,9 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   }
 }
 
-// With the RMSNorm prologue a block takes several output groups (b, b + grid, ...) against the same
-// x, and each warp the same steps in each (warp, warp + kImmaWarps, ...): so a warp keeps what it
+// With the RMSNorm prologue, and in kind imma_persistent's entry (kMulti), a block takes several output
+// groups (b, b + grid, ...) against the same x, and each warp the same steps in each (warp, warp +
+// kImmaWarps, ...): so a warp keeps what it
 // staged for its first kImmaCache steps in the block's first group -- its lanes' B words, the step's
 // factor and sum X -- and reads them back in the others instead of staging x again (the staging is
 // about a quarter of a step's instructions; the same values, so the same bits).
@@ -937,7 +938,7 @@ __device__ __forceinline__ ImmaCache& imma_cache() {
 
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
-template <bool kInt4, bool kSilu, bool kNorm>
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
@@ -996,7 +997,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     }
   };
   // Whether step s of group b reads the warp's kept staging (see ImmaCache).
-  const auto reuse = [&](int b, int s) { return kNorm && b != blockIdx.x && s / kImmaWarps < kImmaCache; };
+  const auto reuse = [&](int b, int s) { return (kNorm || kMulti) && b != blockIdx.x && s / kImmaWarps < kImmaCache; };
   const auto load_x = [&](int2 at, Pass& p) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -1029,7 +1030,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
                        : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
         const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
         bw = make_uint4(b0.x, b0.y, b1.x, b1.y);
-        if (kNorm && s / kImmaWarps < kImmaCache) {  // the block's first group: kept for the others
+        if ((kNorm || kMulti) && s / kImmaWarps < kImmaCache) {  // the block's first group: kept for the others
           imma_cache().b[s / kImmaWarps][warp][lane] = bw;
           if (lane == 0) imma_cache().fs[s / kImmaWarps][warp] = make_float2(factor, sum_x);
         }
@@ -1162,28 +1163,46 @@ __device__ __forceinline__ void gemv_w8a16_tc_pipe(__nv_bfloat16* out, const uin
   gemv_w8a16_tc<kNorm, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
 }
 
-template <bool kNorm>
+template <bool kNorm, bool kMulti = false>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
                                                 const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
   if (silu_f > 0) {
-    gemv_imma<false, true, kNorm>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_imma<false, true, kNorm, kMulti>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   } else {
-    gemv_imma<false, false, kNorm>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_imma<false, false, kNorm, kMulti>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   }
 }
 
 template <bool kNorm>
+__device__ __forceinline__ void gemv_w8a16_imma_multi(__nv_bfloat16* out, const uint4* x, const int8_t* w,
+                                                      const float* scales, const __nv_bfloat16* bias, int n, int k,
+                                                      long long stride_w, int silu_f, const NormIn* norm) {
+  gemv_w8a16_imma<kNorm, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
+}
+
+template <bool kNorm, bool kMulti = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
                                                const NormIn* norm) {
   if (silu_f > 0) {
-    gemv_imma<true, true, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_imma<true, true, kNorm, kMulti>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
+                                         norm);
   } else {
-    gemv_imma<true, false, kNorm>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
+    gemv_imma<true, false, kNorm, kMulti>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
+                                          norm);
   }
+}
+
+template <bool kNorm>
+__device__ __forceinline__ void gemv_int4_imma_multi(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
+                                                     const float* scales, const uint8_t* zeros,
+                                                     const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                                                     long long stride_s, int group_shift, int silu_f,
+                                                     const NormIn* norm) {
+  gemv_int4_imma<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
 }
 
 }  // namespace mgx_gemv
@@ -1257,6 +1276,19 @@ MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16
 // int4 on the integer tensor cores (kind imma): groups of a multiple of 128, K % 128 == 0, 16-byte
 // aligned rows; grid and blocks as the other tensor-core GEMVs.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
+                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
+                  long long stride_w, long long stride_s, int group_shift, int silu_f),
+                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+
+// Kind imma_persistent's entries: the same kernels for blocks that take several output groups, each
+// warp keeping its staged x from the first for the others (ImmaCache). Grid: at most
+// IMMA_BLOCKS_PER_SM blocks an SM, each an equal share of the groups (gemv.py).
+MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma_multi,
+                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
+                  int silu_f),
+                 (w, scales, bias, n, k, stride_w, silu_f))
+
+MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma_multi,
                  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                   long long stride_w, long long stride_s, int group_shift, int silu_f),
                  (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))

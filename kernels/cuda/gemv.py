@@ -9,7 +9,8 @@ issue the loads of their next steps (codes, and int4 scales and zeros) before th
 and ``imma`` (W8A16, and int4 with groups of a multiple of 128), whose int8 codes (int4: nibbles
 masked into bytes) enter integer MMAs against x made integer per 128-column step (three bytes of a
 fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
-on ``IMMA_BLOCKS_PER_SM`` blocks per SM, each warp streaming its loads across the block's groups.
+on at most ``IMMA_BLOCKS_PER_SM`` blocks per SM, each with an equal share of the groups, each warp streaming its
+loads across the block's groups and staging x once for all of them (its own entry, ``imma_multi``).
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -33,14 +34,14 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "gemv", "gemv_applies",
-           "gemv_threads"]  # fmt: skip
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "equal_shares", "gemv",
+           "gemv_applies", "gemv_threads"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
 # kind -> the entry it launches (ENTRIES' first key)
 _ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe", "imma": "imma",
-               "imma_persistent": "imma"}
-_MMA = ("mma", "mma_pipe", "imma")  # the tensor-core entries: 16 outputs a block, 128-column steps
+               "imma_persistent": "imma_multi"}
+_MMA = ("mma", "mma_pipe", "imma", "imma_multi")  # the tensor-core entries: 16 outputs a block, 128-column steps
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -51,6 +52,8 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("mma_pipe", "w8a16"): f"mgx_gemv_w8a16_mma_pipe_bf16_v{KERNEL_ABI}",
     ("imma", "w8a16"): f"mgx_gemv_w8a16_imma_bf16_v{KERNEL_ABI}",
     ("imma", "int4"): f"mgx_gemv_int4_imma_bf16_v{KERNEL_ABI}",
+    ("imma_multi", "w8a16"): f"mgx_gemv_w8a16_imma_multi_bf16_v{KERNEL_ABI}",
+    ("imma_multi", "int4"): f"mgx_gemv_int4_imma_multi_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -63,6 +66,8 @@ LABELS = {  # how the engine's kernel note names them
     ("mma_pipe", "w8a16"): "pipelined w8a16 tensor-core GEMV",
     ("imma", "w8a16"): "w8a16 integer tensor-core GEMV",
     ("imma", "int4"): "int4 integer tensor-core GEMV",
+    ("imma_multi", "w8a16"): "w8a16 integer tensor-core GEMV over several groups a block",
+    ("imma_multi", "int4"): "int4 integer tensor-core GEMV over several groups a block",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
@@ -81,8 +86,9 @@ NORM_BLOCKS_PER_SM = 4
 # Autotune times both and stores the faster per shape (on the H200 it took mma_persistent for 1 of 4
 # int4 shapes at 1B and 8B; every mma launch made persistent was 7% (1B) and 14% (8B) slower).
 MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 256 threads fit an SM
-# Kind ``imma_persistent``: 64 registers a thread (sm_90a), four blocks fit; three measured best of 2-6 on
-# the H200 (a variant of the kernel, 2026-12-01).
+# Kind ``imma_persistent``: 64-76 registers a thread (sm_90a), three blocks fit; three measured best of
+# 2-6 on the H200 (a variant of the kernel, 2026-12-01). The grid gives every block the same share of
+# the groups (``equal_shares``): the fewest blocks with the share this many blocks an SM would take.
 IMMA_BLOCKS_PER_SM = 3
 
 
@@ -109,6 +115,16 @@ class NormPrologue:
         return self.total is None or all(
             t is None or self.total.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in (x, self.delta)
         )
+
+
+def equal_shares(groups: int, most: int) -> int:
+    """Blocks for ``groups`` output groups taken b, b + grid, ... by at most ``most`` blocks: the fewest
+    that keep the largest share (so every block takes the same number of groups, the last ones at
+    most one fewer, and none runs on alone at the end), unless that leaves fewer than 3/4 of ``most``
+    (say 397 groups: 199 blocks of two), where ``most`` blocks run and a few take one group more."""
+    share = -(-groups // most)
+    even = -(-groups // share)
+    return even if 4 * even >= 3 * most else min(groups, most)
 
 
 def gemv_threads(k: int) -> int:
@@ -183,7 +199,7 @@ def gemv(
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
     per_block = rows // 2 if silu_mul else rows
-    threads = (IMMA_THREADS if base == "imma" else MMA_THREADS) if base in _MMA else gemv_threads(w.k)
+    threads = (IMMA_THREADS if base.startswith("imma") else MMA_THREADS) if base in _MMA else gemv_threads(w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)
@@ -207,7 +223,7 @@ def gemv(
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
     elif kind == "imma_persistent":
-        blocks = min(blocks, IMMA_BLOCKS_PER_SM * num_sms(x.device))
+        blocks = equal_shares(blocks, IMMA_BLOCKS_PER_SM * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

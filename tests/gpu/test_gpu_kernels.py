@@ -159,7 +159,8 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     largest |x|) on rows with large outliers (|x| up to 2000 among N(0, 1)): within one bf16 rounding
     of the fp32 reference (rel. error < 4e-3), replayed from a CUDA graph to the bit of the eager
     launch, and a NaN in x makes every output NaN, as the reference's. The persistent launch gives the
-    one-block-per-group launch's bits (the same sums in the same order); K = 256 leaves six of eight
+    one-block-per-group launch's bits (the same sums in the same order, and from its blocks' second
+    group on the x staged in their first: 28672 x 4096 has 1,792 groups); K = 256 leaves six of eight
     warps without a step."""
     from mgx.kernels.cuda import gemv as cg
 

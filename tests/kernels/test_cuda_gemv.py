@@ -43,7 +43,7 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert not cg.gemv_applies(every, x, w, kind="tensor")  # no such kind (e.g. from a newer artifact)
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
                                ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"), ("imma", "w8a16"),
-                               ("imma", "int4")}  # fmt: skip
+                               ("imma", "int4"), ("imma_multi", "w8a16"), ("imma_multi", "int4")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -75,10 +75,29 @@ def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     ``mma_pipelined`` and ``imma`` have entries (and twins) of their own; ``imma`` int4 needs groups
     of a multiple of 128, as ``mma``."""
     assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma"} and set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma", "imma_multi"}
+    assert set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
     every = FakeKernels(*cg.ENTRIES.values())
     for kind in ("mma", "imma", "imma_persistent"):  # groups of 64: the CUDA-core kind only (and a CPU x: none)
         assert not cg.gemv_applies(every, torch.randn(1, 256).to(torch.bfloat16), make_weight("int4", 64, 256, group_size=64), kind=kind)
+
+
+def test_persistent_integer_kind_gives_blocks_equal_shares_where_enough_blocks_remain() -> None:
+    """``imma_persistent``'s grid (block b takes groups b, b + grid, ...): never more blocks than
+    groups or than ``most``, so every block gets a group; the largest share is the least possible
+    (ceil(groups / most)); and where at least 3/4 of ``most`` blocks remain, the fewest blocks with
+    that share, so that the extra groups are spread over all blocks rather than left to some (1,792
+    groups on 396 blocks: 359 blocks, 356 of them with 5 groups; not 210 blocks of 5 and 186 of 4)."""
+    for most in (3, 324, 396, 528):
+        for groups in (1, 2, most - 1, most, most + 1, 2 * most - 1, 600, 1792, 8016):
+            blocks = cg.equal_shares(groups, most)
+            share = -(-groups // blocks)  # block b takes b, b + blocks, ...: the largest share
+            assert 1 <= blocks <= min(groups, most) and share == -(-groups // most)
+            if 4 * -(-groups // share) >= 3 * most:  # the fewest blocks with that share
+                assert blocks == -(-groups // share) and (blocks - 1) * share < groups
+            else:
+                assert blocks == min(groups, most)
+    assert cg.equal_shares(1792, 396) == 359 and cg.equal_shares(397, 396) == 396
 
 
 def _constant(source: str, pattern: str) -> int:
