@@ -1225,17 +1225,22 @@ __device__ __forceinline__ void gemv_int4_imma_multi(__nv_bfloat16* out, const u
     mgx_gemv::FN<true>(out, xs, MGX_UNPAREN ARGS, &in);                                                           \
   }
 
+// The parameters after (out, x) of the int4 and W8A16 entries (every kind of a scheme takes the same).
+#define MGX_INT4_PARAMS                                                                                      \
+  (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k, \
+   long long stride_w, long long stride_s, int group_shift, int silu_f)
+#define MGX_INT4_ARGS (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f)
+#define MGX_W8A16_PARAMS \
+  (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f)
+#define MGX_W8A16_ARGS (w, scales, bias, n, k, stride_w, silu_f)
+
 // out [N] (or [F] with silu_f = F > 0, W holding 2F rows: gate then up) from x [K]; bias [N] or null;
 // zeros null for symmetric int4; stride_w in bytes. Grid: ceil(outputs / 4) blocks (2 with silu_f) of blockDim.x threads.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_bf16, mgx_gemv::kMaxThreads, gemv_int4,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
 
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_bf16, mgx_gemv::kMaxThreads, gemv_w8a16,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, mgx_gemv::kMaxThreads, gemv_bf16,
                  (const __nv_bfloat16* w, const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f),
@@ -1244,51 +1249,35 @@ MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, mgx_gemv::kMaxThreads, gemv_bf16,
 // The tensor-core int4 GEMV: groups of a multiple of 128, K % 128 == 0, 16-byte aligned rows. Grid:
 // ceil(outputs / 16) blocks (8 with silu_f) of kMmaWarps warps.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
 
 // The same, pipelined (kPipe above): kind mma_pipelined.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc_pipe,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
 
 // The tensor-core W8A16 GEMV (kinds mma, mma_persistent) and its pipelined twin (mma_pipelined): K %
 // 128 == 0, 16-byte aligned rows; grid and blocks as the int4 ones.
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc_pipe,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 // W8A16 on the integer tensor cores (kind imma): K % 128 == 0, 16-byte aligned rows; grid and blocks
 // as the other tensor-core GEMVs.
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 // int4 on the integer tensor cores (kind imma): groups of a multiple of 128, K % 128 == 0, 16-byte
 // aligned rows; grid and blocks as the other tensor-core GEMVs.
 MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
 
 // Kind imma_persistent's entries: the same kernels for blocks that take several output groups, each
 // warp keeping its staged x from the first for the others (ImmaCache). Grid: at most
 // IMMA_BLOCKS_PER_SM blocks an SM, each an equal share of the groups (gemv.py).
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma_multi,
-                 (const int8_t* w, const float* scales, const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                  int silu_f),
-                 (w, scales, bias, n, k, stride_w, silu_f))
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma_multi,
-                 (const uint8_t* w, const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
-                  long long stride_w, long long stride_s, int group_shift, int silu_f),
-                 (w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f))
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
