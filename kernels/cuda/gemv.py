@@ -34,8 +34,8 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "equal_shares", "gemv",
-           "gemv_applies", "gemv_threads"]  # fmt: skip
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "entry_for", "equal_shares",
+           "gemv", "gemv_applies", "gemv_threads"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
 # kind -> the entry it launches (ENTRIES' first key)
@@ -127,6 +127,12 @@ def equal_shares(groups: int, most: int) -> int:
     return even if 4 * even >= 3 * most else min(groups, most)
 
 
+def entry_for(kind: str, scheme: str, norm: bool = False) -> str | None:
+    """The entry point ``kind`` launches for ``scheme`` (its ``_norm`` twin with ``norm``); None: none."""
+    base = _ENTRY_KIND.get(kind)
+    return (NORM_ENTRIES if norm else ENTRIES).get((base, scheme))
+
+
 def gemv_threads(k: int) -> int:
     """Threads per block for K columns: enough that each keeps about UNROLL words of 8 columns per
     row in flight, a power of two from one warp to MAX_THREADS."""
@@ -156,7 +162,7 @@ def gemv_applies(
     and K too), w8a16 (the ``mma`` kinds: K a multiple of 128) or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
     loads need; with ``norm``, its entry point too and operands it can read."""
     base = _ENTRY_KIND.get(kind)
-    entry = (NORM_ENTRIES if norm is not None else ENTRIES).get((base, w.scheme))
+    entry = entry_for(kind, w.scheme, norm is not None)
     if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
         return False
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:

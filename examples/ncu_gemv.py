@@ -1,0 +1,168 @@
+"""Nsight Compute's view of the native GEMV kinds on the Llama-3.1-8B decode products: per scheme,
+shape and kind, the kernel's duration, DRAM and SM throughput, warp instructions per KiB of weights,
+cycles between a warp's instructions and occupancy -- what says whether a GEMV is bound by its bytes
+or by its instructions.
+
+    python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag -D...]
+    python examples/ncu_gemv.py --parse report.csv --manifest launches.json   # a saved report, no GPU
+
+On a GPU host the script runs itself under ncu (``--launch``: build gemv.cu, launch every applicable
+kind twice per product, and write the manifest of those launches in order) and reads ncu's CSV
+back. ncu locks the clocks at the GPU's base frequency (1.35 GHz SM on the H200), so durations are
+longer than ``bench_gpu_kernels.py --only native`` reports; the ratios between kinds and the
+instruction counts are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SHAPES = ((6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False))  # (N, K, gate/up)
+METRICS = {  # ncu metric name -> our key
+    "Duration": "duration_ns",
+    "DRAM Throughput": "dram_pct",
+    "Compute (SM) Throughput": "sm_pct",
+    "Executed Instructions": "instructions",
+    "Warp Cycles Per Issued Instruction": "cycles_per_issue",
+    "Achieved Occupancy": "occupancy_pct",
+    "Registers Per Thread": "registers",
+}
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "InstructionStats")
+
+
+def parse_report(text: str) -> list[dict]:
+    """ncu's ``--csv --page details`` output (any lines before its header, e.g. ``==PROF==``, ignored):
+    one dict per profiled launch, in launch order, with the kernel's name and METRICS' values."""
+    start = text.find('"ID"')
+    if start < 0:
+        raise ValueError("no ncu CSV header (a line starting with \"ID\") in the report")
+    launches: dict[int, dict] = {}
+    for row in csv.DictReader(io.StringIO(text[start:])):
+        if not row.get("ID", "").isdigit():
+            continue
+        launch = launches.setdefault(int(row["ID"]), {"kernel": row["Kernel Name"], "grid": row["Grid Size"]})
+        key = METRICS.get(row["Metric Name"])
+        if key is not None:
+            launch[key] = float(row["Metric Value"].replace(",", ""))
+    return [launches[i] for i in sorted(launches)]
+
+
+def summarize(launches: list[dict], manifest: list[dict]) -> list[dict]:
+    """One row per (scheme, N, K, kind) of the manifest: the median of its launches' metrics, with the
+    weights' bytes per second and warp instructions per KiB of weights."""
+    if len(launches) != len(manifest):
+        raise ValueError(f"the report has {len(launches)} launches and the manifest {len(manifest)}: "
+                         "profile with the filter the script uses, and every launch it makes")  # fmt: skip
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for launch, entry in zip(launches, manifest, strict=True):
+        if entry["entry"] not in launch["kernel"]:
+            raise ValueError(f"launch {launch['kernel']!r} is not the manifest's {entry['entry']!r}")
+        groups.setdefault((entry["scheme"], entry["n"], entry["k"], entry["kind"]), []).append((launch, entry))
+    rows = []
+    for (scheme, n, k, kind), pairs in groups.items():
+        row = {"scheme": scheme, "n": n, "k": k, "kind": kind, "grid": pairs[0][0]["grid"]}
+        for key in METRICS.values():
+            values = [launch[key] for launch, _ in pairs if key in launch]
+            if values:
+                row[key] = statistics.median(values)
+        weight_bytes = pairs[0][1]["weight_bytes"]
+        if "duration_ns" in row:
+            row["weight_gb_s"] = weight_bytes / row["duration_ns"]
+        if "instructions" in row:
+            row["instructions_per_kib"] = row["instructions"] / (weight_bytes / 1024)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("scheme", "N x K", "kind", "grid", "us", "GB/s", "DRAM %", "SM %", "inst/KiB", "cyc/issue", "occ %", "regs")
+    lines = [" | ".join(head)]
+    for r in rows:
+        def num(key: str, fmt: str, scale: float = 1.0, r: dict = r) -> str:
+            return format(r[key] * scale, fmt) if key in r else "-"
+
+        lines.append(" | ".join((r["scheme"], f"{r['n']}x{r['k']}", r["kind"], r["grid"], num("duration_ns", ".1f", 1e-3),
+                                 num("weight_gb_s", ".0f"), num("dram_pct", ".1f"), num("sm_pct", ".1f"),
+                                 num("instructions_per_kib", ".1f"), num("cycles_per_issue", ".2f"),
+                                 num("occupancy_pct", ".1f"), num("registers", ".0f"))))  # fmt: skip
+    return "\n".join(lines)
+
+
+def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifest_path: Path) -> None:
+    """Under ncu: each applicable (scheme, product, kind) launched twice; the manifest records them in order."""
+    import torch
+
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.cuda.build import build_cuda_kernels
+    from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
+    from mgx.kernels.triton.testing import make_weight
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    kernels = load_cuda_kernels(build_cuda_kernels(arch, extra_flags=flags), arch)
+    if kernels is None:
+        raise SystemExit(f"the native kernels did not load for {arch}")
+    manifest = []
+    for scheme in schemes:
+        for n, k, silu in SHAPES:
+            w = make_weight(scheme, n, k, device="cuda", **({"group_size": 128} if scheme == "int4" else {}))
+            x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+            weight_bytes = sum(t.numel() * t.element_size() for t in (w.weight, w.scales, w.zeros) if t is not None)
+            for kind in kinds:
+                if not cg.gemv_applies(kernels, x, w, kind=kind):
+                    continue
+                entry = cg.entry_for(kind, scheme).rsplit("_v", 1)[0]
+                for _ in range(2):
+                    cg.gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind)
+                    manifest.append({"scheme": scheme, "n": n, "k": k, "kind": kind, "entry": entry,
+                                     "weight_bytes": weight_bytes})  # fmt: skip
+            torch.cuda.synchronize()
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kinds", default="mma_pipelined,imma,imma_persistent", help="native kinds, comma-separated")
+    ap.add_argument("--schemes", default="int4,w8a16")
+    ap.add_argument("--nvcc-flag", action="append", default=[], help="a compile-time setting of gemv.cu, e.g. -DMGX_IMMA_CACHE=0")
+    ap.add_argument("--csv", type=Path, help="keep ncu's report here")
+    ap.add_argument("--parse", type=Path, help="summarize a saved report (with --manifest) instead of profiling")
+    ap.add_argument("--manifest", type=Path)
+    ap.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the child run under ncu
+    args = ap.parse_args()
+    kinds, schemes = args.kinds.split(","), args.schemes.split(",")
+    if args.launch:
+        launch(kinds, schemes, tuple(args.nvcc_flag), args.manifest)
+        return
+    if args.parse is not None:
+        if args.manifest is None:
+            ap.error("--parse needs --manifest (the launches the report holds, in order)")
+        print(table(summarize(parse_report(args.parse.read_text()), json.loads(args.manifest.read_text()))))
+        return
+    ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if Path(p).exists()), None)
+    if ncu is None:
+        raise SystemExit("ncu (Nsight Compute) not found: put it on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = Path(tmp) / "launches.json"
+        cmd = [ncu, "--csv", "--page", "details", "-k", "regex:^mgx_gemv_", *(a for s in SECTIONS for a in ("--section", s)),
+               sys.executable, __file__, "--launch", "--kinds", args.kinds, "--schemes", args.schemes,
+               "--manifest", str(manifest), *(f"--nvcc-flag={f}" for f in args.nvcc_flag)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not manifest.exists():
+            raise SystemExit(f"ncu failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        if args.csv is not None:
+            args.csv.write_text(done.stdout)
+        print(table(summarize(parse_report(done.stdout), json.loads(manifest.read_text()))))
+
+
+if __name__ == "__main__":
+    main()
