@@ -148,8 +148,8 @@ def main() -> None:
             ap.error("--parse needs --manifest (the launches the report holds, in order)")
         print(table(summarize(parse_report(args.parse.read_text()), json.loads(args.manifest.read_text()))))
         return
-    ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if Path(p).exists()), None)
-    if ncu is None:
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    if not Path(ncu).exists():
         raise SystemExit("ncu (Nsight Compute) not found: put it on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "launches.json"

@@ -996,8 +996,9 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
     }
   };
-  // Whether step s of group b reads the warp's kept staging (see ImmaCache).
-  const auto reuse = [&](int b, int s) { return (kNorm || kMulti) && b != blockIdx.x && s / kImmaWarps < kImmaCache; };
+  // Whether the warp keeps its staging of step s (see ImmaCache), and whether group b reads it back.
+  const auto keeps = [&](int s) { return (kNorm || kMulti) && s / kImmaWarps < kImmaCache; };
+  const auto reuse = [&](int b, int s) { return keeps(s) && b != blockIdx.x; };
   const auto load_x = [&](int2 at, Pass& p) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -1030,7 +1031,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
                        : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
         const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
         bw = make_uint4(b0.x, b0.y, b1.x, b1.y);
-        if ((kNorm || kMulti) && s / kImmaWarps < kImmaCache) {  // the block's first group: kept for the others
+        if (keeps(s)) {  // the block's first group: kept for the others
           imma_cache().b[s / kImmaWarps][warp][lane] = bw;
           if (lane == 0) imma_cache().fs[s / kImmaWarps][warp] = make_float2(factor, sum_x);
         }
@@ -1135,15 +1136,6 @@ __device__ __forceinline__ void gemv_int4_tc(__nv_bfloat16* out, const uint4* x,
   }
 }
 
-template <bool kNorm>
-__device__ __forceinline__ void gemv_int4_tc_pipe(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
-                                                  const float* scales, const uint8_t* zeros,
-                                                  const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                                                  long long stride_s, int group_shift, int silu_f,
-                                                  const NormIn* norm) {
-  gemv_int4_tc<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
-}
-
 template <bool kNorm, bool kPipe = false>
 __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                               const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
@@ -1156,13 +1148,6 @@ __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x
   }
 }
 
-template <bool kNorm>
-__device__ __forceinline__ void gemv_w8a16_tc_pipe(__nv_bfloat16* out, const uint4* x, const int8_t* w,
-                                                   const float* scales, const __nv_bfloat16* bias, int n, int k,
-                                                   long long stride_w, int silu_f, const NormIn* norm) {
-  gemv_w8a16_tc<kNorm, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
-}
-
 template <bool kNorm, bool kMulti = false>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
@@ -1173,13 +1158,6 @@ __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4*
   } else {
     gemv_imma<false, false, kNorm, kMulti>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   }
-}
-
-template <bool kNorm>
-__device__ __forceinline__ void gemv_w8a16_imma_multi(__nv_bfloat16* out, const uint4* x, const int8_t* w,
-                                                      const float* scales, const __nv_bfloat16* bias, int n, int k,
-                                                      long long stride_w, int silu_f, const NormIn* norm) {
-  gemv_w8a16_imma<kNorm, true>(out, x, w, scales, bias, n, k, stride_w, silu_f, norm);
 }
 
 template <bool kNorm, bool kMulti = false>
@@ -1196,33 +1174,26 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
   }
 }
 
-template <bool kNorm>
-__device__ __forceinline__ void gemv_int4_imma_multi(__nv_bfloat16* out, const uint4* x, const uint8_t* w,
-                                                     const float* scales, const uint8_t* zeros,
-                                                     const __nv_bfloat16* bias, int n, int k, long long stride_w,
-                                                     long long stride_s, int group_shift, int silu_f,
-                                                     const NormIn* norm) {
-  gemv_int4_imma<kNorm, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f, norm);
-}
-
 }  // namespace mgx_gemv
 
 // Each GEMV has two entry points: NAME(out, x, ...) reads x [K]; NAME_norm(out, res_out, res, delta,
 // g, eps, ...) multiplies rms_norm(res + delta) * g instead (NormIn; 2K bytes of dynamic shared
 // memory, K <= MAX_NORM_K in gemv.py) and writes res + delta to res_out when delta is given. The remaining
 // parameters are the same; a _norm grid may be smaller than the number of output groups.
+// MGX_GEMV_ENTRIES_WITH passes FN template arguments after kNorm: FLAGS is (, a, ...) or ().
 #define MGX_UNPAREN(...) __VA_ARGS__
-#define MGX_GEMV_ENTRIES(NAME, THREADS, FN, PARAMS, ARGS)                                                          \
+#define MGX_GEMV_ENTRIES(NAME, THREADS, FN, PARAMS, ARGS) MGX_GEMV_ENTRIES_WITH(NAME, THREADS, FN, (), PARAMS, ARGS)
+#define MGX_GEMV_ENTRIES_WITH(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                              \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME)(__nv_bfloat16* out, const __nv_bfloat16* x, MGX_UNPAREN PARAMS) {                           \
-    mgx_gemv::FN<false>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS, nullptr);                       \
+    mgx_gemv::FN<false MGX_UNPAREN FLAGS>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS, nullptr);     \
   }                                                                                                               \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME##_norm)(__nv_bfloat16* out, __nv_bfloat16* res_out, const __nv_bfloat16* res,                \
                              const __nv_bfloat16* delta, const __nv_bfloat16* g, float eps, MGX_UNPAREN PARAMS) { \
     extern __shared__ uint4 xs[];                                                                                 \
     const mgx_gemv::NormIn in{res, delta, g, res_out, eps};                                                       \
-    mgx_gemv::FN<true>(out, xs, MGX_UNPAREN ARGS, &in);                                                           \
+    mgx_gemv::FN<true MGX_UNPAREN FLAGS>(out, xs, MGX_UNPAREN ARGS, &in);                                         \
   }
 
 // The parameters after (out, x) of the int4 and W8A16 entries (every kind of a scheme takes the same).
@@ -1251,8 +1222,8 @@ MGX_GEMV_ENTRIES(mgx_gemv_bf16_bf16, mgx_gemv::kMaxThreads, gemv_bf16,
 MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc,
                  MGX_INT4_PARAMS, MGX_INT4_ARGS)
 
-// The same, pipelined (kPipe above): kind mma_pipelined.
-MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc_pipe,
+// The same, pipelined (kPipe true): kind mma_pipelined.
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int4_tc, (, true),
                  MGX_INT4_PARAMS, MGX_INT4_ARGS)
 
 // The tensor-core W8A16 GEMV (kinds mma, mma_persistent) and its pipelined twin (mma_pipelined): K %
@@ -1260,7 +1231,7 @@ MGX_GEMV_ENTRIES(mgx_gemv_int4_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_int
 MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc,
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc_pipe,
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_mma_pipe_bf16, mgx_gemv::kMmaWarps * 32, gemv_w8a16_tc, (, true),
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 // W8A16 on the integer tensor cores (kind imma): K % 128 == 0, 16-byte aligned rows; grid and blocks
@@ -1276,8 +1247,8 @@ MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_i
 // Kind imma_persistent's entries: the same kernels for blocks that take several output groups, each
 // warp keeping its staged x from the first for the others (ImmaCache). Grid: at most
 // IMMA_BLOCKS_PER_SM blocks an SM, each an equal share of the groups (gemv.py).
-MGX_GEMV_ENTRIES(mgx_gemv_w8a16_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma_multi,
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma, (, true),
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
-MGX_GEMV_ENTRIES(mgx_gemv_int4_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma_multi,
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma, (, true),
                  MGX_INT4_PARAMS, MGX_INT4_ARGS)
