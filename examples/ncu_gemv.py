@@ -108,6 +108,9 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    for flag in flags:  # a block of another warp count launches with as many threads
+        if flag.startswith("-DMGX_IMMA_WARPS="):
+            cg.IMMA_THREADS = 32 * int(flag.split("=", 1)[1])
     kernels = load_cuda_kernels(build_cuda_kernels(arch, extra_flags=flags), arch)
     if kernels is None:
         raise SystemExit(f"the native kernels did not load for {arch}")

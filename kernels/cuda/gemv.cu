@@ -700,7 +700,8 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #define MGX_IMMA_WARPS 8
 #endif
 constexpr int kImmaUnroll = MGX_IMMA_UNROLL;  // steps per pass (two passes' registers); 2 was slower on the H200
-constexpr int kImmaWarps = MGX_IMMA_WARPS;    // warps per block (gemv.py's IMMA_THREADS / 32)
+constexpr int kImmaWarps = MGX_IMMA_WARPS;    // warps per block of kinds imma and imma_persistent (gemv.py's
+                                              // IMMA_THREADS / 32); imma_w4 and imma_w16: 4 and 16
 constexpr int kImmaBuffer = 640;   // bytes of a warp's buffer: B's four distinct columns of 128 bytes, offset
 
 // Where B column c (0: byte 0, 1: byte 1, 2: ones, 3: byte 2) starts in a warp's buffer: the offsets
@@ -834,8 +835,9 @@ __device__ __forceinline__ float imma4_stage_x(uint8_t* buf, uint4 xv, int lane,
 }
 
 // Warp `warp`'s buffer (one array per kernel, whichever instantiation asks).
+template <int W>
 __device__ __forceinline__ uint8_t* imma_buffer(int warp) {
-  __shared__ __align__(16) uint8_t buffers[kImmaWarps][kImmaBuffer];
+  __shared__ __align__(16) uint8_t buffers[W][kImmaBuffer];
   return buffers[warp];
 }
 
@@ -858,21 +860,24 @@ __device__ __forceinline__ float imma_value(const int (&d)[4], const ImmaLane& l
 // arrives last adds the partials in warp order (the same sums whichever warp it is) and stores the
 // group, one output a lane, while the others go on to their next group. Groups alternate halves; a
 // warp waits before it writes a half only while that half's group before is not yet stored.
+template <int W>
 struct ImmaTally {
-  float part[2][kImmaWarps][16];
+  float part[2][W][16];
   int arrived[2];
   int stored[2];  // groups of that half stored so far
 };
 
-__device__ __forceinline__ ImmaTally& imma_tally() {
-  __shared__ ImmaTally tally;
+template <int W>
+__device__ __forceinline__ ImmaTally<W>& imma_tally() {
+  __shared__ ImmaTally<W> tally;
   return tally;
 }
 
+template <int W>
 __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
                                             const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
-  ImmaTally& tally = imma_tally();
+  ImmaTally<W>& tally = imma_tally<W>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, h = use & 1;
   if (lane == 0) {  // this half's group before must be stored: its partials are read until then
     while (atomicAdd(&tally.stored[h], 0) < (use >> 1)) {
@@ -887,13 +892,13 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   int last = 0;
   if (lane == 0) {
     __threadfence_block();
-    last = atomicAdd(&tally.arrived[h], 1) == kImmaWarps - 1;
+    last = atomicAdd(&tally.arrived[h], 1) == W - 1;
     __threadfence_block();
   }
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   float v = 0.0f;
   if (lane < 16) {
-    for (int i = 0; i < kImmaWarps; ++i) v += tally.part[h][i][lane];
+    for (int i = 0; i < W; ++i) v += tally.part[h][i][lane];
   }
   const int per = silu_mul ? 8 : 16, n_out = silu_mul ? silu_f : n, n0 = blk * per;
   const int i = min(n0 + lane % per, n_out - 1);  // as block_rows<16>
@@ -917,28 +922,32 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
 }
 
 // With the RMSNorm prologue, and in kind imma_persistent's entry (kMulti), a block takes several output
-// groups (b, b + grid, ...) against the same x, and each warp the same steps in each (warp, warp +
-// kImmaWarps, ...): so a warp keeps what it
-// staged for its first kImmaCache steps in the block's first group -- its lanes' B words, the step's
-// factor and sum X -- and reads them back in the others instead of staging x again (the staging is
-// about a quarter of a step's instructions; the same values, so the same bits).
+// groups (b, b + grid, ...) against the same x, and each warp the same steps in each (warp, warp + W,
+// ...): so a warp keeps what it staged for its first kImmaCache / W steps in the block's first group
+// -- its lanes' B words, the step's factor and sum X -- and reads them back in the others instead of
+// staging x again (the staging is about a quarter of a step's instructions; the same values, so the
+// same bits).
 #ifndef MGX_IMMA_CACHE
-#define MGX_IMMA_CACHE 4
+#define MGX_IMMA_CACHE 32
 #endif
-constexpr int kImmaCache = MGX_IMMA_CACHE;  // steps a warp keeps: all up to K = 128 * kImmaWarps * kImmaCache (0: none)
+constexpr int kImmaCache = MGX_IMMA_CACHE;  // steps a block keeps: all up to K = 128 kImmaCache (0: none); 16 KB
+template <int W>
 struct ImmaCache {
-  uint4 b[kImmaCache > 0 ? kImmaCache : 1][kImmaWarps][32];  // lane's B words (h = 0: .x, .y; h = 1: .z, .w)
-  float2 fs[kImmaCache > 0 ? kImmaCache : 1][kImmaWarps];    // the step's factor and sum X (int4)
+  static constexpr int kSteps = kImmaCache / W;  // a warp's
+  uint4 b[kSteps > 0 ? kSteps : 1][W][32];       // lane's B words (h = 0: .x, .y; h = 1: .z, .w)
+  float2 fs[kSteps > 0 ? kSteps : 1][W];         // the step's factor and sum X (int4)
 };
 
-__device__ __forceinline__ ImmaCache& imma_cache() {
-  __shared__ ImmaCache cache;
+template <int W>
+__device__ __forceinline__ ImmaCache<W>& imma_cache() {
+  __shared__ ImmaCache<W> cache;
   return cache;
 }
 
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti = false>
+// W: warps a block (kImmaWarps; kinds imma_w4 and imma_w16: 4 and 16), which split each group's steps.
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
@@ -947,9 +956,9 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
   const int steps = k >> 7;
-  uint8_t* buf = imma_buffer(warp);
+  uint8_t* buf = imma_buffer<W>(warp);
   reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones (sum q)
-  if (threadIdx.x < 4) (&imma_tally().arrived[0])[threadIdx.x] = 0;  // arrived[2], stored[2]
+  if (threadIdx.x < 4) (&imma_tally<W>().arrived[0])[threadIdx.x] = 0;  // arrived[2], stored[2]
   __syncthreads();
   // Lane (g, t) reads B column g % 4 of part g / 4 (a warp's LDS.64 covers all eight).
   const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
@@ -958,7 +967,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const auto row_hi = [&](int b) { return kSilu ? silu_f + row_lo(b) : min(b * 16 + g + 8, n - 1); };
   constexpr int kU = kImmaUnroll;
   constexpr int kW = kInt4 ? 1 : 2;  // 16-byte words of a row a lane loads per step
-  constexpr int kPass = kImmaWarps * kU;
+  constexpr int kPass = W * kU;
   struct Pass {
     uint4 lo[kW * kU], hi[kW * kU];  // step u's words of rows lo and hi at kW u ..: W8A16 bytes 16 t .. and
                                      // 64 + 16 t .., int4 bytes 16 t .. (columns 32 t ..)
@@ -977,7 +986,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     const uint8_t* w_hi = w + hi * stride_w;
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int s = at.y + u * kImmaWarps;
+      const int s = at.y + u * W;
       const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 64 * kW) + t;
       const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 64 * kW) + t;
       const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -997,12 +1006,12 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     }
   };
   // Whether the warp keeps its staging of step s (see ImmaCache), and whether group b reads it back.
-  const auto keeps = [&](int s) { return (kNorm || kMulti) && s / kImmaWarps < kImmaCache; };
+  const auto keeps = [&](int s) { return (kNorm || kMulti) && s / W < ImmaCache<W>::kSteps; };
   const auto reuse = [&](int b, int s) { return keeps(s) && b != blockIdx.x; };
   const auto load_x = [&](int2 at, Pass& p) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int s = at.y + u * kImmaWarps;
+      const int s = at.y + u * W;
       const bool in = s < steps && at.x < groups && !reuse(at.x, s);
       if constexpr (kInt4) {
         p.xv[u] = in ? x_oct<kNorm>(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
@@ -1017,13 +1026,13 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const auto compute = [&](int2 at, const Pass& p) {  // then, at a group's last pass, its sums out
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int s = at.y + u * kImmaWarps;
+      const int s = at.y + u * W;
       if (s >= steps) break;
       float sum_x = 0.0f, factor;
       uint4 bw;  // the lane's B words of both halves
       if (reuse(at.x, s)) {
-        bw = imma_cache().b[s / kImmaWarps][warp][lane];
-        const float2 fs = imma_cache().fs[s / kImmaWarps][warp];
+        bw = imma_cache<W>().b[s / W][warp][lane];
+        const float2 fs = imma_cache<W>().fs[s / W][warp];
         factor = fs.x;
         sum_x = fs.y;
       } else {
@@ -1032,8 +1041,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
         bw = make_uint4(b0.x, b0.y, b1.x, b1.y);
         if (keeps(s)) {  // the block's first group: kept for the others
-          imma_cache().b[s / kImmaWarps][warp][lane] = bw;
-          if (lane == 0) imma_cache().fs[s / kImmaWarps][warp] = make_float2(factor, sum_x);
+          imma_cache<W>().b[s / W][warp][lane] = bw;
+          if (lane == 0) imma_cache<W>().fs[s / W][warp] = make_float2(factor, sum_x);
         }
       }
       int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
@@ -1069,7 +1078,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
       acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
     }
-    imma_finish(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
+    imma_finish<W>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
   int2 at = make_int2(blockIdx.x, warp);
@@ -1148,28 +1157,28 @@ __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x
   }
 }
 
-template <bool kNorm, bool kMulti = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
                                                 const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
   if (silu_f > 0) {
-    gemv_imma<false, true, kNorm, kMulti>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_imma<false, true, kNorm, kMulti, W>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   } else {
-    gemv_imma<false, false, kNorm, kMulti>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_imma<false, false, kNorm, kMulti, W>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   }
 }
 
-template <bool kNorm, bool kMulti = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
                                                const NormIn* norm) {
   if (silu_f > 0) {
-    gemv_imma<true, true, kNorm, kMulti>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
+    gemv_imma<true, true, kNorm, kMulti, W>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
                                          norm);
   } else {
-    gemv_imma<true, false, kNorm, kMulti>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
+    gemv_imma<true, false, kNorm, kMulti, W>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
                                           norm);
   }
 }
@@ -1251,4 +1260,20 @@ MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma_multi_bf16, mgx_gemv::kImmaWarps * 32,
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma_multi_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma, (, true),
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
+
+// Kinds imma_w4 and imma_w16: kind imma's kernels on blocks of 4 and 16 warps (a group's steps split
+// over fewer or more warps: other sums' order, so not imma's bits). On the H200 (cold L2, 2026-12-01)
+// 4 warps took int4 gate/up 28672 x 4096 from 32.2 to 28.8 us and 16 warps int4 4096 x 14336 from
+// 21.4 to 19.3 us; the autotune pass times all three.
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma4_bf16, 4 * 32, gemv_w8a16_imma, (, false, 4),
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma4_bf16, 4 * 32, gemv_int4_imma, (, false, 4),
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
+
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma16_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16),
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma16_bf16, 16 * 32, gemv_int4_imma, (, false, 16),
                  MGX_INT4_PARAMS, MGX_INT4_ARGS)

@@ -10,7 +10,9 @@ and ``imma`` (W8A16, and int4 with groups of a multiple of 128), whose int8 code
 masked into bytes) enter integer MMAs against x made integer per 128-column step (three bytes of a
 fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
 on at most ``IMMA_BLOCKS_PER_SM`` blocks per SM, each with an equal share of the groups, each warp streaming its
-loads across the block's groups and staging x once for all of them (its own entry, ``imma_multi``).
+loads across the block's groups and staging x once for all of them (its own entry, ``imma_multi``),
+and ``imma_w4`` and ``imma_w16``, ``imma``'s kernels on blocks of 4 and 16 warps (entries ``imma4`` and
+``imma16``; a group's steps split over fewer or more warps, so their sums run in another order).
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -34,14 +36,15 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "entry_for", "equal_shares",
-           "gemv", "gemv_applies", "gemv_threads"]  # fmt: skip
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
+           "equal_shares", "gemv", "gemv_applies", "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent")
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16")
 # kind -> the entry it launches (ENTRIES' first key)
 _ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe", "imma": "imma",
-               "imma_persistent": "imma_multi"}
-_MMA = ("mma", "mma_pipe", "imma", "imma_multi")  # the tensor-core entries: 16 outputs a block, 128-column steps
+               "imma_persistent": "imma_multi", "imma_w4": "imma4", "imma_w16": "imma16"}
+# the tensor-core entries: 16 outputs a block, 128-column steps
+_MMA = ("mma", "mma_pipe", "imma", "imma_multi", "imma4", "imma16")
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -54,6 +57,10 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("imma", "int4"): f"mgx_gemv_int4_imma_bf16_v{KERNEL_ABI}",
     ("imma_multi", "w8a16"): f"mgx_gemv_w8a16_imma_multi_bf16_v{KERNEL_ABI}",
     ("imma_multi", "int4"): f"mgx_gemv_int4_imma_multi_bf16_v{KERNEL_ABI}",
+    ("imma4", "w8a16"): f"mgx_gemv_w8a16_imma4_bf16_v{KERNEL_ABI}",
+    ("imma4", "int4"): f"mgx_gemv_int4_imma4_bf16_v{KERNEL_ABI}",
+    ("imma16", "w8a16"): f"mgx_gemv_w8a16_imma16_bf16_v{KERNEL_ABI}",
+    ("imma16", "int4"): f"mgx_gemv_int4_imma16_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -68,10 +75,15 @@ LABELS = {  # how the engine's kernel note names them
     ("imma", "int4"): "int4 integer tensor-core GEMV",
     ("imma_multi", "w8a16"): "w8a16 integer tensor-core GEMV over several groups a block",
     ("imma_multi", "int4"): "int4 integer tensor-core GEMV over several groups a block",
+    ("imma4", "w8a16"): "w8a16 integer tensor-core GEMV on 4 warps a block",
+    ("imma4", "int4"): "int4 integer tensor-core GEMV on 4 warps a block",
+    ("imma16", "w8a16"): "w8a16 integer tensor-core GEMV on 16 warps a block",
+    ("imma16", "int4"): "int4 integer tensor-core GEMV on 16 warps a block",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
 IMMA_THREADS = 256  # kImmaWarps * 32 in gemv.cu (kinds imma and imma_persistent)
+_IMMA_WARPS = {"imma4": 4, "imma16": 16}  # the entries of other block sizes (kinds imma_w4, imma_w16)
 MMA_COLUMNS = 128  # columns per MMA step: K and the int4 group (W8A16: none, 0) must be multiples of it
 _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 columns
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
@@ -143,6 +155,16 @@ def gemv_threads(k: int) -> int:
     return t
 
 
+def block_threads(kind: str, k: int) -> int:
+    """Threads per block of ``kind``'s launch on K columns."""
+    base = _ENTRY_KIND[kind]
+    if base in _IMMA_WARPS:
+        return 32 * _IMMA_WARPS[base]
+    if base in _MMA:
+        return IMMA_THREADS if base.startswith("imma") else MMA_THREADS
+    return gemv_threads(k)
+
+
 def _sm(arch: str) -> int:
     """80 for "sm_80", 90 for "sm_90a": the code's architecture decides (the MMA kernel traps below sm_80)."""
     m = re.match(r"sm_(\d+)", arch)
@@ -205,7 +227,7 @@ def gemv(
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
     per_block = rows // 2 if silu_mul else rows
-    threads = (IMMA_THREADS if base.startswith("imma") else MMA_THREADS) if base in _MMA else gemv_threads(w.k)
+    threads = block_threads(kind, w.k)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else None)

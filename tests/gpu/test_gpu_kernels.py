@@ -64,6 +64,10 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("int4", {"group_size": 128, "symmetric": True}, "imma"),
     ("int4", {"group_size": 128, "symmetric": False}, "imma"),
     ("int4", {"group_size": 128, "symmetric": False}, "imma_persistent"),
+    ("w8a16", {}, "imma_w4"),
+    ("w8a16", {}, "imma_w16"),
+    ("int4", {"group_size": 128, "symmetric": False}, "imma_w4"),
+    ("int4", {"group_size": 128, "symmetric": True}, "imma_w16"),
 ]
 
 
@@ -152,7 +156,7 @@ def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: 
 
 @pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (4098, 2176), (40, 256)])
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("kind", ["imma", "imma_persistent"])
+@pytest.mark.parametrize("kind", ["imma", "imma_persistent", "imma_w4", "imma_w16"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int, k: int, silu: bool, kind: str, scheme: str) -> None:  # noqa: ANN001
     """Kinds ``imma`` and ``imma_persistent`` (W8A16 codes, or int4 nibbles with zeros, in integer MMAs, x made integer per 128-column step against its
@@ -161,7 +165,7 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     launch, and a NaN in x makes every output NaN, as the reference's. The persistent launch gives the
     one-block-per-group launch's bits (the same sums in the same order, and from its blocks' second
     group on the x staged in their first: 28672 x 4096 has 1,792 groups); K = 256 leaves six of eight
-    warps without a step."""
+    warps without a step (``imma_w16``: 14 of 16; its and ``imma_w4``'s sums run in another order)."""
     from mgx.kernels.cuda import gemv as cg
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + 11)
@@ -175,7 +179,8 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     assert cg.gemv_applies(native, x, w, kind=kind)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
     assert rel_err(want, ref(x, w)) < 4e-3
-    assert torch.equal(want, cg.gemv(x, w, kernels=native, silu_mul=silu, kind="imma"))
+    if kind == "imma_persistent":
+        assert torch.equal(want, cg.gemv(x, w, kernels=native, silu_mul=silu, kind="imma"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
@@ -186,12 +191,13 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     assert torch.isnan(cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)).all()
 
 
+@pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize("k", [4096, 8192])
-def test_native_imma_norm_blocks_reuse_their_staged_x_to_the_bit(native, scheme: str, k: int) -> None:  # noqa: ANN001
+def test_native_imma_norm_blocks_reuse_their_staged_x_to_the_bit(native, scheme: str, k: int, kind: str) -> None:  # noqa: ANN001
     """With the RMSNorm prologue an ``imma`` block takes groups b, b + grid, ...; from its second group
-    on a warp reads back the x it staged for its first kImmaCache steps in the first (gemv.cu's
-    ImmaCache; K = 8192 keeps half of them). The outputs of the groups computed so (a launch of 1100
+    on a warp reads back the x it staged for its first kImmaCache / warps steps in the first (gemv.cu's
+    ImmaCache: 32 steps a block, whatever its warps; K = 8192 keeps half of them). The outputs of the groups computed so (a launch of 1100
     groups on at most NORM_BLOCKS_PER_SM blocks an SM) equal, to the bit, those of the same rows
     launched alone, where every block has one group and stages all of x itself; and the whole row is
     within one bf16 rounding of the fp32 reference."""
@@ -208,13 +214,13 @@ def test_native_imma_norm_blocks_reuse_their_staged_x_to_the_bit(native, scheme:
     res = (3 * torch.randn(1, k, device="cuda", generator=gen)).to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
     norm = cg.NormPrologue(None, g, 1e-5)
-    assert cg.gemv_applies(native, res, w, kind="imma", norm=norm)
-    full = cg.gemv(res, w, kernels=native, kind="imma", norm=norm)
+    assert cg.gemv_applies(native, res, w, kind=kind, norm=norm)
+    full = cg.gemv(res, w, kernels=native, kind=kind, norm=norm)
     assert rel_err(full, lin.linear_ref(trms.rms_norm_ref(res, g, 1e-5), w)) < 4e-3
     rows = slice(16 * grid, n)  # the second groups of blocks 0 .. grid / 2 - 1
     part = replace(w, n=n - 16 * grid, weight=w.weight[rows], scales=w.scales[rows],
                    zeros=None if w.zeros is None else w.zeros[rows])  # fmt: skip
-    alone = cg.gemv(res, part, kernels=native, kind="imma", norm=norm)
+    alone = cg.gemv(res, part, kernels=native, kind=kind, norm=norm)
     assert torch.equal(full[:, rows], alone)
 
 

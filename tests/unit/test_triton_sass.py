@@ -47,7 +47,8 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
     """``--native``: the tensor-core GEMV entries built for sm_90a, their registers and loops. Every
     entry keeps everything in registers (no stack), the pipelined ones and ``imma`` within 128
     registers a thread (two blocks of 256 threads an SM, which their design counts on; ``imma_multi``,
-    kind ``imma_persistent``'s entries, are counted with ``imma``), and each has a
+    kind ``imma_persistent``'s entries, and ``imma4`` and ``imma16``, those of 4 and 16 warps a block,
+    are counted with ``imma``), and each has a
     main loop with its weight loads inside: int4 64 MMAs (4 steps of 16), W8A16 48 (2 steps of 24: four
     MMAs for each 8 columns' codes and two for the sum of x), ``imma`` 8 integer MMAs (two passes of
     one step, four a step: two 64-column halves, int4: low and high nibbles, for each of the two sets of 8 rows)."""
@@ -61,11 +62,12 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
     assert {re.sub(r"_v\d+$", "", name) for name in found} == {
         f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16") for kind in ("mma", "mma_pipe")
         for norm in ("", "_norm")} | {f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16")
-                                       for kind in ("imma", "imma_multi") for norm in ("", "_norm")}  # fmt: skip
+                                       for kind in ("imma", "imma_multi", "imma4", "imma16")
+                                       for norm in ("", "_norm")}  # fmt: skip
     for name, (regs, stack, loops) in found.items():
         assert stack == 0, name
-        assert regs <= (128 if "_pipe_" in name or "_imma_" in name else 255), name
-        if "_imma_" in name:
+        assert regs <= (128 if "_pipe_" in name or "_imma" in name else 255), name
+        if "_imma" in name:
             assert re.search(r"\d+ \(IMMA 8, LDG \d+\)", loops), name
             continue
         mmas = 64 if "_int4_" in name else 48
