@@ -693,6 +693,11 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 // 16 x 128 step at 65% of the SM's issue rate and 37% of DRAM bandwidth, so it is bound by its
 // instructions; the bulk kind ran 254 a step but issued at 46% (10.7 cycles between a warp's
 // instructions, 35% occupancy). W8A16 imma: 203 a step (twice the bytes), 67-70% of DRAM bandwidth.
+// Eighteenth session: the warps a block became a template parameter (kinds imma_w4, imma_w16, at the
+// end of this file). Hoisting each group's row addresses out of its steps (about 90 of an int4 step's
+// ~200 SASS instructions are the 64-bit products of rows and strides) took 72-79 registers, spilled
+// under imma_w16's 64-register bound and was slower on the H200 (imma_w4 gate/up 31.1 vs 28.9 us,
+// imma_w16 down 20.6 vs 19.3); 32-bit wide products instead barely changed the SASS.
 #ifndef MGX_IMMA_UNROLL
 #define MGX_IMMA_UNROLL 1
 #endif
