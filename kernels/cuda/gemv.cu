@@ -1282,3 +1282,12 @@ MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma16_bf16, 16 * 32, gemv_w8a16_imma, (, f
 
 MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma16_bf16, 16 * 32, gemv_int4_imma, (, false, 16),
                  MGX_INT4_PARAMS, MGX_INT4_ARGS)
+
+// Kind imma_persistent_w4: imma_w4's kernels for blocks that take several output groups, each warp
+// keeping its staged x from the first for the others (ImmaCache: all of it up to K = 4096), on
+// IMMA_W4_BLOCKS_PER_SM blocks an SM in equal shares (gemv.py). The same sums as imma_w4, so its bits.
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma4_multi_bf16, 4 * 32, gemv_w8a16_imma, (, true, 4),
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+
+MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma4_multi_bf16, 4 * 32, gemv_int4_imma, (, true, 4),
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)

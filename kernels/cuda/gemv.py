@@ -12,7 +12,9 @@ fixed-point x; gemv.cu says how), with ``imma_persistent`` its launch
 on at most ``IMMA_BLOCKS_PER_SM`` blocks per SM, each with an equal share of the groups, each warp streaming its
 loads across the block's groups and staging x once for all of them (its own entry, ``imma_multi``),
 and ``imma_w4`` and ``imma_w16``, ``imma``'s kernels on blocks of 4 and 16 warps (entries ``imma4`` and
-``imma16``; a group's steps split over fewer or more warps, so their sums run in another order).
+``imma16``; a group's steps split over fewer or more warps, so their sums run in another order), with
+``imma_persistent_w4`` the 4-warp kernels launched as ``imma_persistent`` (entry ``imma4_multi``, on
+``IMMA_W4_BLOCKS_PER_SM`` blocks per SM; ``imma_w4``'s bits).
 ``gemv_applies`` says whether the
 loaded kernels can take a product with a kind (else the caller runs the Triton kernels); ``gemv``
 launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(x + delta) * weight,
@@ -39,12 +41,13 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 __all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_threads"]  # fmt: skip
 
-KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16")
+KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
+         "imma_persistent_w4")
 # kind -> the entry it launches (ENTRIES' first key)
 _ENTRY_KIND = {"gemv": "gemv", "mma": "mma", "mma_persistent": "mma", "mma_pipelined": "mma_pipe", "imma": "imma",
-               "imma_persistent": "imma_multi", "imma_w4": "imma4", "imma_w16": "imma16"}
+               "imma_persistent": "imma_multi", "imma_w4": "imma4", "imma_w16": "imma16", "imma_persistent_w4": "imma4_multi"}
 # the tensor-core entries: 16 outputs a block, 128-column steps
-_MMA = ("mma", "mma_pipe", "imma", "imma_multi", "imma4", "imma16")
+_MMA = ("mma", "mma_pipe", "imma", "imma_multi", "imma4", "imma16", "imma4_multi")
 ENTRIES = {  # (kind, scheme) -> entry point
     ("gemv", "int4"): f"mgx_gemv_int4_bf16_v{KERNEL_ABI}",
     ("gemv", "w8a16"): f"mgx_gemv_w8a16_bf16_v{KERNEL_ABI}",
@@ -61,6 +64,8 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("imma4", "int4"): f"mgx_gemv_int4_imma4_bf16_v{KERNEL_ABI}",
     ("imma16", "w8a16"): f"mgx_gemv_w8a16_imma16_bf16_v{KERNEL_ABI}",
     ("imma16", "int4"): f"mgx_gemv_int4_imma16_bf16_v{KERNEL_ABI}",
+    ("imma4_multi", "w8a16"): f"mgx_gemv_w8a16_imma4_multi_bf16_v{KERNEL_ABI}",
+    ("imma4_multi", "int4"): f"mgx_gemv_int4_imma4_multi_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
 LABELS = {  # how the engine's kernel note names them
@@ -79,11 +84,13 @@ LABELS = {  # how the engine's kernel note names them
     ("imma4", "int4"): "int4 integer tensor-core GEMV on 4 warps a block",
     ("imma16", "w8a16"): "w8a16 integer tensor-core GEMV on 16 warps a block",
     ("imma16", "int4"): "int4 integer tensor-core GEMV on 16 warps a block",
+    ("imma4_multi", "w8a16"): "w8a16 integer tensor-core GEMV on 4 warps a block over several groups",
+    ("imma4_multi", "int4"): "int4 integer tensor-core GEMV on 4 warps a block over several groups",
 }
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
 IMMA_THREADS = 256  # kImmaWarps * 32 in gemv.cu (kinds imma and imma_persistent)
-_IMMA_WARPS = {"imma4": 4, "imma16": 16}  # the entries of other block sizes (kinds imma_w4, imma_w16)
+_IMMA_WARPS = {"imma4": 4, "imma16": 16, "imma4_multi": 4}  # the entries of other block sizes
 MMA_COLUMNS = 128  # columns per MMA step: K and the int4 group (W8A16: none, 0) must be multiples of it
 _WORD_BYTES = {"int4": 4, "w8a16": 8, "none": 16}  # bytes of weight per 8 columns
 ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
@@ -102,6 +109,9 @@ MMA_BLOCKS_PER_SM = 2  # 80 registers a thread (sm_90a): up to three blocks of 2
 # 2-6 on the H200 (a variant of the kernel, 2026-12-01). The grid gives every block the same share of
 # the groups (``equal_shares``): the fewest blocks with the share this many blocks an SM would take.
 IMMA_BLOCKS_PER_SM = 3
+# Kind ``imma_persistent_w4``: blocks of 4 warps, 72 registers a thread for int4 (sm_90a), so seven fit
+# an SM by registers (and by shared memory: 19 KB a block).
+IMMA_W4_BLOCKS_PER_SM = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,8 +260,9 @@ def gemv(
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
-    elif kind == "imma_persistent":
-        blocks = equal_shares(blocks, IMMA_BLOCKS_PER_SM * num_sms(x.device))
+    elif kind in ("imma_persistent", "imma_persistent_w4"):
+        per_sm = IMMA_BLOCKS_PER_SM if kind == "imma_persistent" else IMMA_W4_BLOCKS_PER_SM
+        blocks = equal_shares(blocks, per_sm * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out

@@ -68,6 +68,8 @@ GEMV_CASES = [(scheme, kw, "gemv") for scheme, kw in GEMV_WEIGHTS] + [
     ("w8a16", {}, "imma_w16"),
     ("int4", {"group_size": 128, "symmetric": False}, "imma_w4"),
     ("int4", {"group_size": 128, "symmetric": True}, "imma_w16"),
+    ("w8a16", {}, "imma_persistent_w4"),
+    ("int4", {"group_size": 128, "symmetric": False}, "imma_persistent_w4"),
 ]
 
 
@@ -156,7 +158,7 @@ def test_native_mma_gemv_kinds_give_the_same_bits(native, n: int, k: int, silu: 
 
 @pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (4098, 2176), (40, 256)])
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("kind", ["imma", "imma_persistent", "imma_w4", "imma_w16"])
+@pytest.mark.parametrize("kind", ["imma", "imma_persistent", "imma_w4", "imma_w16", "imma_persistent_w4"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int, k: int, silu: bool, kind: str, scheme: str) -> None:  # noqa: ANN001
     """Kinds ``imma`` and ``imma_persistent`` (W8A16 codes, or int4 nibbles with zeros, in integer MMAs, x made integer per 128-column step against its
@@ -165,7 +167,8 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     launch, and a NaN in x makes every output NaN, as the reference's. The persistent launch gives the
     one-block-per-group launch's bits (the same sums in the same order, and from its blocks' second
     group on the x staged in their first: 28672 x 4096 has 1,792 groups); K = 256 leaves six of eight
-    warps without a step (``imma_w16``: 14 of 16; its and ``imma_w4``'s sums run in another order)."""
+    warps without a step (``imma_w16``: 14 of 16; its and ``imma_w4``'s sums run in another order, and
+    ``imma_persistent_w4`` gives ``imma_w4``'s bits)."""
     from mgx.kernels.cuda import gemv as cg
 
     gen = torch.Generator(device="cuda").manual_seed(n + k + 11)
@@ -179,8 +182,9 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     assert cg.gemv_applies(native, x, w, kind=kind)
     want = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)
     assert rel_err(want, ref(x, w)) < 4e-3
-    if kind == "imma_persistent":
-        assert torch.equal(want, cg.gemv(x, w, kernels=native, silu_mul=silu, kind="imma"))
+    if kind in ("imma_persistent", "imma_persistent_w4"):  # the one-block-per-group launch of its kernel
+        alone = "imma" if kind == "imma_persistent" else "imma_w4"
+        assert torch.equal(want, cg.gemv(x, w, kernels=native, silu_mul=silu, kind=alone))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)

@@ -35,7 +35,7 @@ def test_threads_keep_about_four_words_per_row_in_flight() -> None:
 def test_blocks_have_the_threads_of_their_kind() -> None:
     """The tensor-core kinds launch blocks of their entry's warps (gemv.cu's kMmaWarps, kImmaWarps, and 4
     and 16 for ``imma_w4`` and ``imma_w16``); the CUDA-core kind as many as K asks for."""
-    assert [cg.block_threads(kind, 4096) for kind in cg.KINDS] == [128, 256, 256, 256, 256, 256, 128, 512]
+    assert [cg.block_threads(kind, 4096) for kind in cg.KINDS] == [128, 256, 256, 256, 256, 256, 128, 512, 128]
     assert cg.block_threads("gemv", 14336) == 256
 
 
@@ -51,7 +51,8 @@ def test_declines_what_the_kernel_cannot_take() -> None:
     assert set(cg.ENTRIES) == {("gemv", "int4"), ("gemv", "w8a16"), ("gemv", "none"), ("mma", "int4"),
                                ("mma_pipe", "int4"), ("mma", "w8a16"), ("mma_pipe", "w8a16"), ("imma", "w8a16"),
                                ("imma", "int4"), ("imma_multi", "w8a16"), ("imma_multi", "int4"), ("imma4", "w8a16"),
-                               ("imma4", "int4"), ("imma16", "w8a16"), ("imma16", "int4")}  # fmt: skip
+                               ("imma4", "int4"), ("imma16", "w8a16"), ("imma16", "int4"), ("imma4_multi", "w8a16"),
+                               ("imma4_multi", "int4")}  # fmt: skip
     assert set(cg.LABELS) == set(cg.ENTRIES)
 
 
@@ -82,11 +83,13 @@ def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
     ``mma_pipelined`` and ``imma`` have entries (and twins) of their own; ``imma`` int4 needs groups
     of a multiple of 128, as ``mma``."""
-    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16")
-    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma", "imma_multi", "imma4", "imma16"}
+    assert cg.KINDS == ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
+                        "imma_persistent_w4")  # fmt: skip
+    assert {kind for kind, _ in cg.ENTRIES} == {"gemv", "mma", "mma_pipe", "imma", "imma_multi", "imma4", "imma16",
+                                                "imma4_multi"}  # fmt: skip
     assert set(cg.NORM_ENTRIES) == set(cg.ENTRIES)
     every = FakeKernels(*cg.ENTRIES.values())
-    for kind in ("mma", "imma", "imma_persistent", "imma_w4", "imma_w16"):  # groups of 64: the CUDA-core kind only (and a CPU x: none)
+    for kind in ("mma", "imma", "imma_persistent", "imma_w4", "imma_w16", "imma_persistent_w4"):  # groups of 64: the CUDA-core kind only (and a CPU x: none)
         assert not cg.gemv_applies(every, torch.randn(1, 256).to(torch.bfloat16), make_weight("int4", 64, 256, group_size=64), kind=kind)
 
 

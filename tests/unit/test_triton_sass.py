@@ -62,7 +62,7 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
     assert {re.sub(r"_v\d+$", "", name) for name in found} == {
         f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16") for kind in ("mma", "mma_pipe")
         for norm in ("", "_norm")} | {f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16")
-                                       for kind in ("imma", "imma_multi", "imma4", "imma16")
+                                       for kind in ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
                                        for norm in ("", "_norm")}  # fmt: skip
     for name, (regs, stack, loops) in found.items():
         assert stack == 0, name
