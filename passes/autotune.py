@@ -7,9 +7,8 @@ batch buckets, and a prefill chunk), each candidate launch configuration of the 
 (``linear``, ``linear_silu_mul`` for the fused gate/up projection, ``lm_head_argmax`` for the LM head)
 is timed on random activations with the weight's real bytes, and the fastest is kept. At one row the
 native CUDA GEMV (``kernels/cuda/gemv.cu``, built with nvcc for the build GPU when nvcc is there) is
-timed too (for the LM head: the native GEMV writing the logits, then ``argmax_logits``), and where it
-beats the best Triton configuration the entry says so (``native``; the Triton configuration stays in
-the entry as the fallback for a runtime without the native code). The graph is
+timed too, and where it beats the best Triton configuration the entry says so (``native``; the Triton
+configuration stays in the entry as the fallback for a runtime without the native code). The graph is
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
@@ -276,7 +275,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
     from mgx.kernels.cuda.gemv import gemv, gemv_applies
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
-    from mgx.kernels.triton.lm_head import argmax_logits, lm_head_argmax
+    from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
     from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
 
@@ -326,29 +325,20 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     best = (seconds, config)
             triton_s = best[0] if best is not None else None
             # A fused shape stays on Triton: a native kind there would turn norm across off for its chain.
-            one_row = best is not None and m == 1 and fused is None
+            one_row = best is not None and m == 1 and kernel != "lm_head_argmax" and fused is None
             kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k)]
-            silu, head = kernel == "linear_silu_mul", kernel == "lm_head_argmax"
+            silu = kernel == "linear_silu_mul"
             # A candidate must first give the Triton kernel's result (within one rounding of the output
-            # dtype): a native kernel that disagrees is reported, never chosen. The LM head's native
-            # GEMV writes the logits for argmax_logits: they are checked against the Triton linear's.
-            want = (linear(x, w) if head else launch[kernel](x, w, config=best[1])) if kinds else None
+            # dtype): a native kernel that disagrees is reported, never chosen.
+            want = launch[kernel](x, w, config=best[1]) if kinds else None
             for kind in kinds:
-                native = dataclasses.replace(best[1], native=kind)
-
-                def run_native(c=native, x=x, w=w, s=silu, d=kind, h=head):  # noqa: ANN202 - c: for the timer's log
-                    out = gemv(x, w, kernels=kernels, silu_mul=s, kind=d)
-                    return argmax_logits(out) if h else out
-
-                try:
-                    err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
-                    if err > NATIVE_TOLERANCE:
-                        rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
-                        continue
-                    seconds = _time(run_native, opts.repeats, ws)
-                except Exception as e:  # noqa: BLE001 - reported like a Triton configuration that cannot run
-                    failed.append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
+                if err > NATIVE_TOLERANCE:
+                    rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
                     continue
+                native = dataclasses.replace(best[1], native=kind)
+                seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: gemv(x, w, kernels=kernels, silu_mul=s,
+                                                                                 kind=d), opts.repeats, ws)  # fmt: skip
                 timed += 1
                 if seconds < best[0]:
                     best = (seconds, native)

@@ -100,7 +100,7 @@ from mgx.kernels.triton.linear import (
     silu_mul,
 )
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
-from mgx.kernels.triton.lm_head import argmax_logits, lm_head_argmax
+from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import Tunings
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
@@ -997,12 +997,7 @@ class CUDABackend(Backend):
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
         x, w = self._sampled(x), self._weights[id(op)]
-        bias, config = self._bias[id(op)], self.tunings.config("lm_head_argmax", w, x.shape[0])
-        # One row whose stored tuning chose a native GEMV: it writes the logits, argmax_logits reduces
-        # them (the fused Triton head otherwise, and untuned).
-        if config is not None and config.native and self._native_kind(x, w, bias, config):
-            return argmax_logits(gemv(x, w, bias, kernels=self.cuda_kernels, kind=config.native))
-        return lm_head_argmax(x, w, bias, config=config)
+        return lm_head_argmax(x, w, self._bias[id(op)], config=self.tunings.config("lm_head_argmax", w, x.shape[0]))
 
     def _sampled(self, x: Array) -> Array:
         st = self._cur

@@ -4,9 +4,6 @@ Each program computes the logits of one vocabulary tile for a block of rows, kee
 largest logit and its index, and writes those [R, V / BLOCK_N] pairs; a second small kernel reduces
 them per row. The [R, V] logits never reach device memory, which at batch 1 leaves the weight read
 as the only real traffic. Ties go to the smallest token id, like numpy's and torch's argmax.
-
-``argmax_logits`` is the same two-step reduction over logits already written (by a native GEMV that
-the autotune pass found faster than the fused kernel for one row).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from .linear import (
     min_block_k,
 )
 
-__all__ = ["argmax_logits", "lm_head_argmax", "lm_head_argmax_ref"]
+__all__ = ["lm_head_argmax", "lm_head_argmax_ref"]
 
 
 @triton.jit
@@ -57,19 +54,6 @@ def _lm_head_tile_kernel(
     dst = rm.to(tl.int64) * num_tiles + pid_n
     tl.store(part_v_ptr + dst, best, mask=m_mask)
     tl.store(part_i_ptr + dst, idx, mask=m_mask)
-
-
-@triton.jit
-def _argmax_tile_kernel(logits_ptr, part_v_ptr, part_i_ptr, V, stride_l, num_tiles, BLOCK_V: tl.constexpr,
-                        OVERLAP: tl.constexpr):  # fmt: skip
-    """The pairs of ``_lm_head_tile_kernel`` (each tile's largest logit and its first id) from logits."""
-    overlap_start(OVERLAP)
-    r = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    logits = tl.load(logits_ptr + r * stride_l + v, mask=v < V, other=float("-inf")).to(tl.float32)
-    tl.store(part_v_ptr + r * num_tiles + tile, tl.max(logits, axis=0))
-    tl.store(part_i_ptr + r * num_tiles + tile, tl.argmax(logits, axis=0, tie_break_left=True) + tile * BLOCK_V)
 
 
 @triton.jit
@@ -127,32 +111,6 @@ def lm_head_argmax(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and weight.k % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap_options(),
     )  # fmt: skip
-    block_t = min(1024, next_pow2(num_tiles))
-    _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4, **overlap_options())
-    return ids, vals
-
-
-ARGMAX_BLOCK_V = 4096  # logits a program of ``argmax_logits`` reduces (32 programs a row for 128K tokens)
-
-
-def argmax_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens of logits [R, V] (any float dtype, rows contiguous): (ids [R] int32, their logits
-    [R] fp32), ties to the smallest id -- what ``lm_head_argmax`` returns for the same logits."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [R, V] with contiguous rows, got shape {tuple(logits.shape)}")
-    m, v = logits.shape
-    ids = torch.empty(m, dtype=torch.int32, device=logits.device)
-    vals = torch.empty(m, dtype=torch.float32, device=logits.device)
-    if m == 0 or v == 0:
-        if v == 0 and m:
-            raise ValueError("logits over an empty vocabulary have no argmax")
-        return ids, vals
-    block_v = min(ARGMAX_BLOCK_V, next_pow2(v))
-    num_tiles = cdiv(v, block_v)
-    part_v = torch.empty((m, num_tiles), dtype=torch.float32, device=logits.device)
-    part_i = torch.empty((m, num_tiles), dtype=torch.int32, device=logits.device)
-    _argmax_tile_kernel[(m, num_tiles)](logits, part_v, part_i, v, logits.stride(0), num_tiles, BLOCK_V=block_v,
-                                        num_warps=4, **overlap_options())  # fmt: skip
     block_t = min(1024, next_pow2(num_tiles))
     _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4, **overlap_options())
     return ids, vals

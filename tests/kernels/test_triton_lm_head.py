@@ -40,33 +40,3 @@ def test_ties_go_to_the_smallest_id_across_tiles() -> None:
     ids, vals = lm_head.lm_head_argmax(x, GpuWeight("none", v, h, weight), config=LinearConfig(1, 16, 16, 4, 2))
     assert ids.tolist() == [7, 3]
     assert vals.tolist() == [2.0, 1.0]
-
-
-@pytest.mark.parametrize(("rows", "vocab", "dtype"), [(1, 333, torch.bfloat16), (3, 9000, torch.bfloat16), (2, 4096, torch.float32)])
-def test_argmax_of_written_logits_is_the_fused_heads(rows: int, vocab: int, dtype: torch.dtype) -> None:
-    """``argmax_logits`` (the tail of a native-GEMV LM head) gives the fused head's (ids, logits) for
-    the logits its reference rounds: torch's argmax (first id on ties) and the logit there in fp32.
-    9000 tokens are three programs a row, the last one partial."""
-    g = torch.Generator().manual_seed(vocab)
-    w = make_weight("int4", vocab, 64, dtype=torch.float32, device=DEVICE, generator=g, group_size=32)
-    x = torch.randn(rows, 64, generator=g).to(DEVICE, dtype)
-    logits = (x.float() @ lm_head.dequantize_ref(w).T).to(dtype)
-    ids, vals = lm_head.argmax_logits(logits)
-    want_ids, want_vals = lm_head.lm_head_argmax_ref(x, w)
-    assert ids.dtype == torch.int32 and vals.dtype == torch.float32
-    assert ids.tolist() == want_ids.tolist() == logits.float().argmax(dim=1).tolist()
-    assert torch.equal(vals, want_vals)
-
-
-def test_argmax_of_written_logits_breaks_ties_to_the_smallest_id_across_programs() -> None:
-    logits = torch.full((2, 3 * lm_head.ARGMAX_BLOCK_V), -1.0, dtype=torch.bfloat16, device=DEVICE)
-    best = [5000, 4097, 12000]  # the same largest value in the second and third programs' blocks
-    logits[0, best] = 3.0
-    logits[1, -1] = 0.5  # the very last token
-    ids, vals = lm_head.argmax_logits(logits)
-    assert ids.tolist() == [4097, 3 * lm_head.ARGMAX_BLOCK_V - 1]
-    assert vals.tolist() == [3.0, 0.5]
-    with pytest.raises(ValueError, match="contiguous rows"):
-        lm_head.argmax_logits(logits.T)
-    with pytest.raises(ValueError, match="empty vocabulary"):
-        lm_head.argmax_logits(logits[:, :0])
