@@ -4,6 +4,14 @@ Each program computes the logits of one vocabulary tile for a block of rows, kee
 largest logit and its index, and writes those [R, V / BLOCK_N] pairs; a second small kernel reduces
 them per row. The [R, V] logits never reach device memory, which at batch 1 leaves the weight read
 as the only real traffic. Ties go to the smallest token id, like numpy's and torch's argmax.
+
+The argmax is over the fp32 logits, not over logits rounded to the activation dtype: bf16 logits of
+magnitude 16-32 come in steps of 0.125, so rounding would turn near-ties into exact ties that the
+smallest id wins, and greedy decoding would leave the model's own most likely token there. (SmolLM2
+in bf16 on the H200, 30 prompts of 32 tokens, 2026-11-30: teacher-forced through an fp32 head, MGX's
+top token was fp32's at 948 of 960 steps, as transformers bf16's; free-running through this head,
+which then rounded, MGX parted from fp32's tokens on 8 prompts where transformers bf16 with an fp32
+head did not, and on 1 the other way round.)
 """
 
 from __future__ import annotations
@@ -46,8 +54,6 @@ def _lm_head_tile_kernel(
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN, False, False)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    # The logits are rounded to the activation dtype first, as an unfused lm_head would store them.
-    acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     acc = tl.where(n_mask[None, :], acc, float("-inf"))
     best = tl.max(acc, axis=1)  # [BLOCK_M]
     idx = tl.argmax(acc, axis=1, tie_break_left=True) + pid_n * BLOCK_N
@@ -119,10 +125,9 @@ def lm_head_argmax(
 def lm_head_argmax_ref(
     x: torch.Tensor, weight: GpuWeight, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits in fp32, rounded to x's dtype, then torch.argmax (first index on ties)."""
+    """Logits in fp32 (not rounded to x's dtype), then torch.argmax (first index on ties)."""
     logits = x.float() @ dequantize_ref(weight).T
     if bias is not None:
         logits = logits + bias.float()
-    logits = logits.to(x.dtype).float()
     ids = logits.argmax(dim=1)
     return ids.to(torch.int32), logits.gather(1, ids[:, None])[:, 0]
