@@ -987,13 +987,18 @@ class CUDABackend(Backend):
         return None
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
+        """The sampling rows' logits [R, V], in fp32 where the Triton kernels compute them (as the
+        greedy head takes its argmax: not rounded to the compute dtype, so that a greedy request in a
+        batch with sampling ones picks as it would alone); dense weights with more than GEMV_MAX_M (1)
+        rows go to cuBLAS, whose logits come in the compute dtype."""
         x, w = self._sampled(x), self._weights[id(op)]
         if w.scheme == "none" and x.shape[0] > GEMV_MAX_M:
             return torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
         # A vocabulary is wide enough to fill the GPU without splitting K (and the workspace is sized
         # for the linear ops).
         config = self.tunings.config("linear", w, x.shape[0]) or default_config(x.shape[0], w.n, w.k, w.scheme)
-        return linear(x, w, self._bias[id(op)], config=dataclasses.replace(config, split_k=1))
+        out = torch.empty((x.shape[0], w.n), dtype=torch.float32, device=x.device)
+        return linear(x, w, self._bias[id(op)], out=out, config=dataclasses.replace(config, split_k=1))
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
         x, w = self._sampled(x), self._weights[id(op)]

@@ -906,3 +906,18 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
         token = int(np.argmax(logits[1]))
         logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
     assert set(cg.ENTRIES.values()) & set(launches)
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("pipeline", ["w8a16-tiled", "dense"])
+def test_bf16_sampling_logits_are_the_fp32_ones_the_greedy_head_picks_from(pipeline: str) -> None:
+    """In bf16 the logits that go to the host for requests that sample are fp32, not rounded to bf16
+    (their low 16 bits are not all zero), and their argmax and maximum are the greedy head's pick and
+    logit for the same row: a greedy request batched with sampling ones picks as it would alone."""
+    graph = compiled("gqa", pipeline, target="cuda")
+    prompt = _prompts(graph)[0]
+    logits = ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="bf16")).step([SeqChunk(0, prompt)])[0][-1]
+    ((ids, top),) = ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="bf16")).step_greedy([SeqChunk(0, prompt)])
+    assert logits.dtype == np.float32 and (logits.view(np.uint32) & 0xFFFF).any()
+    assert int(ids[-1]) == int(np.argmax(logits))
+    np.testing.assert_allclose(top[-1], logits.max(), rtol=1e-5, atol=0)
