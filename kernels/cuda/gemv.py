@@ -112,6 +112,7 @@ IMMA_BLOCKS_PER_SM = 3
 # Kind ``imma_persistent_w4``: blocks of 4 warps, 72 registers a thread for int4 (sm_90a), so seven fit
 # an SM by registers (and by shared memory: 19 KB a block).
 IMMA_W4_BLOCKS_PER_SM = 7
+_EQUAL_SHARES = {"imma_persistent": IMMA_BLOCKS_PER_SM, "imma_persistent_w4": IMMA_W4_BLOCKS_PER_SM}  # kind -> blocks an SM
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +261,8 @@ def gemv(
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
-    elif kind in ("imma_persistent", "imma_persistent_w4"):
-        per_sm = IMMA_BLOCKS_PER_SM if kind == "imma_persistent" else IMMA_W4_BLOCKS_PER_SM
-        blocks = equal_shares(blocks, per_sm * num_sms(x.device))
+    elif kind in _EQUAL_SHARES:
+        blocks = equal_shares(blocks, _EQUAL_SHARES[kind] * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
     return out
