@@ -376,3 +376,48 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
     plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
     assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
+
+
+@pytest.mark.parametrize(("arch", "option", "want"), [("sm_90", True, True), ("sm_80", True, False), ("sm_90", False, False)])
+def test_autotune_times_candidates_launched_as_the_backend_launches_them(monkeypatch, arch: str, option: bool,
+                                                                         want: bool) -> None:  # noqa: ANN001
+    """On sm_90 and newer the CUDA backend launches its decode kernels overlapped (programmatic
+    dependent launches), so the pass times every candidate so, with the native image told to allow
+    it; on older GPUs, or with ``overlapped: false``, one after the other."""
+    import contextlib
+
+    import torch
+
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton import _common
+
+    class Kernels:
+        overlap = False
+
+        def allow_overlap(self, sm: int) -> bool:
+            self.overlap = sm >= 90
+            return self.overlap
+
+    kernels, inside, during = Kernels(), [False], []
+
+    @contextlib.contextmanager
+    def overlapped(on: bool):  # noqa: ANN202
+        inside[0] = on
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    def timer(fn, repeats, weights=None):  # noqa: ANN001, ANN202
+        during.append((inside[0], kernels.overlap))
+        return fake_seconds(fn.__defaults__[0])
+
+    monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), arch))
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(autotune_pass, "_time", timer)
+    monkeypatch.setattr(_common, "overlapped_launches", overlapped)
+    monkeypatch.setattr(cg, "gemv_applies", lambda *a, **k: False)
+    graph = tiny_contents().graph
+    PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "overlapped": option}, PassContext(target="cuda"))
+    assert during and set(during) == {(want, want)}
+    assert not inside[0]  # and back to plain launches after the pass
