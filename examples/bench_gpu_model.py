@@ -384,18 +384,8 @@ def profile_prefill(engine, prompt: list[int]) -> None:  # noqa: ANN001
 
 def replay_ms(engine, bucket: int, replays: int = 50) -> float | None:  # noqa: ANN001
     """Milliseconds per replay of the captured greedy decode graph of ``bucket`` (back to back)."""
-    graphs = getattr(engine.runner.backend, "_graphs", {})
-    g = graphs.get((bucket, True)) or graphs.get((bucket, False))
-    if g is None or DEVICE != "cuda":
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.graph.replay()
-    start.record()
-    for _ in range(replays):
-        g.graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+    backend = engine.runner.backend
+    return backend.replay_ms(bucket, replays) if DEVICE == "cuda" and hasattr(backend, "replay_ms") else None
 
 
 def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001

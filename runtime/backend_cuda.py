@@ -472,15 +472,43 @@ class CUDABackend(Backend):
         except (ValueError, layout_registry.LayoutError) as e:
             raise UnsupportedModelError(f"{where}: {e}") from None
 
+    @property
+    def arch(self) -> str:
+        """The architecture stored tunings are kept under: ``sm_90`` on an H200, ``interpreter`` off a GPU."""
+        return f"sm_{self._sm}" if self.device.type == "cuda" else "interpreter"
+
+    def one_row_linears(self) -> list[tuple[str, GpuWeight, Array | None]]:
+        """(kernel, weight, bias) of every linear op, the kernel named as stored tunings name it
+        (``linear_silu_mul`` for a gate/up projection whose SiLU product its epilogue takes)."""
+        return [("linear_silu_mul" if id(op) in self._fuse.silu_after_linear else "linear", self._weights[id(op)],
+                 self._bias[id(op)]) for op in self.graph.ops if op.kind == "linear"]  # fmt: skip
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode steps, to be captured anew when next needed (after a change of
+        tunings or switches; never while a launched step is in flight)."""
+        self._graphs.clear()
+
+    def replay_ms(self, bucket: int, replays: int = 50) -> float | None:
+        """Milliseconds per replay of the captured decode step of ``bucket`` rows (the greedy one where
+        both are), ``replays`` back to back after one unclocked; None where none is captured. The
+        step's GPU time alone, without the host's share of a step."""
+        g = self._graphs.get((bucket, True)) or self._graphs.get((bucket, False))
+        if g is None:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.graph.replay()
+        start.record()
+        for _ in range(replays):
+            g.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / replays
+
     def use_tunings(self, autotune: dict[str, list[Any]]) -> str:
         """Take the artifact's stored launch configurations for this GPU's architecture; never tunes.
 
         Returns a line saying what was taken (the engine logs it)."""
-        if self.device.type != "cuda":
-            arch = "interpreter"
-        else:
-            major, minor = torch.cuda.get_device_capability(self.device)
-            arch = f"sm_{major}{minor}"
+        arch = self.arch
         entries = autotune.get(arch)
         if entries is None:
             stored = ", ".join(sorted(autotune)) or "none"

@@ -144,6 +144,7 @@ def main() -> None:
       mgx-run generate model.mgx --prompt "What is 2+2?" --chat --temperature 0
       mgx-run check model.mgx          # verify the file and replay its golden outputs
       mgx-run bench model.mgx --num-prompts 64 --prompt-len 16-128 --output-len 32 --shared-prefix 0.5
+      mgx-run tune model.mgx           # on the serving GPU: each projection's kernel by the decode step's time
 
     Unset sampling options use the defaults recorded in the artifact.
     """
@@ -250,6 +251,61 @@ def check(model: str, backend: str, threads: int | None) -> None:
         failed = sum(not c.ok for c in report.cases)
         _fail(f"{failed} of {len(report.cases)} golden cases differ (logit atol {report.logit_atol:g})")
     click.echo(f"all {len(report.cases)} golden cases match")
+
+
+@main.command()
+@click.argument("model", metavar="MODEL.mgx")
+@click.option(
+    "-o", "--out", type=click.Path(dir_okay=False), help="Write the tuned model here (default: over MODEL.mgx)."
+)
+@click.option(
+    "--prompt-len", type=click.IntRange(min=1), default=512, show_default=True, help="Context of the timed steps."
+)
+@click.option("--rounds", type=click.IntRange(1, 5), default=1, show_default=True, help="Passes over the shapes.")
+@click.option(
+    "--min-gain",
+    type=click.FloatRange(0, 0.5),
+    default=0.005,
+    show_default=True,
+    help="Shortest gain of the step (a fraction) for which a kernel replaces the stored one.",
+)
+@click.option("--dry-run", is_flag=True, help="Time and report the choices; write nothing.")
+@_user_errors
+def tune(model: str, out: str | None, prompt_len: int, rounds: int, min_gain: float, dry_run: bool) -> None:
+    """Choose each one-row projection's kernel by timing the whole decode step on this GPU, and store
+    the choices in the model (the runtime reads them; it never tunes at start-up)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from .engine import Engine
+    from .errors import EngineError
+    from .tune import decode_step_ms, tune_in_graph, write_tunings
+
+    path = _model_path(model)
+    try:
+        import torch
+    except ImportError:
+        _fail("tune times decode steps on a CUDA GPU through torch, which is not installed here")
+    if not torch.cuda.is_available():
+        _fail("tune times decode steps on a CUDA GPU, and torch sees none on this host")
+    engine = Engine(path, backend="cuda", config=_engine_config(None, max_num_seqs=1))
+    if prompt_len + 8 > engine.max_position:
+        raise EngineError(f"--prompt-len {prompt_len} and 8 decode steps exceed the model's {engine.max_position} positions")
+    click.echo(engine.tuning_note, err=True)
+    click.echo(engine.kernels_note, err=True)
+    vocab = engine.graph.arch.vocab_size
+    prompt = np.random.default_rng(0).integers(0, vocab, prompt_len).tolist()
+    report = tune_in_graph(engine, lambda: decode_step_ms(engine, prompt), rounds=rounds, min_gain=min_gain,
+                           progress=lambda line: click.echo(line, err=True))  # fmt: skip
+    for line in report.lines():
+        click.echo(line)
+    click.echo(report.summary())
+    if dry_run:
+        return
+    target = Path(out) if out else Path(path)
+    write_tunings(Path(path), target, report, {"prompt_len": prompt_len, "rounds": rounds, "min_gain": min_gain})
+    click.echo(f"wrote {target}")
 
 
 @main.command()

@@ -336,3 +336,48 @@ def test_gpu_overlapped_launches_give_the_same_tokens(
                 assert engine.kernels_note.endswith(", launched overlapped") is (switch == "1")
             results[switch] = [engine.greedy_with_logits(list(c.prompt_ids), 24) for c in built.golden.cases]
         assert results["1"] == results["0"]
+
+
+@pytest.mark.gpu
+def test_gpu_tune_times_the_decode_step_and_the_written_model_runs_its_choices(tmp_path: Path) -> None:
+    """``mgx.runtime.tune`` on a real GPU: a tiny W8A16 qwen3 with native code and stored tunings
+    for this GPU; every trial's step time is real (positive), the chosen kernels are the ones a new
+    engine on the written file takes, and ``mgx-run tune --dry-run`` runs the same from the CLI."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
+    from click.testing import CliRunner
+
+    from mgx.compiler.pipeline import compile_model
+    from mgx.compiler.spec import load_spec
+    from mgx.formats.artifact import load_artifact
+    from mgx.kernels.triton.tuning import shape_key
+    from mgx.runtime import Engine
+    from mgx.runtime.cli import main
+    from mgx.runtime.tune import PASS_NAME, TRITON, decode_step_ms, tune_in_graph, write_tunings
+
+    from _tiny_hf import build_model_dir, write_spec
+
+    folder = build_model_dir(tmp_path / "qwen3", "qwen3")
+    passes = ["fuse_qkv", "fuse_gate_up", "quantize_w8a16", "reorder_weights", "cuda_kernels", "autotune: {rows: [1]}"]
+    extra = "target: cuda\npasses:\n" + "".join(f"  - {p}\n" for p in passes)
+    spec = write_spec(folder, "qwen3", "bf16", ["Hello world"], 8, extra=extra)
+    path = tmp_path / "w8a16.mgx"
+    compile_model(load_spec(spec), path, None, Progress(enabled=False))
+    engine = Engine(path, backend="cuda")
+    prompt = list(range(3, 67))
+    report = tune_in_graph(engine, lambda: decode_step_ms(engine, prompt, replays=10))
+    assert report.trials and report.baseline_ms > 0 and 0 < report.final_ms <= report.baseline_ms
+    assert all(ms > 0 for t in report.trials for ms in t.ms.values())
+    out = tmp_path / "tuned.mgx"
+    write_tunings(path, out, report, {})
+    assert load_artifact(out).contents.passes[-1].name == PASS_NAME
+    tuned = Engine(out, backend="cuda")
+    backend, chosen = tuned.runner.backend, {(t.kernel, t.shape_key): t.chosen for t in report.trials}
+    for kernel, w, _ in backend.one_row_linears():
+        if (kernel, shape_key(w, 1)) in chosen:
+            native = backend.tunings.config(kernel, w, 1).native
+            assert (native or TRITON) == chosen[(kernel, shape_key(w, 1))]
+    assert len(tuned.greedy_with_logits(prompt, 4)[0]) == 4
+    result = CliRunner().invoke(main, ["tune", str(out), "--prompt-len", "64", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "batch-1 decode step" in result.output

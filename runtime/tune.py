@@ -1,0 +1,206 @@
+"""In-graph tuning (``mgx-run tune``): each one-row projection's kernel chosen by the time of the whole
+decode step on the GPU that will serve the model, the choices stored back into the artifact.
+
+The autotune pass (``mgxc compile``) times every candidate kernel of a shape on its own: launches of
+the same kernel back to back. Inside the decode step a kernel starts while the one before it
+finishes (overlapped launches) and hands over to a different one, and that ranks the candidates
+otherwise. On the H200 (nineteenth session, the 8B W8A16 model, its batch-1 step 2.75 ms): the down
+projection on kind ``imma_w16`` took the step to 2.575 ms against 2.750 on autotune's ``imma``, and
+gate/up on ``imma`` to 2.641 against 2.749 on autotune's ``imma_persistent_w4``.
+
+So this takes the artifact's stored tunings for the GPU's architecture and, shape by shape (one
+coordinate at a time, ``rounds`` passes over them), tries every kernel that can run the shape at
+one row -- the native GEMV kinds the artifact's code holds, and the stored Triton configuration --
+in the real step: the engine's batch-1 decode graph, captured anew for each trial and timed over
+``replays`` replays. A candidate replaces the current choice only when it makes the step at least
+``min_gain`` shorter (replays of one graph spread by about 0.5%). Nothing here tunes at start-up:
+the runtime reads what this wrote, as it reads autotune's entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EngineError
+
+__all__ = ["TRITON", "Trial", "TuneReport", "decode_step_ms", "tune_in_graph", "write_tunings"]
+
+TRITON = "triton"  # the stored Triton configuration, as reports name it (a native kind of "")
+PASS_NAME = "tune_in_graph"  # its record in the artifact's pass log
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """One shape's candidates and the step time each gave (ms); ``chosen`` was kept."""
+
+    kernel: str
+    shape_key: str
+    before: str
+    chosen: str
+    ms: dict[str, float]
+
+
+@dataclass(slots=True)
+class TuneReport:
+    arch: str
+    baseline_ms: float  # the step with the stored choices
+    final_ms: float  # with the chosen ones (the last measurement that kept them)
+    trials: list[Trial] = field(default_factory=list)
+    entries: list[Any] = field(default_factory=list)  # the architecture's entries, tuned
+
+    @property
+    def changed(self) -> list[Trial]:
+        return [t for t in self.trials if t.chosen != t.before]
+
+    def summary(self) -> str:
+        moved = ", ".join(f"{t.kernel} {_short(t.shape_key)} {t.before} -> {t.chosen}" for t in self.changed)
+        return (f"{self.arch}: batch-1 decode step {self.baseline_ms:.3f} -> {self.final_ms:.3f} ms over "
+                f"{sum(len(t.ms) for t in self.trials)} trials; " + (f"changed {moved}" if moved else "no change"))  # fmt: skip
+
+    def lines(self) -> list[str]:
+        """One line per shape: each candidate's step time, the chosen one marked."""
+        out = []
+        for t in self.trials:
+            ranked = sorted(t.ms.items(), key=lambda kv: kv[1])
+            cells = " ".join(f"{k}{'*' if k == t.chosen else ''} {ms:.3f}" for k, ms in ranked)
+            out.append(f"{t.kernel} {_short(t.shape_key)} (was {t.before}): {cells}")
+        return out
+
+
+def _short(shape_key: str) -> str:
+    """``scheme=int4,...,N=4096,K=4096,M=1`` -> ``int4 4096x4096``."""
+    parts = dict(p.split("=", 1) for p in shape_key.split(",") if "=" in p)
+    return f"{parts.get('scheme', '?')} {parts.get('N', '?')}x{parts.get('K', '?')}"
+
+
+def _kind(entry: Any) -> str:
+    return entry.config.get("native") or TRITON
+
+
+def _with_kind(entry: Any, kind: str) -> Any:
+    return dataclasses.replace(entry, config={**entry.config, "native": "" if kind == TRITON else kind})
+
+
+def candidates(backend: Any, entries: list[Any]) -> dict[int, list[str]]:
+    """Index of each one-row linear entry that some op of the model runs -> the kernels that can run
+    it: ``triton`` and every native kind that applies to its weight with the loaded code."""
+    import torch
+
+    from mgx.kernels.cuda.gemv import KINDS, gemv_applies
+    from mgx.kernels.triton.tuning import shape_key
+
+    by_key: dict[tuple[str, str], tuple[Any, Any]] = {}
+    for kernel, w, bias in backend.one_row_linears():
+        by_key.setdefault((kernel, shape_key(w, 1)), (w, bias))
+    found: dict[int, list[str]] = {}
+    for i, e in enumerate(entries):
+        if (e.kernel, e.shape_key) not in by_key:
+            continue
+        w, bias = by_key[(e.kernel, e.shape_key)]
+        x = torch.empty(1, w.k, dtype=backend.dtype, device=backend.device)
+        kinds = [k for k in KINDS if gemv_applies(backend.cuda_kernels, x, w, bias, kind=k)]
+        if kinds:  # else nothing to choose
+            found[i] = [TRITON, *kinds]
+    return found
+
+
+def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1, min_gain: float = 0.005,
+                  progress: Callable[[str], None] | None = None) -> TuneReport:  # fmt: skip
+    """Choose the kernel of each one-row linear shape of ``engine``'s model by ``measure()`` (ms of
+    the decode step as the backend runs it after a change: ``decode_step_ms`` on a GPU); see the
+    module docstring. The backend keeps the chosen tunings; the report holds them for writing."""
+    if rounds < 1 or not 0 <= min_gain < 1:
+        raise EngineError(f"tune: rounds must be >= 1 and min_gain in [0, 1), got {rounds} and {min_gain}")
+    backend = engine.runner.backend
+    if not hasattr(backend, "one_row_linears"):
+        raise EngineError(f"tune: the {backend.name!r} backend has no tunable kernels (use backend 'cuda')")
+    from mgx.kernels.triton.tuning import Tunings
+
+    arch = backend.arch
+    stored = engine.contents.autotune.get(arch)
+    if not stored:
+        have = ", ".join(sorted(engine.contents.autotune)) or "none"
+        raise EngineError(f"tune: the artifact holds no tunings for {arch} (it has: {have}); compile it with "
+                          "the autotune pass on this kind of GPU first")  # fmt: skip
+    entries = list(stored)
+    slots = candidates(backend, entries)
+    if not slots:
+        raise EngineError(f"tune: no one-row projection of this model has a native kernel to choose on {arch} "
+                          "(the artifact holds no native code for it, or none applies)")  # fmt: skip
+
+    def use() -> None:
+        backend.tunings = Tunings(entries)
+        backend.drop_graphs()
+
+    use()
+    baseline = best = measure()
+    report = TuneReport(arch, baseline, baseline)
+    say = progress or (lambda _line: None)
+    say(f"stored choices: {baseline:.3f} ms a step")
+    for _ in range(rounds):
+        trials = []
+        for i, kinds in slots.items():
+            before = _kind(entries[i])
+            times = {before: best}
+            for kind in kinds:
+                if kind in times:
+                    continue
+                entries[i] = _with_kind(entries[i], kind)
+                use()
+                times[kind] = measure()
+            winner = min(times, key=times.__getitem__)
+            if winner != before and times[winner] < best * (1 - min_gain):
+                best = times[winner]
+            else:
+                winner = before
+            entries[i] = _with_kind(entries[i], winner)
+            trials.append(Trial(entries[i].kernel, entries[i].shape_key, before, winner, times))
+            say(trials[-1].kernel + " " + _short(trials[-1].shape_key) + f": {winner} ({times[winner]:.3f} ms)")
+        report.trials = trials
+        if not any(t.chosen != t.before for t in trials):
+            break
+    use()
+    report.final_ms, report.entries = best, entries
+    report.trials = _since_stored(report.trials, stored, entries)
+    return report
+
+
+def _since_stored(trials: list[Trial], stored: list[Any], entries: list[Any]) -> list[Trial]:
+    """The last round's trials with ``before`` as stored in the artifact (several rounds)."""
+    was = {(e.kernel, e.shape_key): _kind(e) for e in stored}
+    return [dataclasses.replace(t, before=was.get((t.kernel, t.shape_key), t.before)) for t in trials]
+
+
+def decode_step_ms(engine: Any, prompt: list[int], *, steps: int = 8, replays: int = 50, repeats: int = 3) -> float:
+    """The batch-1 greedy decode step's GPU time (ms; median of ``repeats`` timings of ``replays``
+    replays): one request of ``prompt`` decodes ``steps`` tokens, which captures the step's graph."""
+    from .sampler import SamplingParams
+
+    backend = engine.runner.backend
+    engine.add_request(list(prompt), SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    times = sorted(t for t in (backend.replay_ms(1, replays) for _ in range(repeats)) if t is not None)
+    if not times:
+        raise EngineError("tune: no batch-1 decode graph was captured (the CUDA backend needs graphs on: MGX_CUDA_GRAPHS=1)")
+    return times[len(times) // 2]
+
+
+def write_tunings(source: Path, out: Path, report: TuneReport, options: dict[str, Any]) -> None:
+    """``source`` again at ``out`` (which may be ``source``: written aside, then renamed over it) with
+    ``report``'s entries for its architecture, and a record of this tuning in the pass log."""
+    from mgx.formats.artifact import PassRecord, load_artifact, write_artifact
+
+    loaded = load_artifact(source)
+    try:
+        contents = loaded.contents
+        passes = [*contents.passes, PassRecord(PASS_NAME, dict(options), report.summary())]
+        tuned = dataclasses.replace(contents, autotune={**contents.autotune, report.arch: list(report.entries)},
+                                    passes=passes)  # fmt: skip
+        write_artifact(out, tuned)
+    finally:
+        loaded.close()

@@ -1,0 +1,173 @@
+"""In-graph tuning (``mgx-run tune``, ``mgx.runtime.tune``) without a GPU.
+
+The GPU-only pieces are replaced: the step timer (a fake that prices the kernels the backend would
+launch, so the best choice is known), the native GEMV (the reference product) and the test of which
+native kinds apply. Everything else is real: the stored autotune entries, the CUDA backend (under
+TRITON_INTERPRET=1) that takes each new choice, the artifact written back and read by a new engine,
+whose greedy tokens must stay the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mgx.formats.artifact import load_artifact, write_artifact
+from mgx.passes import PASSES, PassContext
+from mgx.passes import autotune as autotune_pass
+from mgx.runtime import Engine, backend_cuda
+from mgx.runtime.backend_cuda import CUDABackend
+from mgx.runtime.errors import EngineError
+from mgx.runtime.tune import PASS_NAME, tune_in_graph, write_tunings
+
+from _tiny_graph import tiny_contents
+
+NATIVE = ("gemv", "imma")  # the kinds that "apply" here
+# ms of one projection on each kernel: gate/up (the SiLU product) fastest on imma, the rest on gemv
+COST = {"linear_silu_mul": {"triton": 3.0, "gemv": 2.0, "imma": 1.0}, "linear": {"triton": 2.0, "gemv": 1.0, "imma": 1.5}}
+
+
+@pytest.fixture
+def tuned_artifact(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """A tiny W8A16 model whose stored tunings (for the interpreter) chose Triton everywhere."""
+    import torch
+
+    monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, repeats, weights=None: 1.0)
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: None)
+    contents = tiny_contents()
+    for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
+        PASSES[name](contents.graph, {}, PassContext(target="cuda"))
+    result = PASSES["autotune"](contents.graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    contents.autotune = result.stats["autotune"]
+    path = tmp_path / "tiny.mgx"
+    write_artifact(path, contents)
+    return path
+
+
+KERNELS = object()  # the "loaded native code"
+LAUNCHED: list[str] = []  # the native kinds the stand-in GEMV ran
+
+
+@pytest.fixture
+def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
+    """Native kinds ``NATIVE`` apply to one row; the native GEMV is the reference product."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+
+    def applies(kernels, x, w, bias=None, *, kind="gemv", norm=None):  # noqa: ANN001, ANN202
+        return kernels is KERNELS and x.shape[0] == 1 and kind in NATIVE and norm is None
+
+    def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv", norm=None):  # noqa: ANN001, ANN202
+        LAUNCHED.append(kind)
+        return (linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias).to(x.dtype)
+
+    monkeypatch.setattr(cg, "gemv_applies", applies)
+    monkeypatch.setattr(backend_cuda, "gemv_applies", applies)
+    monkeypatch.setattr(backend_cuda, "gemv", gemv)
+    LAUNCHED.clear()
+
+
+def engine_on_cpu(path) -> Engine:  # noqa: ANN001
+    loaded = load_artifact(path)
+    backend = CUDABackend(loaded.contents.graph, device="cpu", dtype="f32")
+    engine = Engine(loaded, backend=backend)
+    backend.cuda_kernels = KERNELS
+    return engine
+
+
+def step_price(engine: Engine) -> float:
+    """The fake step time: each one-row projection priced by the kernel the backend's tunings give it."""
+    backend = engine.runner.backend
+    total = 0.0
+    for kernel, w, _ in backend.one_row_linears():
+        config = backend.tunings.config(kernel, w, 1)
+        total += COST[kernel][(config.native if config is not None else "") or "triton"]
+    return total
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    return engine.greedy_with_logits(prompt, n)[0]
+
+
+@pytest.mark.interpreted
+def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_model_runs_it(
+    tuned_artifact, native_stand_in, tmp_path
+) -> None:  # noqa: ANN001
+    engine = engine_on_cpu(tuned_artifact)
+    prompt = [5, 6, 7, 8, 9]
+    before = greedy(engine, prompt, 4)
+    assert not LAUNCHED  # stored: Triton
+    priced: list[float] = []
+    report = tune_in_graph(engine, lambda: priced.append(step_price(engine)) or priced[-1])
+    layers = sum(op.kind == "attention" for op in engine.graph.ops)
+    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer); chosen: imma for gate/up, gemv for the rest.
+    assert report.baseline_ms == pytest.approx(layers * 9.0)
+    assert report.final_ms == pytest.approx(layers * 4.0)
+    chosen = {(t.kernel, t.chosen) for t in report.trials}
+    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv")}
+    assert all(t.before == "triton" and set(t.ms) == {"triton", *NATIVE} for t in report.trials)
+    assert "changed" in report.summary() and len(report.lines()) == len(report.trials)
+    assert step_price(engine) == pytest.approx(report.final_ms)  # the backend keeps the choices
+    assert greedy(engine, prompt, 4) == before
+
+    out = tmp_path / "tuned.mgx"
+    write_tunings(tuned_artifact, out, report, {"prompt_len": 5})
+    again = engine_on_cpu(out)
+    assert step_price(again) == pytest.approx(report.final_ms)
+    assert again.contents.passes[-1].name == PASS_NAME and again.contents.passes[-1].summary == report.summary()
+    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"])
+    # The other entries (several rows, the LM head) are as stored.
+    many = [e for e in again.contents.autotune["interpreter"] if not e.shape_key.endswith(",M=1") or "lm_head" in e.kernel]
+    stored = {(e.kernel, e.shape_key): e.config for e in engine.contents.autotune["interpreter"]}
+    assert many and all(stored[(e.kernel, e.shape_key)] == e.config for e in many)
+    LAUNCHED.clear()
+    assert greedy(again, prompt, 4) == before
+    assert set(LAUNCHED) == {"imma", "gemv"}  # the decode rows ran the chosen native kernels
+    ref = Engine(load_artifact(out), backend="reference")
+    assert greedy(ref, prompt, 4) == before
+
+
+@pytest.mark.interpreted
+def test_tune_keeps_the_stored_kernel_unless_the_step_gains_min_gain(tuned_artifact, native_stand_in) -> None:  # noqa: ANN001
+    """A candidate only 0.1% faster (below min_gain's 0.5%) leaves the stored choice; written over
+    the source in place, the file is whole and records the tuning."""
+    engine = engine_on_cpu(tuned_artifact)
+    base = step_price(engine)
+    report = tune_in_graph(engine, lambda: base * (0.999 if step_price(engine) < base else 1.0))
+    assert not report.changed and "no change" in report.summary()
+    assert report.final_ms == report.baseline_ms == base
+    write_tunings(tuned_artifact, tuned_artifact, report, {})
+    assert load_artifact(tuned_artifact).contents.passes[-1].name == PASS_NAME
+
+
+@pytest.mark.interpreted
+def test_tune_says_what_is_missing(tuned_artifact, native_stand_in, tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(EngineError, match="backend 'cuda'"):
+        tune_in_graph(Engine(load_artifact(tuned_artifact), backend="reference"), lambda: 1.0)
+    loaded = load_artifact(tuned_artifact)
+    contents = loaded.contents
+    contents.autotune = {"sm_90": contents.autotune["interpreter"]}
+    bare = tmp_path / "other-gpu.mgx"
+    write_artifact(bare, contents)
+    with pytest.raises(EngineError, match=r"no tunings for interpreter \(it has: sm_90\).*autotune"):
+        tune_in_graph(engine_on_cpu(bare), lambda: 1.0)
+    engine = engine_on_cpu(tuned_artifact)
+    engine.runner.backend.cuda_kernels = None  # no native code: nothing to choose
+    with pytest.raises(EngineError, match="no one-row projection"):
+        tune_in_graph(engine, lambda: 1.0)
+    with pytest.raises(EngineError, match="rounds"):
+        tune_in_graph(engine, lambda: 1.0, rounds=0)
+
+
+def test_tune_command_needs_a_gpu(tuned_artifact) -> None:  # noqa: ANN001
+    import torch
+    from click.testing import CliRunner
+
+    from mgx.runtime.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    result = CliRunner().invoke(main, ["tune", str(tuned_artifact)])
+    assert result.exit_code == 1 and "CUDA GPU" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["tune", str(tuned_artifact) + ".missing"])
+    assert result.exit_code == 1 and "no such model file" in result.output
