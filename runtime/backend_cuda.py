@@ -347,8 +347,11 @@ class CUDABackend(Backend):
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
         # Decode attention over 32-token tiles instead of 64 (so up to twice the splits): the kernel
-        # bench's best at a 640-token context on the H200, but no gain in the 8B graph and 1% slower
-        # in all three 1B ones (README), so off.
+        # bench's best at a 640-token context on the H200, but no gain in the 8B bf16 graph and 1%
+        # slower in all three 1B ones (README), so off by default; in the 8B W8A16 graph it took 0.04-0.14
+        # ms off a 2.7-2.8 ms step in three measurements (nineteenth session). A stored tuning (``mgx-run tune``) sets it where
+        # MGX_CUDA_DECODE_NARROW does not (use_tunings).
+        self.decode_tiles_pinned = os.environ.get("MGX_CUDA_DECODE_NARROW", "") in ("0", "1")
         self.narrow_decode_tiles = os.environ.get("MGX_CUDA_DECODE_NARROW", "0") == "1"
         # Decode attention cut into pieces of one tile each (up to twice the splits, one pass of the
         # tile loop per program) instead of two (MGX_CUDA_DECODE_ONE_TILE=0).
@@ -513,7 +516,12 @@ class CUDABackend(Backend):
         if entries is None:
             stored = ", ".join(sorted(autotune)) or "none"
             return f"no stored tunings for {arch} (stored: {stored}); default launch configurations"
-        self.tunings = Tunings(entries)
+        try:
+            self.tunings = Tunings(entries)
+        except ValueError as e:
+            raise UnsupportedModelError(f"the artifact's stored tunings for {arch}: {e}") from None
+        if self.tunings.decode_block_n is not None and not self.decode_tiles_pinned:
+            self.narrow_decode_tiles = self.tunings.decode_block_n == 32
         return f"{len(self.tunings)} stored launch configurations for {arch}"
 
     def use_cuda_kernels(self, images: dict[str, bytes]) -> str:

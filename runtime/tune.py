@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mgx.formats.artifact import AutotuneEntry
+from mgx.kernels.triton.tuning import DECODE_ATTENTION, DECODE_BLOCK_NS, Tunings
+
 from .errors import EngineError
 
 __all__ = ["TRITON", "Trial", "TuneReport", "decode_step_ms", "tune_in_graph", "write_tunings"]
@@ -72,7 +75,9 @@ class TuneReport:
 
 
 def _short(shape_key: str) -> str:
-    """``scheme=int4,...,N=4096,K=4096,M=1`` -> ``int4 4096x4096``."""
+    """``scheme=int4,...,N=4096,K=4096,M=1`` -> ``int4 4096x4096`` (other keys as they are)."""
+    if "scheme=" not in shape_key:
+        return shape_key
     parts = dict(p.split("=", 1) for p in shape_key.split(",") if "=" in p)
     return f"{parts.get('scheme', '?')} {parts.get('N', '?')}x{parts.get('K', '?')}"
 
@@ -118,8 +123,6 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
     backend = engine.runner.backend
     if not hasattr(backend, "one_row_linears"):
         raise EngineError(f"tune: the {backend.name!r} backend has no tunable kernels (use backend 'cuda')")
-    from mgx.kernels.triton.tuning import Tunings
-
     arch = backend.arch
     stored = engine.contents.autotune.get(arch)
     if not stored:
@@ -160,6 +163,11 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
             entries[i] = _with_kind(entries[i], winner)
             trials.append(Trial(entries[i].kernel, entries[i].shape_key, before, winner, times))
             say(trials[-1].kernel + " " + _short(trials[-1].shape_key) + f": {winner} ({times[winner]:.3f} ms)")
+        if not getattr(backend, "decode_tiles_pinned", True):
+            trials.append(tile := _tile_trial(backend, measure, best, min_gain))
+            best = tile.ms[tile.chosen]
+            entries = [e for e in entries if e.kernel != DECODE_ATTENTION]
+            entries.append(AutotuneEntry(DECODE_ATTENTION, "M=1", {"block_n": int(tile.chosen)}))
         report.trials = trials
         if not any(t.chosen != t.before for t in trials):
             break
@@ -169,9 +177,28 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
     return report
 
 
+def _tile_trial(backend: Any, measure: Callable[[], float], best: float, min_gain: float) -> Trial:
+    """The decode attention's tile width (``DECODE_BLOCK_NS``) by the step's time, as the linear
+    kernels: the other width replaces the current one only for ``min_gain``."""
+    before = "32" if backend.narrow_decode_tiles else "64"
+    times = {before: best}
+    for width in DECODE_BLOCK_NS:
+        if str(width) not in times:
+            backend.narrow_decode_tiles = width == 32
+            backend.drop_graphs()
+            times[str(width)] = measure()
+    winner = min(times, key=times.__getitem__)
+    if not times[winner] < best * (1 - min_gain):
+        winner = before
+    backend.narrow_decode_tiles = winner == "32"
+    backend.drop_graphs()
+    return Trial(DECODE_ATTENTION, "M=1", before, winner, times)
+
+
 def _since_stored(trials: list[Trial], stored: list[Any], entries: list[Any]) -> list[Trial]:
     """The last round's trials with ``before`` as stored in the artifact (several rounds)."""
-    was = {(e.kernel, e.shape_key): _kind(e) for e in stored}
+    was = {(e.kernel, e.shape_key): str(e.config.get("block_n")) if e.kernel == DECODE_ATTENTION else _kind(e)
+           for e in stored}  # fmt: skip
     return [dataclasses.replace(t, before=was.get((t.kernel, t.shape_key), t.before)) for t in trials]
 
 

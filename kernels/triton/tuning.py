@@ -5,6 +5,9 @@ signature (scheme, layout, int4 group, N, K) and the number of activation rows M
 step with M rows takes the entry tuned for the smallest tuned M >= M (the largest one beyond them);
 a shape that was never tuned gets the kernel's default configuration, and a one-row (GEMV) entry never
 serves several rows nor the reverse.
+
+One entry of another kind: ``decode_attention`` (shape key ``M=1``, config ``{"block_n": 32 or 64}``),
+the decode attention's tile width that ``mgx-run tune`` chose by the time of the whole decode step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from .linear import (
     swap_applies,
 )
 
-__all__ = ["Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "Tunings", "weight_signature", "shape_key", "candidates"]
+
+DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
+DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
 
 
 def weight_signature(w: GpuWeight) -> str:
@@ -56,8 +62,15 @@ class Tunings:
 
     def __init__(self, entries: Iterable[Any] = ()) -> None:  # AutotuneEntry-like: kernel, shape_key, config
         self._by: dict[tuple[str, str], tuple[list[int], list[LinearConfig]]] = {}
+        self.decode_block_n: int | None = None  # the decode attention's tile width, where one is stored
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
         for e in entries:
+            if e.kernel == DECODE_ATTENTION:
+                block_n = e.config.get("block_n")
+                if block_n not in DECODE_BLOCK_NS:
+                    raise ValueError(f"autotune entry {e.kernel!r}: block_n {block_n!r} is not one of {DECODE_BLOCK_NS}")
+                self.decode_block_n = block_n
+                continue
             signature, _, m = e.shape_key.rpartition(",M=")
             if not signature or not m.isdigit():
                 raise ValueError(f"autotune entry {e.kernel!r}: shape key {e.shape_key!r} has no M")
@@ -67,7 +80,7 @@ class Tunings:
             self._by[key] = (ms, [by_m[m] for m in ms])
 
     def __len__(self) -> int:
-        return sum(len(ms) for ms, _ in self._by.values())
+        return sum(len(ms) for ms, _ in self._by.values()) + (self.decode_block_n is not None)
 
     def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:
         """The stored configuration for ``kernel`` on ``w`` at ``m`` rows, or None (use the default)."""

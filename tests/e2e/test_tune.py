@@ -76,9 +76,11 @@ def engine_on_cpu(path) -> Engine:  # noqa: ANN001
 
 
 def step_price(engine: Engine) -> float:
-    """The fake step time: each one-row projection priced by the kernel the backend's tunings give it."""
+    """The fake step time: each one-row projection priced by the kernel the backend's tunings give it,
+    and each layer's decode attention by its tile width (32 cheaper)."""
     backend = engine.runner.backend
-    total = 0.0
+    layers = sum(op.kind == "attention" for op in engine.graph.ops)
+    total = layers * (0.5 if backend.narrow_decode_tiles else 1.0)
     for kernel, w, _ in backend.one_row_linears():
         config = backend.tunings.config(kernel, w, 1)
         total += COST[kernel][(config.native if config is not None else "") or "triton"]
@@ -100,12 +102,15 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     priced: list[float] = []
     report = tune_in_graph(engine, lambda: priced.append(step_price(engine)) or priced[-1])
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer); chosen: imma for gate/up, gemv for the rest.
-    assert report.baseline_ms == pytest.approx(layers * 9.0)
-    assert report.final_ms == pytest.approx(layers * 4.0)
+    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer) and 64-token tiles (1); chosen: imma for
+    # gate/up, gemv for the rest, 32-token tiles.
+    assert report.baseline_ms == pytest.approx(layers * 10.0)
+    assert report.final_ms == pytest.approx(layers * 4.5)
     chosen = {(t.kernel, t.chosen) for t in report.trials}
-    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv")}
-    assert all(t.before == "triton" and set(t.ms) == {"triton", *NATIVE} for t in report.trials)
+    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv"), ("decode_attention", "32")}
+    linears = [t for t in report.trials if t.kernel != "decode_attention"]
+    assert all(t.before == "triton" and set(t.ms) == {"triton", *NATIVE} for t in linears)
+    assert engine.runner.backend.narrow_decode_tiles
     assert "changed" in report.summary() and len(report.lines()) == len(report.trials)
     assert step_price(engine) == pytest.approx(report.final_ms)  # the backend keeps the choices
     assert greedy(engine, prompt, 4) == before
@@ -113,11 +118,12 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     out = tmp_path / "tuned.mgx"
     write_tunings(tuned_artifact, out, report, {"prompt_len": 5})
     again = engine_on_cpu(out)
-    assert step_price(again) == pytest.approx(report.final_ms)
+    assert step_price(again) == pytest.approx(report.final_ms)  # the tiles too
     assert again.contents.passes[-1].name == PASS_NAME and again.contents.passes[-1].summary == report.summary()
-    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"])
+    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"]) + 1
     # The other entries (several rows, the LM head) are as stored.
-    many = [e for e in again.contents.autotune["interpreter"] if not e.shape_key.endswith(",M=1") or "lm_head" in e.kernel]
+    many = [e for e in again.contents.autotune["interpreter"]
+            if e.kernel != "decode_attention" and (not e.shape_key.endswith(",M=1") or "lm_head" in e.kernel)]  # fmt: skip
     stored = {(e.kernel, e.shape_key): e.config for e in engine.contents.autotune["interpreter"]}
     assert many and all(stored[(e.kernel, e.shape_key)] == e.config for e in many)
     LAUNCHED.clear()
@@ -125,6 +131,23 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     assert set(LAUNCHED) == {"imma", "gemv"}  # the decode rows ran the chosen native kernels
     ref = Engine(load_artifact(out), backend="reference")
     assert greedy(ref, prompt, 4) == before
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("pinned", ["0", "1"])
+def test_the_environment_pins_the_decode_tiles_over_a_stored_tuning(tuned_artifact, native_stand_in, monkeypatch,
+                                                                    pinned: str) -> None:  # noqa: ANN001
+    """MGX_CUDA_DECODE_NARROW set: the backend keeps it whatever the artifact stores, and tune leaves
+    the tiles alone; unset, the stored width holds."""
+    engine = engine_on_cpu(tuned_artifact)
+    report = tune_in_graph(engine, lambda: step_price(engine))
+    write_tunings(tuned_artifact, tuned_artifact, report, {})
+    assert engine_on_cpu(tuned_artifact).runner.backend.narrow_decode_tiles  # stored: 32
+    monkeypatch.setenv("MGX_CUDA_DECODE_NARROW", pinned)
+    engine = engine_on_cpu(tuned_artifact)
+    assert engine.runner.backend.narrow_decode_tiles == (pinned == "1")
+    report = tune_in_graph(engine, lambda: step_price(engine))
+    assert all(t.kernel != "decode_attention" for t in report.trials)
 
 
 @pytest.mark.interpreted
@@ -171,3 +194,19 @@ def test_tune_command_needs_a_gpu(tuned_artifact) -> None:  # noqa: ANN001
     assert result.exit_code == 1 and "CUDA GPU" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(main, ["tune", str(tuned_artifact) + ".missing"])
     assert result.exit_code == 1 and "no such model file" in result.output
+
+
+@pytest.mark.interpreted
+def test_a_stored_decode_tile_width_is_checked(tuned_artifact, tmp_path) -> None:  # noqa: ANN001
+    """The decode attention entry holds one of the widths the kernel takes; another is a clear error
+    naming it when an engine opens the file."""
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.tuning import Tunings
+
+    assert Tunings([AutotuneEntry("decode_attention", "M=1", {"block_n": 32})]).decode_block_n == 32
+    contents = load_artifact(tuned_artifact).contents
+    contents.autotune = {"interpreter": [*contents.autotune["interpreter"], AutotuneEntry("decode_attention", "M=1", {"block_n": 48})]}
+    bad = tmp_path / "bad.mgx"
+    write_artifact(bad, contents)
+    with pytest.raises(EngineError, match=r"stored tunings for interpreter: .*block_n 48 is not one of \(32, 64\)"):
+        engine_on_cpu(bad)
