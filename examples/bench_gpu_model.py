@@ -19,7 +19,8 @@ written as a ``.mgx`` file and loaded by ``Engine(path, backend="cuda")``. Measu
 choices (its time is reported); ``--cold-start`` then times ``mgx-run generate`` from process start to
 its first token, for the first scheme with and without the stored tunings, each with Triton's kernel
 cache cold and warm. Each batch-1 row also reports the GPU time of one replayed decode graph, which
-separates the GPU's share of a step from the host's.
+separates the GPU's share of a step from the host's. ``--tune`` runs ``mgx-run tune``'s in-graph
+tuning on each engine before it is measured (its choices and time in the row).
 
 The same model in transformers runs eager and with a static cache under ``torch.compile``
 (``--hf eager,compile``) on the same prompts. ``--smoke`` runs a tiny shape on the CPU under
@@ -254,6 +255,20 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         log(f"  warm-up at batch {b}")
         run_steps(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)], args.batch_new)
     run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], 4)
+    if args.tune and DEVICE == "cuda":  # mgx-run tune on this engine: what runs below is its choice
+        from mgx.runtime.tune import decode_step_ms, tune_in_graph
+
+        t0 = time.perf_counter()
+        prompt = rng.integers(3, vocab_hi, args.prompt).tolist()
+        try:
+            report = tune_in_graph(engine, lambda e=engine: decode_step_ms(e, prompt), progress=log)
+        except Exception as e:  # noqa: BLE001 - e.g. no native kind applies: measure as stored
+            log(f"  tune: {type(e).__name__}: {e}")
+            row["tune"] = f"{type(e).__name__}: {e}"
+        else:
+            row["tune"], row["tune_trials"] = report.summary(), report.lines()
+            row["tune_s"] = time.perf_counter() - t0
+            log(f"  tune {row['tune_s']:.1f}s: {report.summary()}")
     per_token = weight_bytes_per_token(engine)
     _, dt, n = run_steps(engine, [rng.integers(3, vocab_hi, args.prompt).tolist()], args.new)
     row["decode_b1_tok_s"] = n / dt
@@ -553,6 +568,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--kv-memory", default="16GiB")
     parser.add_argument("--autotune", default="", help="row counts to tune for, e.g. 1,32,64,128,2048 ('' none)")
+    parser.add_argument("--tune", action="store_true", help="mgx-run tune's in-graph choices before measuring")
     parser.add_argument("--cold-start", action="store_true", help="also time process start to first token")
     parser.add_argument("--profile", type=int, default=0, help="profile 5 decode steps at this batch (0: no)")
     parser.add_argument("--profile-prefill", action="store_true", help="profile one prefill step (kernel table)")

@@ -13,6 +13,7 @@
 #   dequantize + cuBLAS, attention, LM head, RMSNorm).
 # - model-1b / model-8b: bench_gpu_model.py with bf16, W8A16 and INT4 (SCHEMES) against transformers;
 #   the 8B shape needs about 75 s to trace and minutes per quantized scheme: one scheme per lease call.
+#   TUNE=1 adds --tune (mgx-run tune's in-graph choices before each scheme is measured).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -42,7 +43,7 @@ for part in "${parts[@]}"; do
     model-1b | model-8b)
       shape=llama-${part#model-}
       timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape "$shape" --schemes "${SCHEMES:-bf16,w8a16,int4}" \
-        --autotune 1 --hf eager,compile --profile-prefill --json "$out/$part.json" > "$out/$part.log" 2>&1
+        --autotune 1 --hf eager,compile --profile-prefill ${TUNE:+--tune} --json "$out/$part.json" > "$out/$part.log" 2>&1
       echo "$part: rc=$?"
       grep -E '^\{' "$out/$part.log" | cut -c1-600
       ;;

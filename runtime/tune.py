@@ -54,6 +54,7 @@ class TuneReport:
     final_ms: float  # with the chosen ones (the last measurement that kept them)
     trials: list[Trial] = field(default_factory=list)
     entries: list[Any] = field(default_factory=list)  # the architecture's entries, tuned
+    rejected: list[str] = field(default_factory=list)  # native kinds whose results were wrong, never tried
 
     @property
     def changed(self) -> list[Trial]:
@@ -61,8 +62,10 @@ class TuneReport:
 
     def summary(self) -> str:
         moved = ", ".join(f"{t.kernel} {_short(t.shape_key)} {t.before} -> {t.chosen}" for t in self.changed)
+        wrong = f"; rejected (wrong results): {', '.join(self.rejected)}" if self.rejected else ""
         return (f"{self.arch}: batch-1 decode step {self.baseline_ms:.3f} -> {self.final_ms:.3f} ms over "
-                f"{sum(len(t.ms) for t in self.trials)} trials; " + (f"changed {moved}" if moved else "no change"))  # fmt: skip
+                f"{sum(len(t.ms) for t in self.trials)} trials; " + (f"changed {moved}" if moved else "no change")
+                + wrong)  # fmt: skip
 
     def lines(self) -> list[str]:
         """One line per shape: each candidate's step time, the chosen one marked."""
@@ -90,26 +93,46 @@ def _with_kind(entry: Any, kind: str) -> Any:
     return dataclasses.replace(entry, config={**entry.config, "native": "" if kind == TRITON else kind})
 
 
-def candidates(backend: Any, entries: list[Any]) -> dict[int, list[str]]:
+NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native kind may show against the Triton kernel
+
+
+def candidates(backend: Any, entries: list[Any], rejected: list[str] | None = None) -> dict[int, list[str]]:
     """Index of each one-row linear entry that some op of the model runs -> the kernels that can run
-    it: ``triton`` and every native kind that applies to its weight with the loaded code."""
+    it: ``triton`` and every native kind that applies to its weight with the loaded code and gives
+    the Triton kernel's result on a random row (as the autotune pass checks; the others go to
+    ``rejected``, named with their error)."""
     import torch
 
-    from mgx.kernels.cuda.gemv import KINDS, gemv_applies
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton import linear as tl
     from mgx.kernels.triton.tuning import shape_key
 
     by_key: dict[tuple[str, str], tuple[Any, Any]] = {}
     for kernel, w, bias in backend.one_row_linears():
         by_key.setdefault((kernel, shape_key(w, 1)), (w, bias))
     found: dict[int, list[str]] = {}
+    generator = torch.Generator(device=backend.device).manual_seed(0)
     for i, e in enumerate(entries):
         if (e.kernel, e.shape_key) not in by_key:
             continue
         w, bias = by_key[(e.kernel, e.shape_key)]
-        x = torch.empty(1, w.k, dtype=backend.dtype, device=backend.device)
-        kinds = [k for k in KINDS if gemv_applies(backend.cuda_kernels, x, w, bias, kind=k)]
-        if kinds:  # else nothing to choose
-            found[i] = [TRITON, *kinds]
+        x = torch.randn(1, w.k, generator=generator, device=backend.device).to(backend.dtype)
+        kinds = [k for k in cg.KINDS if cg.gemv_applies(backend.cuda_kernels, x, w, bias, kind=k)]
+        if not kinds:
+            continue  # nothing to choose
+        silu = e.kernel == "linear_silu_mul"
+        triton = tl.LinearConfig(**{**e.config, "native": ""})
+        want = (tl.linear_silu_mul if silu else tl.linear)(x, w, bias, config=triton).double()
+        ok = []
+        for kind in kinds:
+            got = cg.gemv(x, w, bias, kernels=backend.cuda_kernels, silu_mul=silu, kind=kind).double()
+            finite = bool(got.isfinite().all())
+            err = float((got - want).norm() / want.norm().clamp_min(1e-30)) if finite else float("inf")
+            if err <= NATIVE_TOLERANCE:
+                ok.append(kind)
+            elif rejected is not None:
+                rejected.append(f"{kind} for {e.kernel} {_short(e.shape_key)} (relative error {err:.1e})")
+        found[i] = [TRITON, *ok]
     return found
 
 
@@ -130,7 +153,8 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
         raise EngineError(f"tune: the artifact holds no tunings for {arch} (it has: {have}); compile it with "
                           "the autotune pass on this kind of GPU first")  # fmt: skip
     entries = list(stored)
-    slots = candidates(backend, entries)
+    rejected: list[str] = []
+    slots = candidates(backend, entries, rejected)
     if not slots:
         raise EngineError(f"tune: no one-row projection of this model has a native kernel to choose on {arch} "
                           "(the artifact holds no native code for it, or none applies)")  # fmt: skip
@@ -141,7 +165,7 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
 
     use()
     baseline = best = measure()
-    report = TuneReport(arch, baseline, baseline)
+    report = TuneReport(arch, baseline, baseline, rejected=rejected)
     say = progress or (lambda _line: None)
     say(f"stored choices: {baseline:.3f} ms a step")
     for _ in range(rounds):

@@ -46,6 +46,7 @@ def tuned_artifact(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
 
 KERNELS = object()  # the "loaded native code"
 LAUNCHED: list[str] = []  # the native kinds the stand-in GEMV ran
+WRONG: set[str] = set()  # the native kinds whose stand-in is 10% off
 
 
 @pytest.fixture
@@ -59,12 +60,15 @@ def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
 
     def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv", norm=None):  # noqa: ANN001, ANN202
         LAUNCHED.append(kind)
-        return (linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias).to(x.dtype)
+        y = (linear_silu_mul_ref if silu_mul else linear_ref)(x, w, bias)
+        return (y * (1.1 if kind in WRONG else 1.0)).to(x.dtype)
 
     monkeypatch.setattr(cg, "gemv_applies", applies)
+    monkeypatch.setattr(cg, "gemv", gemv)
     monkeypatch.setattr(backend_cuda, "gemv_applies", applies)
     monkeypatch.setattr(backend_cuda, "gemv", gemv)
     LAUNCHED.clear()
+    WRONG.clear()
 
 
 def engine_on_cpu(path) -> Engine:  # noqa: ANN001
@@ -99,6 +103,7 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     prompt = [5, 6, 7, 8, 9]
     before = greedy(engine, prompt, 4)
     assert not LAUNCHED  # stored: Triton
+    LAUNCHED.clear()  # (tune's check of each kind's result launches them once)
     priced: list[float] = []
     report = tune_in_graph(engine, lambda: priced.append(step_price(engine)) or priced[-1])
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
@@ -115,6 +120,7 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     assert step_price(engine) == pytest.approx(report.final_ms)  # the backend keeps the choices
     assert greedy(engine, prompt, 4) == before
 
+    assert not report.rejected and "rejected" not in report.summary()
     out = tmp_path / "tuned.mgx"
     write_tunings(tuned_artifact, out, report, {"prompt_len": 5})
     again = engine_on_cpu(out)
@@ -148,6 +154,19 @@ def test_the_environment_pins_the_decode_tiles_over_a_stored_tuning(tuned_artifa
     assert engine.runner.backend.narrow_decode_tiles == (pinned == "1")
     report = tune_in_graph(engine, lambda: step_price(engine))
     assert all(t.kernel != "decode_attention" for t in report.trials)
+
+
+@pytest.mark.interpreted
+def test_tune_never_tries_a_native_kind_whose_result_is_wrong(tuned_artifact, native_stand_in) -> None:  # noqa: ANN001
+    """A kind 10% off the Triton kernel's product (the price would choose it) is rejected before any
+    trial, and the report names it."""
+    engine = engine_on_cpu(tuned_artifact)
+    WRONG.add("imma")
+    report = tune_in_graph(engine, lambda: step_price(engine))
+    assert all("imma" not in t.ms for t in report.trials)
+    assert {(t.kernel, t.chosen) for t in report.trials if t.kernel == "linear_silu_mul"} == {("linear_silu_mul", "gemv")}
+    assert report.rejected and all(r.startswith("imma for ") and "relative error 1.0e-01" in r for r in report.rejected)
+    assert "; rejected (wrong results): imma for " in report.summary() and "imma for linear_silu_mul" in report.summary()
 
 
 @pytest.mark.interpreted
