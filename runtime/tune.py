@@ -155,9 +155,11 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
     entries = list(stored)
     rejected: list[str] = []
     slots = candidates(backend, entries, rejected)
-    if not slots:
-        raise EngineError(f"tune: no one-row projection of this model has a native kernel to choose on {arch} "
-                          "(the artifact holds no native code for it, or none applies)")  # fmt: skip
+    tiles = not getattr(backend, "decode_tiles_pinned", True)
+    if not slots and not tiles:
+        raise EngineError(f"tune: nothing to choose on {arch}: no one-row projection of this model has a native "
+                          "kernel (the artifact holds no native code for it, or none applies), and "
+                          "MGX_CUDA_DECODE_NARROW pins the decode attention's tiles")  # fmt: skip
 
     def use() -> None:
         backend.tunings = Tunings(entries)
@@ -187,7 +189,7 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
             entries[i] = _with_kind(entries[i], winner)
             trials.append(Trial(entries[i].kernel, entries[i].shape_key, before, winner, times))
             say(trials[-1].kernel + " " + _short(trials[-1].shape_key) + f": {winner} ({times[winner]:.3f} ms)")
-        if not getattr(backend, "decode_tiles_pinned", True):
+        if tiles:
             trials.append(tile := _tile_trial(backend, measure, best, min_gain))
             best = tile.ms[tile.chosen]
             entries = [e for e in entries if e.kernel != DECODE_ATTENTION]

@@ -194,8 +194,10 @@ def test_tune_says_what_is_missing(tuned_artifact, native_stand_in, tmp_path) ->
     with pytest.raises(EngineError, match=r"no tunings for interpreter \(it has: sm_90\).*autotune"):
         tune_in_graph(engine_on_cpu(bare), lambda: 1.0)
     engine = engine_on_cpu(tuned_artifact)
-    engine.runner.backend.cuda_kernels = None  # no native code: nothing to choose
-    with pytest.raises(EngineError, match="no one-row projection"):
+    engine.runner.backend.cuda_kernels = None  # no native code: the decode tiles alone
+    assert [t.kernel for t in tune_in_graph(engine, lambda: 1.0).trials] == ["decode_attention"]
+    engine.runner.backend.decode_tiles_pinned = True  # and those pinned: nothing to choose
+    with pytest.raises(EngineError, match="nothing to choose on interpreter: no one-row projection"):
         tune_in_graph(engine, lambda: 1.0)
     with pytest.raises(EngineError, match="rounds"):
         tune_in_graph(engine, lambda: 1.0, rounds=0)
