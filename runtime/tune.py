@@ -192,8 +192,12 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
         if tiles:
             trials.append(tile := _tile_trial(backend, measure, best, min_gain))
             best = tile.ms[tile.chosen]
-            entries = [e for e in entries if e.kernel != DECODE_ATTENTION]
-            entries.append(AutotuneEntry(DECODE_ATTENTION, "M=1", {"block_n": int(tile.chosen)}))
+            entry = AutotuneEntry(DECODE_ATTENTION, "M=1", {"block_n": int(tile.chosen)})
+            at = next((j for j, e in enumerate(entries) if e.kernel == DECODE_ATTENTION), None)
+            if at is None:
+                entries.append(entry)
+            else:  # in place: ``slots`` index the others
+                entries[at] = entry
         report.trials = trials
         if not any(t.chosen != t.before for t in trials):
             break

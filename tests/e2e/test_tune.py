@@ -231,3 +231,24 @@ def test_a_stored_decode_tile_width_is_checked(tuned_artifact, tmp_path) -> None
     write_artifact(bad, contents)
     with pytest.raises(EngineError, match=r"stored tunings for interpreter: .*block_n 48 is not one of \(32, 64\)"):
         engine_on_cpu(bad)
+
+
+@pytest.mark.interpreted
+def test_tune_over_two_rounds_with_a_stored_tile_entry_first(tuned_artifact, native_stand_in, tmp_path) -> None:  # noqa: ANN001
+    """A second round starts from the first one's choices and keeps every entry in its place (the
+    stored decode attention entry first in the list here)."""
+    from mgx.formats.artifact import AutotuneEntry
+
+    contents = load_artifact(tuned_artifact).contents
+    contents.autotune = {"interpreter": [AutotuneEntry("decode_attention", "M=1", {"block_n": 64}),
+                                         *contents.autotune["interpreter"]]}  # fmt: skip
+    first = tmp_path / "tile-first.mgx"
+    write_artifact(first, contents)
+    engine = engine_on_cpu(first)
+    report = tune_in_graph(engine, lambda: step_price(engine), rounds=2)
+    layers = sum(op.kind == "attention" for op in engine.graph.ops)
+    assert report.final_ms == pytest.approx(layers * 4.5) == step_price(engine)
+    assert {(t.kernel, t.before, t.chosen) for t in report.trials} == {
+        ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("decode_attention", "64", "32")}
+    kinds = [e.kernel for e in report.entries]
+    assert kinds.count("decode_attention") == 1 and kinds[0] == "decode_attention"
