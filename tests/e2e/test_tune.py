@@ -252,3 +252,21 @@ def test_tune_over_two_rounds_with_a_stored_tile_entry_first(tuned_artifact, nat
         ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("decode_attention", "64", "32")}
     kinds = [e.kernel for e in report.entries]
     assert kinds.count("decode_attention") == 1 and kinds[0] == "decode_attention"
+
+
+@pytest.mark.interpreted
+def test_decode_step_ms_decodes_a_request_then_times_the_captured_step(tuned_artifact, native_stand_in) -> None:  # noqa: ANN001
+    """The step timer's host side: one greedy request of the prompt runs to its end (which captures
+    the batch-1 graph on a GPU), then the median of the replay timings; without a captured graph (no
+    graphs on the CPU) a clear error."""
+    from mgx.runtime.tune import decode_step_ms
+
+    engine = engine_on_cpu(tuned_artifact)
+    backend = engine.runner.backend
+    calls = []
+    backend.replay_ms = lambda bucket, replays: calls.append((bucket, replays)) or [3.0, 1.0, 2.0][len(calls) - 1]
+    assert decode_step_ms(engine, [5, 6, 7], steps=3, replays=7) == 2.0
+    assert calls == [(1, 7)] * 3 and not engine.has_unfinished()
+    backend.replay_ms = lambda bucket, replays: None
+    with pytest.raises(EngineError, match="no batch-1 decode graph was captured"):
+        decode_step_ms(engine, [5, 6, 7], steps=2)
