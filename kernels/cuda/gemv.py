@@ -207,6 +207,9 @@ def gemv_applies(
     if base in _MMA and (w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.weight.data_ptr() % 16
                           or w.weight.stride(0) % 16 or _sm(kernels.arch) < 80):  # fmt: skip
         return False
+    if base.startswith("imma") and (w.n * w.weight.stride(0) * w.weight.element_size() >= 1 << 31
+                                    or (w.scales is not None and w.n * w.scales.stride(0) >= 1 << 31)):
+        return False  # offsets past 2^31 (gemv.cu's MGX_IMMA_INDEX32 builds take them in 32 bits)
     word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
         return False
