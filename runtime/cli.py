@@ -280,15 +280,15 @@ def tune(model: str, out: str | None, prompt_len: int, rounds: int, min_gain: fl
 
     from .engine import Engine
     from .errors import EngineError
-    from .tune import decode_step_ms, tune_in_graph, write_tunings
 
     path = _model_path(model)
     try:
-        import torch
-    except ImportError:
-        _fail("tune times decode steps on a CUDA GPU through torch, which is not installed here")
-    if not torch.cuda.is_available():
-        _fail("tune times decode steps on a CUDA GPU, and torch sees none on this host")
+        from .tune import decode_step_ms, no_gpu_reason, tune_in_graph, write_tunings
+    except ImportError as e:
+        _fail(f"tune times decode steps on a CUDA GPU through torch and triton: {e}")
+    reason = no_gpu_reason()
+    if reason:
+        _fail(reason)
     engine = Engine(path, backend="cuda", config=_engine_config(None, max_num_seqs=1))
     if prompt_len + 8 > engine.max_position:
         raise EngineError(f"--prompt-len {prompt_len} and 8 decode steps exceed the model's {engine.max_position} positions")

@@ -30,7 +30,7 @@ from mgx.kernels.triton.tuning import DECODE_ATTENTION, DECODE_BLOCK_NS, Tunings
 
 from .errors import EngineError
 
-__all__ = ["TRITON", "Trial", "TuneReport", "decode_step_ms", "tune_in_graph", "write_tunings"]
+__all__ = ["TRITON", "Trial", "TuneReport", "decode_step_ms", "no_gpu_reason", "tune_in_graph", "write_tunings"]
 
 TRITON = "triton"  # the stored Triton configuration, as reports name it (a native kind of "")
 PASS_NAME = "tune_in_graph"  # its record in the artifact's pass log
@@ -75,6 +75,13 @@ class TuneReport:
             cells = " ".join(f"{k}{'*' if k == t.chosen else ''} {ms:.3f}" for k, ms in ranked)
             out.append(f"{t.kernel} {_short(t.shape_key)} (was {t.before}): {cells}")
         return out
+
+
+def no_gpu_reason() -> str:
+    """Why tuning cannot run on this host ("" where it can): it times decode steps on a CUDA GPU."""
+    import torch
+
+    return "" if torch.cuda.is_available() else "tune times decode steps on a CUDA GPU, and torch sees none on this host"
 
 
 def _short(shape_key: str) -> str:
