@@ -364,6 +364,7 @@ class CUDABackend(Backend):
         quantized = [w.n * w.k for op in graph.ops if op.kind == "linear" and (w := self._weights[id(op)]).scheme != "none"]
         self._dequant_buf = torch.empty(max(quantized), dtype=self.dtype, device=self.device) if quantized else None
         self._pending: dict[int, Array] = {}  # id(op) -> output computed by the op fused before it
+        self._mm_fp32 = self._probe_mm_fp32()  # cuBLAS writes the dense LM head's logits in fp32 (lm_head)
         # The ways left to run fresh prompts through a fused SDPA kernel (MGX_CUDA_SDPA=0: none, the
         # paged prefill kernel runs them).
         self._sdpa_modes = list(SDPA_MODES) if os.environ.get("MGX_CUDA_SDPA", "1") != "0" else []
@@ -474,6 +475,18 @@ class CUDABackend(Backend):
             return gpu_weight(t, arrays, self.dtype)
         except (ValueError, layout_registry.LayoutError) as e:
             raise UnsupportedModelError(f"{where}: {e}") from None
+
+    def _probe_mm_fp32(self) -> bool:
+        """Whether ``torch.mm`` takes ``out_dtype=torch.float32`` for the compute dtype on this device
+        (cuBLAS writing fp32 from 16-bit operands; a CUDA op since torch 2.8). Tried once, here, on two
+        tiny operands: never inside a graph capture."""
+        if self.device.type != "cuda" or self.dtype == torch.float32:
+            return False
+        a = torch.ones(2, 16, dtype=self.dtype, device=self.device)
+        try:
+            return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            return False
 
     @property
     def arch(self) -> str:
@@ -1023,13 +1036,17 @@ class CUDABackend(Backend):
         return None
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
-        """The sampling rows' logits [R, V], in fp32 where the Triton kernels compute them (as the
-        greedy head takes its argmax: not rounded to the compute dtype, so that a greedy request in a
-        batch with sampling ones picks as it would alone); dense weights with more than GEMV_MAX_M (1)
-        rows go to cuBLAS, whose logits come in the compute dtype."""
+        """The sampling rows' logits [R, V] in fp32 (as the greedy head takes its argmax: not rounded
+        to the compute dtype, so that a greedy request in a batch with sampling ones picks as it would
+        alone). Dense weights with more than GEMV_MAX_M (1) rows go to cuBLAS, which writes fp32 where
+        this torch's ``mm`` takes ``out_dtype`` (``_mm_fp32``), else logits in the compute dtype."""
         x, w = self._sampled(x), self._weights[id(op)]
         if w.scheme == "none" and x.shape[0] > GEMV_MAX_M:
-            return torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
+            if not self._mm_fp32:
+                return torch.nn.functional.linear(x, w.weight, self._bias[id(op)])
+            out = torch.mm(x, w.weight.t(), out_dtype=torch.float32)  # cuBLAS, fp32 out: as the kernels
+            bias = self._bias[id(op)]
+            return out if bias is None else out.add_(bias)
         # A vocabulary is wide enough to fill the GPU without splitting K (and the workspace is sized
         # for the linear ops).
         config = self.tunings.config("linear", w, x.shape[0]) or default_config(x.shape[0], w.n, w.k, w.scheme)

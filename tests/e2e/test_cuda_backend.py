@@ -921,3 +921,36 @@ def test_bf16_sampling_logits_are_the_fp32_ones_the_greedy_head_picks_from(pipel
     assert logits.dtype == np.float32 and (logits.view(np.uint32) & 0xFFFF).any()
     assert int(ids[-1]) == int(np.argmax(logits))
     np.testing.assert_allclose(top[-1], logits.max(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.interpreted
+def test_dense_logits_of_several_sampling_rows_are_fp32_where_mm_takes_out_dtype(monkeypatch) -> None:  # noqa: ANN001
+    """Two sampling rows on a dense bf16 LM head go to cuBLAS; where torch's ``mm`` writes fp32
+    (``out_dtype``; CUDA only, so a stand-in computing in fp32 here), each row's logits are fp32 and
+    their argmax and maximum are the greedy head's for that row; without it they are the compute
+    dtype's (the probe says no on the CPU)."""
+    import torch
+
+    graph = compiled("gqa", "dense", target="cuda")
+    prompts = [np.array(p[:6]) for p in _prompts(graph)[:2]]
+    chunks = [SeqChunk(0, prompts[0]), SeqChunk(1, prompts[1])]
+    plain = CUDABackend(graph, device="cpu", dtype="bf16")
+    assert not plain._mm_fp32
+    rounded = ModelRunner(graph, plain).step(chunks)
+    assert all(not (r[-1].view(np.uint32) & 0xFFFF).any() for r in rounded)  # bf16 values
+    real_mm, calls = torch.mm, []
+
+    def mm(a, b, *, out_dtype=None):  # noqa: ANN001, ANN202
+        calls.append(out_dtype)
+        return real_mm(a.float(), b.float()) if out_dtype == torch.float32 else real_mm(a, b)
+
+    backend = CUDABackend(graph, device="cpu", dtype="bf16")
+    backend._mm_fp32 = True
+    monkeypatch.setattr(torch, "mm", mm)
+    logits = ModelRunner(graph, backend).step(chunks)
+    assert torch.float32 in calls
+    picks = ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="bf16")).step_greedy(chunks)
+    for row, (ids, top) in zip(logits, picks, strict=True):
+        assert row.dtype == np.float32 and (row[-1].view(np.uint32) & 0xFFFF).any()
+        assert int(ids[-1]) == int(np.argmax(row[-1]))
+        np.testing.assert_allclose(top[-1], row[-1].max(), rtol=1e-5, atol=0)
