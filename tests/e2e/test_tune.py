@@ -270,3 +270,36 @@ def test_decode_step_ms_decodes_a_request_then_times_the_captured_step(tuned_art
     backend.replay_ms = lambda bucket, replays: None
     with pytest.raises(EngineError, match="no batch-1 decode graph was captured"):
         decode_step_ms(engine, [5, 6, 7], steps=2)
+
+
+@pytest.mark.interpreted
+def test_tune_command_reports_and_writes_the_choices(tuned_artifact, native_stand_in, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """``mgx-run tune`` end to end on the CPU (the CUDA backend interpreted, the step priced): one
+    line per shape with the chosen kernel marked, the summary, the file written (or not, with
+    ``--dry-run``)."""
+    from click.testing import CliRunner
+
+    from mgx.runtime import tune
+    from mgx.runtime.cli import main
+
+    monkeypatch.setenv("MGX_CUDA_DEVICE", "cpu")
+    monkeypatch.setenv("MGX_CUDA_DTYPE", "f32")
+    monkeypatch.setattr(tune, "no_gpu_reason", lambda: "")
+    monkeypatch.setattr(tune, "decode_step_ms", lambda engine, prompt: step_price(engine))
+
+    def with_kernels(self, images):  # noqa: ANN001, ANN202
+        self.cuda_kernels = KERNELS
+        return "native stand-ins"
+
+    monkeypatch.setattr(CUDABackend, "use_cuda_kernels", with_kernels)
+    out = tmp_path / "tuned.mgx"
+    dry = CliRunner().invoke(main, ["tune", str(tuned_artifact), "-o", str(out), "--prompt-len", "8", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "batch-1 decode step" in dry.output and not out.exists()
+    result = CliRunner().invoke(main, ["tune", str(tuned_artifact), "-o", str(out), "--prompt-len", "8"])
+    assert result.exit_code == 0, result.output
+    assert "imma* " in result.output and "gemv* " in result.output and "(was triton)" in result.output
+    assert f"wrote {out}" in result.output
+    assert load_artifact(out).contents.passes[-1].options == {"prompt_len": 8, "rounds": 1, "min_gain": 0.005}
+    too_long = CliRunner().invoke(main, ["tune", str(tuned_artifact), "--prompt-len", "1000"])
+    assert too_long.exit_code == 1 and "exceed the model's 128 positions" in too_long.output
