@@ -13,8 +13,10 @@ coordinate at a time, ``rounds`` passes over them), tries every kernel that can 
 one row -- the native GEMV kinds the artifact's code holds, and the stored Triton configuration --
 in the real step: the engine's batch-1 decode graph, captured anew for each trial and timed over
 ``replays`` replays. A candidate replaces the current choice only when it makes the step at least
-``min_gain`` shorter (replays of one graph spread by about 0.5%). Nothing here tunes at start-up:
-the runtime reads what this wrote, as it reads autotune's entries.
+``min_gain`` shorter (replays of one graph spread by about 0.5%). Then the decode attention's tile
+width (32 or 64 tokens; a ``decode_attention`` entry) the same way: in the 8B W8A16 step 32-token
+tiles were 0.04-0.14 ms faster, in the bf16 one mostly slower. Nothing here tunes at start-up: the
+runtime reads what this wrote, as it reads autotune's entries.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Trial:
 
 @dataclass(slots=True)
 class TuneReport:
+    """What ``tune_in_graph`` measured and chose for one GPU architecture."""
+
     arch: str
     baseline_ms: float  # the step with the stored choices
     final_ms: float  # with the chosen ones (the last measurement that kept them)
@@ -103,7 +107,7 @@ def _with_kind(entry: Any, kind: str) -> Any:
 NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native kind may show against the Triton kernel
 
 
-def candidates(backend: Any, entries: list[Any], rejected: list[str] | None = None) -> dict[int, list[str]]:
+def _candidates(backend: Any, entries: list[Any], rejected: list[str] | None = None) -> dict[int, list[str]]:
     """Index of each one-row linear entry that some op of the model runs -> the kernels that can run
     it: ``triton`` and every native kind that applies to its weight with the loaded code and gives
     the Triton kernel's result on a random row (as the autotune pass checks; the others go to
@@ -161,7 +165,7 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
                           "the autotune pass on this kind of GPU first")  # fmt: skip
     entries = list(stored)
     rejected: list[str] = []
-    slots = candidates(backend, entries, rejected)
+    slots = _candidates(backend, entries, rejected)
     tiles = not getattr(backend, "decode_tiles_pinned", True)
     if not slots and not tiles:
         raise EngineError(f"tune: nothing to choose on {arch}: no one-row projection of this model has a native "
