@@ -177,6 +177,7 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
         backend.drop_graphs()
 
     use()
+    measure()  # unclocked: compiles the kernels, first capture, the GPU's clocks up
     baseline = best = measure()
     report = TuneReport(arch, baseline, baseline, rejected=rejected)
     say = progress or (lambda _line: None)
