@@ -19,7 +19,8 @@ into the paged cache (the attention prologue). With ``MGX_CUDA_NORM_GEMV=1``, at
 the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm`` after it run in the
 prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
 default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
-3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms). On sm_90 and newer the
+3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms; later INT4 3.33 vs 2.11 ms,
+when its launches ran imma_w4 at half occupancy, fixed in the nineteenth session, not re-measured). On sm_90 and newer the
 decode-path kernels are launched overlapped (programmatic dependent launches; the Triton linear,
 decode attention and LM head kernels and the native ones): each may start while the kernel before it
 finishes and waits for it before reading its output or writing anything (``overlap_launches``;

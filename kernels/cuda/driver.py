@@ -117,6 +117,7 @@ class CudaModule:
         self._module = ctypes.c_void_p()
         _check(lib, "cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(self._module), image))
         self._functions: dict[str, ctypes.c_void_p] = {}
+        self._resident: dict[tuple[str, int, int], int] = {}
 
     def function(self, name: str) -> ctypes.c_void_p:
         """The kernel ``name`` (an ``extern "C"`` symbol of the module)."""
@@ -158,6 +159,21 @@ class CudaModule:
             self.function(name), gx, gy, gz, bx, by, bz, shared_bytes, ctypes.c_void_p(stream), params, None
         )
         _check(self._lib, f"cuLaunchKernel({name})", rc)
+
+    def max_blocks_per_sm(self, name: str, threads: int, shared_bytes: int = 0) -> int:
+        """How many blocks of kernel ``name`` (``threads`` each, ``shared_bytes`` of dynamic shared
+        memory) one SM holds at once, by the driver's occupancy calculator (registers, shared memory,
+        threads); cached."""
+        key = (name, threads, shared_bytes)
+        found = self._resident.get(key)
+        if found is None:
+            blocks = ctypes.c_int()
+            rc = self._lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(blocks), self.function(name), ctypes.c_int(threads), ctypes.c_size_t(shared_bytes)
+            )
+            _check(self._lib, f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})", rc)
+            found = self._resident[key] = blocks.value
+        return found
 
     @property
     def supports_overlap(self) -> bool:

@@ -39,7 +39,7 @@ from mgx.kernels.triton.linear import GpuWeight
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
-           "equal_shares", "gemv", "gemv_applies", "gemv_threads"]  # fmt: skip
+           "equal_shares", "gemv", "gemv_applies", "gemv_threads", "norm_blocks_per_sm", "norm_most"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -97,9 +97,12 @@ ROWS = 4  # kRows in gemv.cu: outputs per block (2 gate/up pairs with silu_mul)
 UNROLL = 4  # kUnroll in gemv.cu
 MAX_THREADS = 256  # kMaxThreads in gemv.cu
 MAX_NORM_K = 8192  # the widest row the RMSNorm prologue normalizes (2 bytes a column of shared memory)
-# Blocks per SM of a _norm launch: each block normalizes the row once and then takes output groups
-# b, b + grid, ... (one block per group would repeat the prologue thousands of times).
-NORM_BLOCKS_PER_SM = 4
+# Warps an SM of a _norm launch: each block normalizes the row once and then takes output groups
+# b, b + grid, ... (one block per group would repeat the prologue thousands of times). Four blocks of
+# 8 warps until the nineteenth session, whatever a block's warps: imma_w4's norm launches then ran 16
+# warps an SM where its plain ones run 32, which may be why the prologue lost in the 8B graphs
+# (INT4 3.33 vs 2.11 ms with gate/up on imma_w4); now the warps are kept (norm_blocks_per_sm).
+NORM_WARPS_PER_SM = 32
 # Kind ``mma`` without a prologue: one block per group of 16 outputs; ``mma_persistent``:
 # MMA_BLOCKS_PER_SM blocks per SM, each taking groups b, b + grid, ... and prefetching ahead into L2.
 # Autotune times both and stores the faster per shape (on the H200 it took mma_persistent for 1 of 4
@@ -148,6 +151,20 @@ def equal_shares(groups: int, most: int) -> int:
     share = -(-groups // most)
     even = -(-groups // share)
     return even if 4 * even >= 3 * most else min(groups, most)
+
+
+def norm_blocks_per_sm(kind: str, k: int, resident: int) -> int:
+    """Blocks an SM of ``kind``'s _norm launch on K columns: NORM_WARPS_PER_SM warps' worth (8 blocks
+    of 4 warps, 4 of 8, 2 of 16), but no more than an SM holds at once (``resident``: the driver's
+    count for the entry), so that no block waits for a second wave with its whole share."""
+    return max(1, min(NORM_WARPS_PER_SM // max(1, block_threads(kind, k) // 32), resident))
+
+
+def norm_most(kernels: CudaKernels, kind: str, scheme: str, k: int, device: torch.device) -> int:
+    """The most blocks of ``kind``'s _norm launch for ``scheme`` on K columns (gemv takes
+    ``equal_shares`` of its groups on them)."""
+    entry, threads = NORM_ENTRIES[_ENTRY_KIND[kind], scheme], block_threads(kind, k)
+    return norm_blocks_per_sm(kind, k, kernels.module.max_blocks_per_sm(entry, threads, 2 * k)) * num_sms(device)
 
 
 def entry_for(kind: str, scheme: str, norm: bool = False) -> str | None:
@@ -260,7 +277,7 @@ def gemv(
     entry, blocks, shared = ENTRIES[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k
-        blocks = min(blocks, NORM_BLOCKS_PER_SM * num_sms(x.device))
+        blocks = equal_shares(blocks, norm_most(kernels, kind, w.scheme, w.k, x.device))
         args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))

@@ -202,18 +202,17 @@ def test_native_imma_norm_blocks_reuse_their_staged_x_to_the_bit(native, scheme:
     """With the RMSNorm prologue an ``imma`` block takes groups b, b + grid, ...; from its second group
     on a warp reads back the x it staged for its first kImmaCache / warps steps in the first (gemv.cu's
     ImmaCache: 32 steps a block, whatever its warps; K = 8192 keeps half of them). The outputs of the groups computed so (a launch of 1100
-    groups on at most NORM_BLOCKS_PER_SM blocks an SM) equal, to the bit, those of the same rows
+    groups on ``norm_most`` blocks, two each) equal, to the bit, those of the same rows
     launched alone, where every block has one group and stages all of x itself; and the whole row is
     within one bf16 rounding of the fp32 reference."""
     from dataclasses import replace
 
     from mgx.kernels.cuda import gemv as cg
-    from mgx.kernels.triton._common import num_sms
 
     gen = torch.Generator(device="cuda").manual_seed(k + 3)
     kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
-    grid = cg.NORM_BLOCKS_PER_SM * num_sms(torch.device("cuda"))
-    n = 16 * (grid + grid // 2)  # half the blocks take a second group
+    grid = cg.norm_most(native, kind, scheme, k, torch.device("cuda"))
+    n = 16 * (grid + grid // 2)  # on 3/4 of grid blocks (equal_shares), groups from grid on are second ones
     w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
     res = (3 * torch.randn(1, k, device="cuda", generator=gen)).to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
@@ -221,7 +220,7 @@ def test_native_imma_norm_blocks_reuse_their_staged_x_to_the_bit(native, scheme:
     assert cg.gemv_applies(native, res, w, kind=kind, norm=norm)
     full = cg.gemv(res, w, kernels=native, kind=kind, norm=norm)
     assert rel_err(full, lin.linear_ref(trms.rms_norm_ref(res, g, 1e-5), w)) < 4e-3
-    rows = slice(16 * grid, n)  # the second groups of blocks 0 .. grid / 2 - 1
+    rows = slice(16 * grid, n)  # second groups of their blocks
     part = replace(w, n=n - 16 * grid, weight=w.weight[rows], scales=w.scales[rows],
                    zeros=None if w.zeros is None else w.zeros[rows])  # fmt: skip
     alone = cg.gemv(res, part, kernels=native, kind=kind, norm=norm)

@@ -111,6 +111,17 @@ def test_persistent_integer_kind_gives_blocks_equal_shares_where_enough_blocks_r
     assert cg.equal_shares(1792, 396) == 359 and cg.equal_shares(397, 396) == 396
 
 
+def test_norm_launches_keep_the_warps_an_sm_whatever_a_blocks_warps() -> None:
+    """A _norm launch runs NORM_WARPS_PER_SM (32) warps an SM: 8 blocks of imma_w4's 4 warps, 4 of
+    imma's 8, 2 of imma_w16's 16 (it ran 4 blocks whatever their warps: imma_w4 at half its plain
+    occupancy), never more blocks than an SM holds at once, and at least one."""
+    assert cg.NORM_WARPS_PER_SM == 32
+    assert [cg.norm_blocks_per_sm(kind, 4096, 16) for kind in ("imma_w4", "imma", "imma_w16", "mma")] == [8, 4, 2, 4]
+    assert cg.norm_blocks_per_sm("imma_persistent_w4", 4096, 16) == 8
+    assert cg.norm_blocks_per_sm("imma_w4", 4096, 6) == 6  # e.g. shared memory for K = 8192
+    assert cg.norm_blocks_per_sm("imma_w16", 4096, 0) == 1
+
+
 def _constant(source: str, pattern: str) -> int:
     found = re.findall(pattern, source)
     assert len(found) == 1, (pattern, found)
