@@ -343,6 +343,7 @@ class CUDABackend(Backend):
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
         self._decode_counters = new_decode_counters(self.device, GRAPH_BUCKETS[-1], hk) if self._decode_fusion else None
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
+        self.norm_gemv_pinned = os.environ.get("MGX_CUDA_NORM_GEMV", "") in ("0", "1")  # else a stored tuning's
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
@@ -536,6 +537,8 @@ class CUDABackend(Backend):
             raise UnsupportedModelError(f"the artifact's stored tunings for {arch}: {e}") from None
         if self.tunings.decode_block_n is not None and not self.decode_tiles_pinned:
             self.narrow_decode_tiles = self.tunings.decode_block_n == 32
+        if self.tunings.norm_prologue is not None and not self.norm_gemv_pinned:
+            self._norm_gemv = self.tunings.norm_prologue
         return f"{len(self.tunings)} stored launch configurations for {arch}"
 
     def use_cuda_kernels(self, images: dict[str, bytes]) -> str:

@@ -13,9 +13,11 @@ coordinate at a time, ``rounds`` passes over them), tries every kernel that can 
 one row -- the native GEMV kinds the artifact's code holds, and the stored Triton configuration --
 in the real step: the engine's batch-1 decode graph, captured anew for each trial and timed over
 ``replays`` replays. A candidate replaces the current choice only when it makes the step at least
-``min_gain`` shorter (replays of one graph spread by about 0.5%). Then the decode attention's tile
-width (32 or 64 tokens; a ``decode_attention`` entry) the same way: in the 8B W8A16 step 32-token
-tiles were 0.04-0.14 ms faster, in the bf16 one mostly slower. Nothing here tunes at start-up: the
+``min_gain`` shorter (replays of one graph spread by about 0.5%). Then two switches of the step the
+same way (``SWITCHES``): the decode attention's tile width (32 or 64 tokens; a ``decode_attention``
+entry: in the 8B W8A16 step 32-token tiles were 0.04-0.14 ms faster, in the bf16 one mostly
+slower) and the add + RMSNorm in the prologue of the native GEMV that reads it (``norm_prologue``,
+MGX_CUDA_NORM_GEMV's switch). Nothing here tunes at start-up: the
 runtime reads what this wrote, as it reads autotune's entries.
 """
 
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from mgx.formats.artifact import AutotuneEntry
-from mgx.kernels.triton.tuning import DECODE_ATTENTION, DECODE_BLOCK_NS, Tunings
+from mgx.kernels.triton.tuning import DECODE_ATTENTION, DECODE_BLOCK_NS, NORM_PROLOGUE, Tunings
 
 from .errors import EngineError
 
@@ -104,6 +106,31 @@ def _with_kind(entry: Any, kind: str) -> Any:
     return dataclasses.replace(entry, config={**entry.config, "native": "" if kind == TRITON else kind})
 
 
+@dataclass(frozen=True, slots=True)
+class _Switch:
+    """A switch of the CUDA backend's decode step that tune chooses as it chooses kernels, stored as
+    one entry (``kernel``, shape key ``M=1``, ``{key: value}``) that the backend takes at start-up
+    unless the environment pins the switch (``pinned``: the backend's attribute saying so)."""
+
+    kernel: str
+    key: str
+    options: tuple[str, ...]  # as reports name them
+    pinned: str
+    read: Callable[[Any], str]  # the backend's current option
+    write: Callable[[Any, str], None]
+    value: Callable[[str], Any]  # an option as the entry stores it
+
+
+SWITCHES = (
+    _Switch(DECODE_ATTENTION, "block_n", tuple(str(n) for n in reversed(DECODE_BLOCK_NS)), "decode_tiles_pinned",
+            lambda b: "32" if b.narrow_decode_tiles else "64", lambda b, o: setattr(b, "narrow_decode_tiles", o == "32"),
+            int),
+    _Switch(NORM_PROLOGUE, "on", ("off", "on"), "norm_gemv_pinned",
+            lambda b: "on" if b._norm_gemv else "off", lambda b, o: setattr(b, "_norm_gemv", o == "on"),
+            lambda o: o == "on"),
+)  # fmt: skip
+
+
 NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native kind may show against the Triton kernel
 
 
@@ -166,16 +193,20 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
     entries = list(stored)
     rejected: list[str] = []
     slots = _candidates(backend, entries, rejected)
-    tiles = not getattr(backend, "decode_tiles_pinned", True)
-    if not slots and not tiles:
+    switches = [sw for sw in SWITCHES if not getattr(backend, sw.pinned, True)]
+    if not slots and not switches:
         raise EngineError(f"tune: nothing to choose on {arch}: no one-row projection of this model has a native "
-                          "kernel (the artifact holds no native code for it, or none applies), and "
-                          "MGX_CUDA_DECODE_NARROW pins the decode attention's tiles")  # fmt: skip
+                          "kernel (the artifact holds no native code for it, or none applies), and the "
+                          "environment pins the decode step's switches (MGX_CUDA_DECODE_NARROW, "
+                          "MGX_CUDA_NORM_GEMV)")  # fmt: skip
 
     def use() -> None:
         backend.tunings = Tunings(entries)
         backend.drop_graphs()
 
+    # What each trial starts from, for the report (``before``) whatever the rounds do.
+    start = {(entries[i].kernel, entries[i].shape_key): _kind(entries[i]) for i in slots}
+    start.update({(sw.kernel, "M=1"): sw.read(backend) for sw in switches})
     use()
     measure()  # unclocked: compiles the kernels, first capture, the GPU's clocks up
     baseline = best = measure()
@@ -201,47 +232,41 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
             entries[i] = _with_kind(entries[i], winner)
             trials.append(Trial(entries[i].kernel, entries[i].shape_key, before, winner, times))
             say(trials[-1].kernel + " " + _short(trials[-1].shape_key) + f": {winner} ({times[winner]:.3f} ms)")
-        if tiles:
-            trials.append(tile := _tile_trial(backend, measure, best, min_gain))
-            best = tile.ms[tile.chosen]
-            entry = AutotuneEntry(DECODE_ATTENTION, "M=1", {"block_n": int(tile.chosen)})
-            at = next((j for j, e in enumerate(entries) if e.kernel == DECODE_ATTENTION), None)
+        for sw in switches:
+            trials.append(trial := _switch_trial(sw, backend, measure, best, min_gain))
+            best = trial.ms[trial.chosen]
+            entry = AutotuneEntry(sw.kernel, "M=1", {sw.key: sw.value(trial.chosen)})
+            at = next((j for j, e in enumerate(entries) if e.kernel == sw.kernel), None)
             if at is None:
                 entries.append(entry)
             else:  # in place: ``slots`` index the others
                 entries[at] = entry
+            say(f"{sw.kernel}: {trial.chosen} ({best:.3f} ms)")
         report.trials = trials
         if not any(t.chosen != t.before for t in trials):
             break
     use()
     report.final_ms, report.entries = best, entries
-    report.trials = _since_stored(report.trials, stored, entries)
+    report.trials = [dataclasses.replace(t, before=start[(t.kernel, t.shape_key)]) for t in report.trials]
     return report
 
 
-def _tile_trial(backend: Any, measure: Callable[[], float], best: float, min_gain: float) -> Trial:
-    """The decode attention's tile width (``DECODE_BLOCK_NS``) by the step's time, as the linear
-    kernels: the other width replaces the current one only for ``min_gain``."""
-    before = "32" if backend.narrow_decode_tiles else "64"
+def _switch_trial(sw: _Switch, backend: Any, measure: Callable[[], float], best: float, min_gain: float) -> Trial:
+    """``sw``'s options by the step's time, as the linear kernels: another option replaces the
+    current one only for ``min_gain``."""
+    before = sw.read(backend)
     times = {before: best}
-    for width in DECODE_BLOCK_NS:
-        if str(width) not in times:
-            backend.narrow_decode_tiles = width == 32
+    for option in sw.options:
+        if option not in times:
+            sw.write(backend, option)
             backend.drop_graphs()
-            times[str(width)] = measure()
+            times[option] = measure()
     winner = min(times, key=times.__getitem__)
     if not times[winner] < best * (1 - min_gain):
         winner = before
-    backend.narrow_decode_tiles = winner == "32"
+    sw.write(backend, winner)
     backend.drop_graphs()
-    return Trial(DECODE_ATTENTION, "M=1", before, winner, times)
-
-
-def _since_stored(trials: list[Trial], stored: list[Any], entries: list[Any]) -> list[Trial]:
-    """The last round's trials with ``before`` as stored in the artifact (several rounds)."""
-    was = {(e.kernel, e.shape_key): str(e.config.get("block_n")) if e.kernel == DECODE_ATTENTION else _kind(e)
-           for e in stored}  # fmt: skip
-    return [dataclasses.replace(t, before=was.get((t.kernel, t.shape_key), t.before)) for t in trials]
+    return Trial(sw.kernel, "M=1", before, winner, times)
 
 
 def decode_step_ms(engine: Any, prompt: list[int], *, steps: int = 8, replays: int = 50, repeats: int = 3) -> float:

@@ -6,8 +6,10 @@ step with M rows takes the entry tuned for the smallest tuned M >= M (the larges
 a shape that was never tuned gets the kernel's default configuration, and a one-row (GEMV) entry never
 serves several rows nor the reverse.
 
-One entry of another kind: ``decode_attention`` (shape key ``M=1``, config ``{"block_n": 32 or 64}``),
-the decode attention's tile width that ``mgx-run tune`` chose by the time of the whole decode step.
+Entries of two other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of the
+whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
+attention's tile width) and ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
+the native GEMV that reads it).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from .linear import (
     swap_applies,
 )
 
-__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "NORM_PROLOGUE", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
+NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
 DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
 
 
@@ -63,6 +66,7 @@ class Tunings:
     def __init__(self, entries: Iterable[Any] = ()) -> None:  # AutotuneEntry-like: kernel, shape_key, config
         self._by: dict[tuple[str, str], tuple[list[int], list[LinearConfig]]] = {}
         self.decode_block_n: int | None = None  # the decode attention's tile width, where one is stored
+        self.norm_prologue: bool | None = None  # norms in native GEMV prologues, where stored
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
         for e in entries:
             if e.kernel == DECODE_ATTENTION:
@@ -70,6 +74,12 @@ class Tunings:
                 if block_n not in DECODE_BLOCK_NS:
                     raise ValueError(f"autotune entry {e.kernel!r}: block_n {block_n!r} is not one of {DECODE_BLOCK_NS}")
                 self.decode_block_n = block_n
+                continue
+            if e.kernel == NORM_PROLOGUE:
+                on = e.config.get("on")
+                if not isinstance(on, bool):
+                    raise ValueError(f"autotune entry {e.kernel!r}: 'on' must be true or false, got {on!r}")
+                self.norm_prologue = on
                 continue
             signature, _, m = e.shape_key.rpartition(",M=")
             if not signature or not m.isdigit():
@@ -80,7 +90,8 @@ class Tunings:
             self._by[key] = (ms, [by_m[m] for m in ms])
 
     def __len__(self) -> int:
-        return sum(len(ms) for ms, _ in self._by.values()) + (self.decode_block_n is not None)
+        switches = (self.decode_block_n is not None) + (self.norm_prologue is not None)
+        return sum(len(ms) for ms, _ in self._by.values()) + switches
 
     def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:
         """The stored configuration for ``kernel`` on ``w`` at ``m`` rows, or None (use the default)."""

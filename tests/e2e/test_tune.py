@@ -81,10 +81,11 @@ def engine_on_cpu(path) -> Engine:  # noqa: ANN001
 
 def step_price(engine: Engine) -> float:
     """The fake step time: each one-row projection priced by the kernel the backend's tunings give it,
-    and each layer's decode attention by its tile width (32 cheaper)."""
+    each layer's decode attention by its tile width (32 cheaper) and its norms by where they run (in
+    the GEMV prologues cheaper)."""
     backend = engine.runner.backend
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    total = layers * (0.5 if backend.narrow_decode_tiles else 1.0)
+    total = layers * ((0.5 if backend.narrow_decode_tiles else 1.0) + (0.25 if backend._norm_gemv else 0.5))
     for kernel, w, _ in backend.one_row_linears():
         config = backend.tunings.config(kernel, w, 1)
         total += COST[kernel][(config.native if config is not None else "") or "triton"]
@@ -107,15 +108,15 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     priced: list[float] = []
     report = tune_in_graph(engine, lambda: priced.append(step_price(engine)) or priced[-1])
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer) and 64-token tiles (1); chosen: imma for
-    # gate/up, gemv for the rest, 32-token tiles.
-    assert report.baseline_ms == pytest.approx(layers * 10.0)
-    assert report.final_ms == pytest.approx(layers * 4.5)
+    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer), 64-token tiles (1), norm kernels (0.5);
+    # chosen: imma for gate/up, gemv for the rest, 32-token tiles, norms in the prologues.
+    assert report.baseline_ms == pytest.approx(layers * 10.5)
+    assert report.final_ms == pytest.approx(layers * 4.75)
     chosen = {(t.kernel, t.chosen) for t in report.trials}
-    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv"), ("decode_attention", "32")}
-    linears = [t for t in report.trials if t.kernel != "decode_attention"]
+    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv"), ("decode_attention", "32"), ("norm_prologue", "on")}
+    linears = [t for t in report.trials if t.kernel.startswith("linear")]
     assert all(t.before == "triton" and set(t.ms) == {"triton", *NATIVE} for t in linears)
-    assert engine.runner.backend.narrow_decode_tiles
+    assert engine.runner.backend.narrow_decode_tiles and engine.runner.backend._norm_gemv
     assert "changed" in report.summary() and len(report.lines()) == len(report.trials)
     assert step_price(engine) == pytest.approx(report.final_ms)  # the backend keeps the choices
     assert greedy(engine, prompt, 4) == before
@@ -124,12 +125,12 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     out = tmp_path / "tuned.mgx"
     write_tunings(tuned_artifact, out, report, {"prompt_len": 5})
     again = engine_on_cpu(out)
-    assert step_price(again) == pytest.approx(report.final_ms)  # the tiles too
+    assert step_price(again) == pytest.approx(report.final_ms)  # the switches too
     assert again.contents.passes[-1].name == PASS_NAME and again.contents.passes[-1].summary == report.summary()
-    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"]) + 1
+    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"]) + 2
     # The other entries (several rows, the LM head) are as stored.
     many = [e for e in again.contents.autotune["interpreter"]
-            if e.kernel != "decode_attention" and (not e.shape_key.endswith(",M=1") or "lm_head" in e.kernel)]  # fmt: skip
+            if e.kernel.startswith(("linear", "lm_head")) and (not e.shape_key.endswith(",M=1") or "lm_head" in e.kernel)]  # fmt: skip
     stored = {(e.kernel, e.shape_key): e.config for e in engine.contents.autotune["interpreter"]}
     assert many and all(stored[(e.kernel, e.shape_key)] == e.config for e in many)
     LAUNCHED.clear()
@@ -141,19 +142,23 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
 
 @pytest.mark.interpreted
 @pytest.mark.parametrize("pinned", ["0", "1"])
-def test_the_environment_pins_the_decode_tiles_over_a_stored_tuning(tuned_artifact, native_stand_in, monkeypatch,
-                                                                    pinned: str) -> None:  # noqa: ANN001
-    """MGX_CUDA_DECODE_NARROW set: the backend keeps it whatever the artifact stores, and tune leaves
-    the tiles alone; unset, the stored width holds."""
+@pytest.mark.parametrize(("variable", "switch", "state"), [("MGX_CUDA_DECODE_NARROW", "decode_attention", "narrow_decode_tiles"),
+                                                           ("MGX_CUDA_NORM_GEMV", "norm_prologue", "_norm_gemv")])  # fmt: skip
+def test_the_environment_pins_a_switch_over_a_stored_tuning(tuned_artifact, native_stand_in, monkeypatch, pinned: str,
+                                                            variable: str, switch: str, state: str) -> None:  # noqa: ANN001
+    """A switch's variable set: the backend keeps it whatever the artifact stores, and tune leaves
+    the switch alone; unset, the stored choice holds (both "on" here: 32-token tiles, norms in the
+    prologues)."""
     engine = engine_on_cpu(tuned_artifact)
     report = tune_in_graph(engine, lambda: step_price(engine))
     write_tunings(tuned_artifact, tuned_artifact, report, {})
-    assert engine_on_cpu(tuned_artifact).runner.backend.narrow_decode_tiles  # stored: 32
-    monkeypatch.setenv("MGX_CUDA_DECODE_NARROW", pinned)
+    assert getattr(engine_on_cpu(tuned_artifact).runner.backend, state)
+    monkeypatch.setenv(variable, pinned)
     engine = engine_on_cpu(tuned_artifact)
-    assert engine.runner.backend.narrow_decode_tiles == (pinned == "1")
+    assert getattr(engine.runner.backend, state) == (pinned == "1")
     report = tune_in_graph(engine, lambda: step_price(engine))
-    assert all(t.kernel != "decode_attention" for t in report.trials)
+    assert [t.kernel for t in report.trials if not t.kernel.startswith("linear")] == [
+        k for k in ("decode_attention", "norm_prologue") if k != switch]
 
 
 @pytest.mark.interpreted
@@ -194,9 +199,9 @@ def test_tune_says_what_is_missing(tuned_artifact, native_stand_in, tmp_path) ->
     with pytest.raises(EngineError, match=r"no tunings for interpreter \(it has: sm_90\).*autotune"):
         tune_in_graph(engine_on_cpu(bare), lambda: 1.0)
     engine = engine_on_cpu(tuned_artifact)
-    engine.runner.backend.cuda_kernels = None  # no native code: the decode tiles alone
-    assert [t.kernel for t in tune_in_graph(engine, lambda: 1.0).trials] == ["decode_attention"]
-    engine.runner.backend.decode_tiles_pinned = True  # and those pinned: nothing to choose
+    engine.runner.backend.cuda_kernels = None  # no native code: the step's switches alone
+    assert [t.kernel for t in tune_in_graph(engine, lambda: 1.0).trials] == ["decode_attention", "norm_prologue"]
+    engine.runner.backend.decode_tiles_pinned = engine.runner.backend.norm_gemv_pinned = True  # those pinned: nothing
     with pytest.raises(EngineError, match="nothing to choose on interpreter: no one-row projection"):
         tune_in_graph(engine, lambda: 1.0)
     with pytest.raises(EngineError, match="rounds"):
@@ -225,6 +230,9 @@ def test_a_stored_decode_tile_width_is_checked(tuned_artifact, tmp_path) -> None
     from mgx.kernels.triton.tuning import Tunings
 
     assert Tunings([AutotuneEntry("decode_attention", "M=1", {"block_n": 32})]).decode_block_n == 32
+    assert Tunings([AutotuneEntry("norm_prologue", "M=1", {"on": False})]).norm_prologue is False
+    with pytest.raises(ValueError, match="'on' must be true or false, got 'yes'"):
+        Tunings([AutotuneEntry("norm_prologue", "M=1", {"on": "yes"})])
     contents = load_artifact(tuned_artifact).contents
     contents.autotune = {"interpreter": [*contents.autotune["interpreter"], AutotuneEntry("decode_attention", "M=1", {"block_n": 48})]}
     bad = tmp_path / "bad.mgx"
@@ -247,9 +255,10 @@ def test_tune_over_two_rounds_with_a_stored_tile_entry_first(tuned_artifact, nat
     engine = engine_on_cpu(first)
     report = tune_in_graph(engine, lambda: step_price(engine), rounds=2)
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    assert report.final_ms == pytest.approx(layers * 4.5) == step_price(engine)
+    assert report.final_ms == pytest.approx(layers * 4.75) == step_price(engine)
     assert {(t.kernel, t.before, t.chosen) for t in report.trials} == {
-        ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("decode_attention", "64", "32")}
+        ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("decode_attention", "64", "32"),
+        ("norm_prologue", "off", "on")}
     kinds = [e.kernel for e in report.entries]
     assert kinds.count("decode_attention") == 1 and kinds[0] == "decode_attention"
 
