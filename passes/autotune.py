@@ -73,14 +73,6 @@ def _device() -> Any:
     return torch.device("cuda"), f"sm_{major}{minor}"
 
 
-NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native GEMV may show against the Triton one
-
-
-def _relative_error(got: Any, want: Any) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30)) if bool(got.isfinite().all()) else float("inf")
-
-
 def _native_kernels() -> Any:
     """The native kernels built and loaded for the build GPU, to time the native GEMV; None without
     nvcc or when nvcc or the driver refuses them (then only Triton configurations are timed)."""
@@ -292,7 +284,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
 
     from mgx.formats.artifact import AutotuneEntry
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
-    from mgx.kernels.cuda.gemv import gemv, gemv_applies
+    from mgx.kernels.cuda.gemv import NATIVE_TOLERANCE, gemv, gemv_applies, relative_error
     from mgx.kernels.triton._common import overlapped_launches
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
@@ -353,7 +345,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 # dtype): a native kernel that disagrees is reported, never chosen.
                 want = launch[kernel](x, w, config=best[1]) if kinds else None
                 for kind in kinds:
-                    err = _relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
+                    err = relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
                     if err > NATIVE_TOLERANCE:
                         rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
                         continue

@@ -131,9 +131,6 @@ SWITCHES = (
 )  # fmt: skip
 
 
-NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native kind may show against the Triton kernel
-
-
 def _candidates(backend: Any, entries: list[Any], rejected: list[str] | None = None) -> dict[int, list[str]]:
     """Index of each one-row linear entry that some op of the model runs -> the kernels that can run
     it: ``triton`` and every native kind that applies to its weight with the loaded code and gives
@@ -160,13 +157,11 @@ def _candidates(backend: Any, entries: list[Any], rejected: list[str] | None = N
             continue  # nothing to choose
         silu = e.kernel == "linear_silu_mul"
         triton = tl.LinearConfig(**{**e.config, "native": ""})
-        want = (tl.linear_silu_mul if silu else tl.linear)(x, w, bias, config=triton).double()
+        want = (tl.linear_silu_mul if silu else tl.linear)(x, w, bias, config=triton)
         ok = []
         for kind in kinds:
-            got = cg.gemv(x, w, bias, kernels=backend.cuda_kernels, silu_mul=silu, kind=kind).double()
-            finite = bool(got.isfinite().all())
-            err = float((got - want).norm() / want.norm().clamp_min(1e-30)) if finite else float("inf")
-            if err <= NATIVE_TOLERANCE:
+            err = cg.relative_error(cg.gemv(x, w, bias, kernels=backend.cuda_kernels, silu_mul=silu, kind=kind), want)
+            if err <= cg.NATIVE_TOLERANCE:
                 ok.append(kind)
             elif rejected is not None:
                 rejected.append(f"{kind} for {e.kernel} {_short(e.shape_key)} (relative error {err:.1e})")

@@ -38,8 +38,9 @@ from mgx.kernels.triton.linear import GpuWeight
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
-           "equal_shares", "gemv", "gemv_applies", "gemv_threads", "norm_blocks_per_sm", "norm_most"]  # fmt: skip
+__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
+           "equal_shares", "gemv", "gemv_applies", "gemv_threads", "norm_blocks_per_sm", "norm_most",
+           "relative_error"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -151,6 +152,16 @@ def equal_shares(groups: int, most: int) -> int:
     share = -(-groups // most)
     even = -(-groups // share)
     return even if 4 * even >= 3 * most else min(groups, most)
+
+
+NATIVE_TOLERANCE = 1e-2  # relative error (over the output) a native kind may show against the Triton GEMV
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (inf where got is not finite): how the autotune pass and
+    ``mgx-run tune`` check a native kind's result against the Triton kernel's before timing it."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30)) if bool(got.isfinite().all()) else float("inf")
 
 
 def norm_blocks_per_sm(kind: str, k: int, resident: int) -> int:
