@@ -482,8 +482,9 @@ class CUDABackend(Backend):
         """Whether ``torch.mm`` takes ``out_dtype=torch.float32`` for the compute dtype on this device
         (cuBLAS writing fp32 from 16-bit operands; a CUDA op since torch 2.8). Tried once, here, on two
         tiny operands: never inside a graph capture."""
-        if self.device.type != "cuda" or self.dtype == torch.float32:
-            return False
+        dense_head = any(op.kind == "lm_head" and self._weights[id(op)].scheme == "none" for op in self.graph.ops)
+        if not dense_head or self.device.type != "cuda" or self.dtype == torch.float32:
+            return False  # only a dense LM head's several sampling rows go to cuBLAS
         a = torch.ones(2, 16, dtype=self.dtype, device=self.device)
         try:
             return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32

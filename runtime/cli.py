@@ -283,15 +283,16 @@ def tune(model: str, out: str | None, prompt_len: int, rounds: int, min_gain: fl
 
     path = _model_path(model)
     try:
-        from .tune import decode_step_ms, no_gpu_reason, tune_in_graph, write_tunings
+        from .tune import DECODE_STEPS, decode_step_ms, no_gpu_reason, tune_in_graph, write_tunings
     except ImportError as e:
         _fail(f"tune times decode steps on a CUDA GPU through torch and triton: {e}")
     reason = no_gpu_reason()
     if reason:
         _fail(reason)
     engine = Engine(path, backend="cuda", config=_engine_config(None, max_num_seqs=1))
-    if prompt_len + 8 > engine.max_position:
-        raise EngineError(f"--prompt-len {prompt_len} and 8 decode steps exceed the model's {engine.max_position} positions")
+    if prompt_len + DECODE_STEPS > engine.max_position:
+        raise EngineError(f"--prompt-len {prompt_len} and {DECODE_STEPS} decode steps exceed the model's "
+                          f"{engine.max_position} positions")  # fmt: skip
     click.echo(engine.tuning_note, err=True)
     click.echo(engine.kernels_note, err=True)
     vocab = engine.graph.arch.vocab_size

@@ -264,7 +264,11 @@ def _switch_trial(sw: _Switch, backend: Any, measure: Callable[[], float], best:
     return Trial(sw.kernel, "M=1", before, winner, times)
 
 
-def decode_step_ms(engine: Any, prompt: list[int], *, steps: int = 8, replays: int = 50, repeats: int = 3) -> float:
+DECODE_STEPS = 8  # decode steps of the request that captures the timed graph (decode_step_ms)
+
+
+def decode_step_ms(engine: Any, prompt: list[int], *, steps: int = DECODE_STEPS, replays: int = 50,
+                   repeats: int = 3) -> float:  # fmt: skip
     """The batch-1 greedy decode step's GPU time (ms; median of ``repeats`` timings of ``replays``
     replays): one request of ``prompt`` decodes ``steps`` tokens, which captures the step's graph."""
     from .sampler import SamplingParams
