@@ -701,9 +701,6 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #ifndef MGX_IMMA_UNROLL
 #define MGX_IMMA_UNROLL 1
 #endif
-#ifndef MGX_IMMA_INDEX32
-#define MGX_IMMA_INDEX32 0  // 1: the codes' and scales' offsets in 32 bits (an A/B build; see load_w)
-#endif
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -990,27 +987,18 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const auto next = [&](int b, int s0) { return s0 + kPass < steps ? make_int2(b, s0 + kPass) : make_int2(b + gridDim.x, warp); };
   const auto load_w = [&](int2 at, Pass& p) {
     const int lo = row_lo(at.x), hi = row_hi(at.x);
-#if MGX_IMMA_INDEX32
-    // Offsets in 32 bits (an A/B build, not yet run on a GPU: the launcher does not yet check that
-    // the codes and the scales stay below 2^31 bytes and entries): one IMAD each and the scales'
-    // index shared with the zeros'. sm_90a, int4 imma_w4: a step's loads and addresses take 66 SASS
-    // instructions against 100 with the 64-bit products (nineteenth session, cuobjdump).
+    // Offsets in 32 bits (gemv_applies refuses codes or scales past 2^31 bytes and entries): one IMAD
+    // each, and the scales' index shared with the zeros'. sm_90a, int4 imma_w4: a step's loads and
+    // addresses take 66 SASS instructions against 100 with 64-bit products. On the H200 (cold L2,
+    // twentieth session; build flag MGX_IMMA_INDEX32 until then) int4 gate/up imma_w4 28.7 -> 27.5 us,
+    // imma_persistent_w4 27.6 -> 26.3, down imma_w16 19.0 -> 18.7; W8A16 within +-0.5 us either way.
     const uint32_t w_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_w) + 16u * t;
     const uint32_t w_hi = static_cast<uint32_t>(hi) * static_cast<uint32_t>(stride_w) + 16u * t;
-#else
-    const uint8_t* w_lo = w + lo * stride_w;
-    const uint8_t* w_hi = w + hi * stride_w;
-#endif
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
-#if MGX_IMMA_INDEX32
       const uint4* a = reinterpret_cast<const uint4*>(w + (w_lo + static_cast<uint32_t>(s) * (64u * kW)));
       const uint4* b = reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * (64u * kW)));
-#else
-      const uint4* a = reinterpret_cast<const uint4*>(w_lo + s * 64 * kW) + t;
-      const uint4* b = reinterpret_cast<const uint4*>(w_hi + s * 64 * kW) + t;
-#endif
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
 #pragma unroll
@@ -1019,14 +1007,9 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         p.hi[kW * u + v] = in ? load_stream_fetch(b + 4 * v) : zero;
       }
       if constexpr (kInt4) {
-#if MGX_IMMA_INDEX32
         const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
         const uint32_t i_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_s) + grp;
         const uint32_t i_hi = static_cast<uint32_t>(hi) * static_cast<uint32_t>(stride_s) + grp;
-#else
-        const long long grp = (static_cast<long long>(s) << 7) >> group_shift;
-        const long long i_lo = lo * stride_s + grp, i_hi = hi * stride_s + grp;
-#endif
         p.s_lo[u] = in ? load_now(scales + i_lo) : 0.0f;
         p.s_hi[u] = in ? load_now(scales + i_hi) : 0.0f;
         p.z_lo[u] = zeros != nullptr && in ? load_now(zeros + i_lo) : 8u;  // null: symmetric

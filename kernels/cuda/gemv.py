@@ -237,7 +237,7 @@ def gemv_applies(
         return False
     if base.startswith("imma") and (w.n * w.weight.stride(0) * w.weight.element_size() >= 1 << 31
                                     or (w.scales is not None and w.n * w.scales.stride(0) >= 1 << 31)):
-        return False  # offsets past 2^31 (gemv.cu's MGX_IMMA_INDEX32 builds take them in 32 bits)
+        return False  # offsets past 2^31 (gemv.cu takes them in 32 bits)
     word = _WORD_BYTES[w.scheme]
     if w.weight.data_ptr() % word or (w.weight.stride(0) * w.weight.element_size()) % word:
         return False
