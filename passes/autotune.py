@@ -8,7 +8,8 @@ batch buckets, and a prefill chunk), each candidate launch configuration of the 
 is timed on random activations with the weight's real bytes, and the fastest is kept. At one row the
 native CUDA GEMV (``kernels/cuda/gemv.cu``, built with nvcc for the build GPU when nvcc is there) is
 timed too, and where it beats the best Triton configuration the entry says so (``native``; the Triton
-configuration stays in the entry as the fallback for a runtime without the native code). The graph is
+configuration stays in the entry as the fallback for a runtime without the native code); for the LM
+head, the imma kinds' greedy entries (``gemv_argmax``), which must pick the Triton kernel's token. The graph is
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
@@ -284,7 +285,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
 
     from mgx.formats.artifact import AutotuneEntry
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
-    from mgx.kernels.cuda.gemv import NATIVE_TOLERANCE, gemv, gemv_applies, relative_error
+    from mgx.kernels.cuda.gemv import NATIVE_TOLERANCE, gemv, gemv_applies, gemv_argmax, relative_error
     from mgx.kernels.triton._common import overlapped_launches
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
@@ -338,20 +339,31 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         best = (seconds, config)
                 triton_s = best[0] if best is not None else None
                 # A fused shape stays on Triton: a native kind there would turn norm across off for its chain.
-                one_row = best is not None and m == 1 and kernel != "lm_head_argmax" and fused is None
-                kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k)]
+                one_row = best is not None and m == 1 and fused is None
+                head = kernel == "lm_head_argmax"  # the greedy LM head: the imma kinds' argmax entries
+                kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k, argmax=head)]
                 silu = kernel == "linear_silu_mul"
+
+                def run_native(kind: str, x: Any = x, w: Any = w, silu: bool = silu, head: bool = head) -> Any:
+                    if head:
+                        return gemv_argmax(x, w, kernels=kernels, kind=kind)
+                    return gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind)
+
                 # A candidate must first give the Triton kernel's result (within one rounding of the output
-                # dtype): a native kernel that disagrees is reported, never chosen.
+                # dtype; the LM head: the same token, its logit within that): a native kernel that
+                # disagrees is reported, never chosen.
                 want = launch[kernel](x, w, config=best[1]) if kinds else None
                 for kind in kinds:
-                    err = relative_error(gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind), want)
+                    got = run_native(kind)
+                    if head:
+                        err = relative_error(got[1], want[1]) if torch.equal(got[0], want[0]) else float("inf")
+                    else:
+                        err = relative_error(got, want)
                     if err > NATIVE_TOLERANCE:
                         rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
                         continue
                     native = dataclasses.replace(best[1], native=kind)
-                    seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: gemv(x, w, kernels=kernels, silu_mul=s,
-                                                                                     kind=d), opts.repeats, ws)  # fmt: skip
+                    seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: run_native(d, x, w, s), opts.repeats, ws)
                     timed += 1
                     if seconds < best[0]:
                         best = (seconds, native)

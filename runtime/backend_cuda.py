@@ -71,7 +71,7 @@ from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
-from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies
+from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies, gemv_argmax
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton._common import num_sms, overlapped_launches
 from mgx.kernels.triton.attention import (
@@ -1059,8 +1059,14 @@ class CUDABackend(Backend):
         return linear(x, w, self._bias[id(op)], out=out, config=dataclasses.replace(config, split_k=1))
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
-        x, w = self._sampled(x), self._weights[id(op)]
-        return lm_head_argmax(x, w, self._bias[id(op)], config=self.tunings.config("lm_head_argmax", w, x.shape[0]))
+        """Greedy tokens and their fp32 logits: one row on the native kind the stored tuning chose
+        (``gemv_argmax``) where the artifact's kernels hold it, else the Triton LM head."""
+        x, w, bias = self._sampled(x), self._weights[id(op)], self._bias[id(op)]
+        config = self.tunings.config("lm_head_argmax", w, x.shape[0])
+        native = config.native if config is not None and self.tuned_gemvs else ""
+        if native and gemv_applies(self.cuda_kernels, x, w, bias, kind=native, argmax=True):
+            return gemv_argmax(x, w, bias, kernels=self.cuda_kernels, kind=native)
+        return lm_head_argmax(x, w, bias, config=config)
 
     def _sampled(self, x: Array) -> Array:
         st = self._cur

@@ -878,7 +878,9 @@ __device__ __forceinline__ ImmaTally<W>& imma_tally() {
   return tally;
 }
 
-template <int W>
+// kArgmax (the greedy LM head): out is float [2 groups]; the group's largest output and its row (the
+// smallest on ties; NaN never wins) go to out[blk] and, as int, out[groups + blk] instead of the outputs.
+template <int W, bool kArgmax = false>
 __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
                                             const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
@@ -913,7 +915,26 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
     if (bias != nullptr) v += __bfloat162float(bias[row]);
   }
   const float up = __shfl_down_sync(0xFFFFFFFFu, v, 8);  // lane r < 8: row r + 8's total
-  if (silu_mul) {
+  if constexpr (kArgmax) {
+    // Lanes 0-15 hold rows n0 + lane; the xor steps below 16 stay within them.
+    const bool real = lane < 16 && n0 + lane < n && !isnan(v);
+    float best = real ? v : -INFINITY;
+    int at = real ? n0 + lane : 0x7FFFFFFF;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+      const int oa = __shfl_xor_sync(0xFFFFFFFFu, at, o);
+      if (ob > best || (ob == best && oa < at)) {
+        best = ob;
+        at = oa;
+      }
+    }
+    if (lane == 0) {
+      float* part = reinterpret_cast<float*>(out);
+      part[blk] = best;
+      reinterpret_cast<int*>(part + (n + 15) / 16)[blk] = at;
+    }
+  } else if (silu_mul) {
     if (lane < 8 && n0 + lane < n_out) out[n0 + lane] = __float2bfloat16_rn(silu_times(v, up));
   } else if (lane < 16 && n0 + lane < n_out) {
     out[n0 + lane] = __float2bfloat16_rn(v);
@@ -952,7 +973,7 @@ __device__ __forceinline__ ImmaCache<W>& imma_cache() {
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
 // W: warps a block (kImmaWarps; kinds imma_w4 and imma_w16: 4 and 16), which split each group's steps.
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W>
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
@@ -1090,7 +1111,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
       acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
     }
-    imma_finish<W>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
+    imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
   int2 at = make_int2(blockIdx.x, warp);
@@ -1169,24 +1190,30 @@ __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps>
+// kArgmax: the entries of the greedy LM head (imma_finish; no SiLU product).
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
                                                 const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
-  if (silu_f > 0) {
+  if constexpr (kArgmax) {
+    gemv_imma<false, false, kNorm, kMulti, W, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, 0, norm);
+  } else if (silu_f > 0) {
     gemv_imma<false, true, kNorm, kMulti, W>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   } else {
     gemv_imma<false, false, kNorm, kMulti, W>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
                                                const NormIn* norm) {
-  if (silu_f > 0) {
+  if constexpr (kArgmax) {
+    gemv_imma<true, false, kNorm, kMulti, W, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
+                                                0, norm);
+  } else if (silu_f > 0) {
     gemv_imma<true, true, kNorm, kMulti, W>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
                                          norm);
   } else {
@@ -1298,3 +1325,33 @@ MGX_GEMV_ENTRIES_WITH(mgx_gemv_w8a16_imma4_multi_bf16, 4 * 32, gemv_w8a16_imma, 
 
 MGX_GEMV_ENTRIES_WITH(mgx_gemv_int4_imma4_multi_bf16, 4 * 32, gemv_int4_imma, (, true, 4),
                  MGX_INT4_PARAMS, MGX_INT4_ARGS)
+
+// The greedy LM head on the imma kinds (kArgmax): NAME(part, x, ...) with the scheme's parameters
+// (silu_f ignored) writes each output group's largest logit to part[b] (fp32) and its row to
+// ((int*)part)[groups + b], groups = ceil(n / 16); a second kernel (lm_head.py) takes the row's
+// argmax over them. The logits never reach memory. Grids as the kinds' plain entries.
+#define MGX_ARGMAX_ENTRY(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                                    \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
+      MGX_ENTRY(NAME)(float* part, const __nv_bfloat16* x, MGX_UNPAREN PARAMS) {                                  \
+    mgx_gemv::FN<false MGX_UNPAREN FLAGS>(reinterpret_cast<__nv_bfloat16*>(part), reinterpret_cast<const uint4*>(x), \
+                                         MGX_UNPAREN ARGS, nullptr);                                              \
+  }
+
+MGX_ARGMAX_ENTRY(mgx_gemv_int4_imma_argmax, mgx_gemv::kImmaWarps * 32, gemv_int4_imma, (, false, mgx_gemv::kImmaWarps, true),
+                 MGX_INT4_PARAMS, MGX_INT4_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_int4_imma_multi_argmax, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
+                 (, true, mgx_gemv::kImmaWarps, true), MGX_INT4_PARAMS, MGX_INT4_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_int4_imma4_argmax, 4 * 32, gemv_int4_imma, (, false, 4, true), MGX_INT4_PARAMS, MGX_INT4_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_int4_imma16_argmax, 16 * 32, gemv_int4_imma, (, false, 16, true), MGX_INT4_PARAMS, MGX_INT4_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_int4_imma4_multi_argmax, 4 * 32, gemv_int4_imma, (, true, 4, true), MGX_INT4_PARAMS,
+                 MGX_INT4_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma_argmax, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
+                 (, false, mgx_gemv::kImmaWarps, true), MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma_multi_argmax, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
+                 (, true, mgx_gemv::kImmaWarps, true), MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma4_argmax, 4 * 32, gemv_w8a16_imma, (, false, 4, true), MGX_W8A16_PARAMS,
+                 MGX_W8A16_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma16_argmax, 16 * 32, gemv_w8a16_imma, (, false, 16, true), MGX_W8A16_PARAMS,
+                 MGX_W8A16_ARGS)
+MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma4_multi_argmax, 4 * 32, gemv_w8a16_imma, (, true, 4, true), MGX_W8A16_PARAMS,
+                 MGX_W8A16_ARGS)

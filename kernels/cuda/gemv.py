@@ -35,11 +35,12 @@ import torch
 
 from mgx.kernels.triton._common import num_sms
 from mgx.kernels.triton.linear import GpuWeight
+from mgx.kernels.triton.lm_head import merge_tile_argmax
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
-           "equal_shares", "gemv", "gemv_applies", "gemv_threads", "norm_blocks_per_sm", "norm_most",
+__all__ = ["ARGMAX_ENTRIES", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
+           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_threads", "norm_blocks_per_sm", "norm_most",
            "relative_error"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
@@ -69,6 +70,9 @@ ENTRIES = {  # (kind, scheme) -> entry point
     ("imma4_multi", "int4"): f"mgx_gemv_int4_imma4_multi_bf16_v{KERNEL_ABI}",
 }
 NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for key, name in ENTRIES.items()}
+# The greedy LM head on the imma kinds (``gemv_argmax``): each output group's largest logit and its id.
+ARGMAX_ENTRIES = {key: name.replace(f"_bf16_v{KERNEL_ABI}", f"_argmax_v{KERNEL_ABI}")
+                  for key, name in ENTRIES.items() if key[0].startswith("imma")}  # fmt: skip
 LABELS = {  # how the engine's kernel note names them
     ("gemv", "int4"): "int4 GEMV",
     ("gemv", "w8a16"): "w8a16 GEMV",
@@ -178,10 +182,11 @@ def norm_most(kernels: CudaKernels, kind: str, scheme: str, k: int, device: torc
     return norm_blocks_per_sm(kind, k, kernels.module.max_blocks_per_sm(entry, threads, 2 * k)) * num_sms(device)
 
 
-def entry_for(kind: str, scheme: str, norm: bool = False) -> str | None:
-    """The entry point ``kind`` launches for ``scheme`` (its ``_norm`` twin with ``norm``); None: none."""
+def entry_for(kind: str, scheme: str, norm: bool = False, argmax: bool = False) -> str | None:
+    """The entry point ``kind`` launches for ``scheme`` (its ``_norm`` twin with ``norm``, its greedy
+    LM head with ``argmax``); None: none."""
     base = _ENTRY_KIND.get(kind)
-    return (NORM_ENTRIES if norm else ENTRIES).get((base, scheme))
+    return (ARGMAX_ENTRIES if argmax else NORM_ENTRIES if norm else ENTRIES).get((base, scheme))
 
 
 def gemv_threads(k: int) -> int:
@@ -217,13 +222,17 @@ def gemv_applies(
     bias: torch.Tensor | None = None,
     kind: str = "gemv",
     norm: NormPrologue | None = None,
+    argmax: bool = False,
 ) -> bool:
     """Whether ``gemv`` of ``kind`` runs x @ W^T here: loaded kernels holding its entry for the scheme,
     one bf16 row on their device, int4 (groups of 8 or more; the ``mma`` kinds: of a multiple of 128
     and K too), w8a16 (the ``mma`` kinds: K a multiple of 128) or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
-    loads need; with ``norm``, its entry point too and operands it can read."""
+    loads need; with ``norm``, its entry point too and operands it can read; with ``argmax``, whether
+    ``gemv_argmax`` does (the imma kinds, no prologue)."""
     base = _ENTRY_KIND.get(kind)
-    entry = entry_for(kind, w.scheme, norm is not None)
+    if argmax and norm is not None:
+        return False
+    entry = entry_for(kind, w.scheme, norm is not None, argmax)
     if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
         return False
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:
@@ -266,6 +275,36 @@ def gemv(
         raise ValueError(f"fused gate/up width {w.n} is odd")
     n_out = w.n // 2 if silu_mul else w.n
     out = torch.empty((1, n_out), dtype=torch.bfloat16, device=x.device) if out is None else out
+    _launch(x, w, bias, kernels, kind, out, silu_mul, norm, ENTRIES)
+    return out
+
+
+def gemv_argmax(
+    x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None, *, kernels: CudaKernels, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy LM head for one row on an imma ``kind``: (ids [1] int32, their logits [1] fp32), the
+    argmax over x [1, K] @ W[V, K]^T (+ bias) in fp32 with the smallest id on ties, as
+    ``lm_head_argmax``; the logits never reach memory (each block keeps its group's best, and
+    ``merge_tile_argmax`` reduces those). The caller checks ``gemv_applies(..., argmax=True)`` first."""
+    groups = -(-w.n // MMA_ROWS)
+    part = torch.empty(2 * groups, dtype=torch.float32, device=x.device)
+    _launch(x, w, bias, kernels, kind, part, False, None, ARGMAX_ENTRIES)
+    return merge_tile_argmax(part[:groups].view(1, groups), part[groups:].view(torch.int32).view(1, groups))
+
+
+def _launch(
+    x: torch.Tensor,
+    w: GpuWeight,
+    bias: torch.Tensor | None,
+    kernels: CudaKernels,
+    kind: str,
+    out: torch.Tensor,
+    silu_mul: bool,
+    norm: NormPrologue | None,
+    entries: dict[tuple[str, str], str],
+) -> None:
+    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``."""
+    n_out = w.n // 2 if silu_mul else w.n
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
     per_block = rows // 2 if silu_mul else rows
@@ -285,7 +324,7 @@ def gemv(
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
-    entry, blocks, shared = ENTRIES[base, w.scheme], -(-n_out // per_block), 0
+    entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k
         blocks = equal_shares(blocks, norm_most(kernels, kind, w.scheme, w.k, x.device))
@@ -296,4 +335,3 @@ def gemv(
         blocks = equal_shares(blocks, _EQUAL_SHARES[kind] * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
-    return out

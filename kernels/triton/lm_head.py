@@ -32,7 +32,7 @@ from .linear import (
     min_block_k,
 )
 
-__all__ = ["lm_head_argmax", "lm_head_argmax_ref"]
+__all__ = ["lm_head_argmax", "lm_head_argmax_ref", "merge_tile_argmax"]
 
 
 @triton.jit
@@ -117,6 +117,18 @@ def lm_head_argmax(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and weight.k % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap_options(),
     )  # fmt: skip
+    return merge_tile_argmax(part_v, part_i, ids, vals)
+
+
+def merge_tile_argmax(
+    part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None, vals: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax from its tiles' best logits part_v [R, T] (fp32) at ids part_i [R, T]
+    (int32; each tile's smallest on ties): (ids [R] int32, logits [R] fp32), the smallest id on ties.
+    The Triton LM head's second kernel, and the native one's (``cuda.gemv.gemv_argmax``)."""
+    m, num_tiles = part_v.shape
+    ids = torch.empty(m, dtype=torch.int32, device=part_v.device) if ids is None else ids
+    vals = torch.empty(m, dtype=torch.float32, device=part_v.device) if vals is None else vals
     block_t = min(1024, next_pow2(num_tiles))
     _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4, **overlap_options())
     return ids, vals

@@ -165,8 +165,8 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
     # Only the CUDA-core kind applies here (the tensor-core one needs groups of 128).
-    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: k is kernels and x.shape[0] == 1
-                        and kind == "gemv")  # fmt: skip
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: k is kernels
+                        and x.shape[0] == 1 and kind == "gemv" and not argmax)  # fmt: skip
     monkeypatch.setattr(cg, "gemv", reference_gemv())
     timer = autotune_pass._time
 
@@ -226,6 +226,57 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize("wrong", [False, True])
+def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_gpu_needed, monkeypatch, wrong: bool) -> None:  # noqa: ANN001
+    """At one row the LM head's native kinds (``gemv_argmax``: the imma kinds' greedy entries) are
+    checked and timed like the projections': one that picks the Triton kernel's token with its logit
+    and wins the (fake) timer is stored, and the backend's greedy head runs it, the tokens staying the
+    reference's. One that picks another token is rejected and named however fast it is. (The native
+    kernel is stood in for by the fp32 reference; no GPU.)"""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.lm_head import lm_head_argmax_ref
+
+    kernels = object()
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: k is kernels
+                        and x.shape[0] == 1 and argmax and kind == "imma_w4")  # fmt: skip
+    ran: list[str] = []
+
+    def greedy(x, w, bias=None, *, kernels, kind):  # noqa: ANN001, ANN202
+        ran.append(kind)
+        ids, vals = lm_head_argmax_ref(x, w, bias)
+        return (ids + 1 if wrong else ids), vals
+
+    monkeypatch.setattr(cg, "gemv_argmax", greedy)
+    timer = autotune_pass._time
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None: -1.0 if fn.__defaults__[0].native else timer(fn, r, ws))
+    graph = tiny_contents().graph
+    for name in ("fuse_qkv", "fuse_gate_up"):
+        PASSES[name](graph, {}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    entries = next(iter(result.stats["autotune"].values()))
+    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
+    assert natives == (set() if wrong else {("lm_head_argmax", "1", "imma_w4")})
+    assert ("native GEMV rejected (wrong results) for imma_w4 " in result.summary) == wrong
+    assert ran == ["imma_w4"]  # its check against the Triton head (the fake timer runs nothing)
+
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    backend.cuda_kernels = kernels
+    monkeypatch.setattr(backend_cuda, "gemv_applies", cg.gemv_applies)
+    monkeypatch.setattr(backend_cuda, "gemv_argmax", greedy)
+    ran.clear()
+    runner, want = ModelRunner(graph, backend), ModelRunner(graph, "reference")
+    prompt = np.array([5, 6, 7, 8, 9])
+    got_ids = [runner.step_greedy([SeqChunk(0, prompt)])[0][0][-1]]
+    want_ids = [int(np.argmax(want.step([SeqChunk(0, prompt)])[0][-1]))]
+    got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
+    want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
+    assert [int(i) for i in got_ids] == want_ids
+    assert ran == ([] if wrong else ["imma_w4"] * 2)  # the prompt's last row and the decode row
+
+
+@pytest.mark.interpreted
 @pytest.mark.parametrize("norm_gemv", ["0", "1"])
 def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only(monkeypatch, norm_gemv: str) -> None:
     """Without stored tunings the backend runs the native GEMV for int4/W8A16 rows (faster at the
@@ -234,7 +285,7 @@ def test_untuned_one_row_linears_take_the_native_gemv_for_quantized_weights_only
     prologue (the reference stand-in computes it, and the greedy steps still run)."""
     calls: list[tuple[str, ...]] = []
     monkeypatch.setenv("MGX_CUDA_NORM_GEMV", norm_gemv)
-    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: x.shape[0] == 1)
+    monkeypatch.setattr(backend_cuda, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: x.shape[0] == 1 and not argmax)
     monkeypatch.setattr(backend_cuda, "gemv", reference_gemv(calls=calls))
     fused = {("w8a16", "gemv", "norm")} if norm_gemv == "1" else set()
     for pipeline, want in (("dense", set()), ("w8a16-tiled", {("w8a16", "gemv")} | fused)):
@@ -255,7 +306,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
 
     kernels = object()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
-    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None: x.shape[0] == 1)
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: x.shape[0] == 1 and not argmax)
     monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
     timer = autotune_pass._time
     monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None: -1.0 if fn.__defaults__[0].native else timer(fn, r, ws))
@@ -333,7 +384,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: object())  # natives offered everywhere...
     from mgx.kernels.cuda import gemv as cg
 
-    monkeypatch.setattr(cg, "gemv_applies", lambda *a, **k: True)
+    monkeypatch.setattr(cg, "gemv_applies", lambda *a, argmax=False, **k: not argmax)
     monkeypatch.setattr(cg, "gemv", reference_gemv())
     seen: dict[int, list[tuple]] = {}  # id(the NormIn) or 0 -> the defaults of each timed call
     ran_add: list = []  # what the first producer call returned: (sum, its squares)

@@ -55,8 +55,8 @@ def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
 
-    def applies(kernels, x, w, bias=None, *, kind="gemv", norm=None):  # noqa: ANN001, ANN202
-        return kernels is KERNELS and x.shape[0] == 1 and kind in NATIVE and norm is None
+    def applies(kernels, x, w, bias=None, *, kind="gemv", norm=None, argmax=False):  # noqa: ANN001, ANN202
+        return kernels is KERNELS and x.shape[0] == 1 and kind in NATIVE and norm is None and not argmax
 
     def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv", norm=None):  # noqa: ANN001, ANN202
         LAUNCHED.append(kind)

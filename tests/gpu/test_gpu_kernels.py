@@ -195,6 +195,50 @@ def test_native_imma_gemv_on_outliers_replays_and_propagates_nan(native, n: int,
     assert torch.isnan(cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind)).all()
 
 
+@pytest.mark.parametrize(("n", "k"), [(128256, 4096), (32003, 1024), (40, 256)])
+@pytest.mark.parametrize("kind", ["imma", "imma_persistent", "imma_w4", "imma_w16", "imma_persistent_w4"])
+@pytest.mark.parametrize("scheme", ["w8a16", "int4"])
+def test_native_greedy_lm_head_picks_the_reference_token(native, n: int, k: int, kind: str, scheme: str) -> None:  # noqa: ANN001
+    """``gemv_argmax`` (the imma kinds' greedy entries: each block keeps its 16 logits' best, a second
+    kernel merges them) against the fp32 reference logits: with and without bias, the reference's
+    token wherever its lead over the runner-up exceeds 1e-4 of the largest |logit| (else a token within
+    that of the top), its logit within 1e-4 of the reference's (relative); ties (the top row copied
+    into rows 0 and 1, in another block) go to the smallest id; replayed from a CUDA graph to the bit.
+    The 8B vocabulary, a ragged one (32,003: the last block holds 3 rows) and a single block's worth."""
+    from mgx.kernels.cuda import gemv as cg
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + 23)
+    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
+    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    for bias in (None, torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)):
+        assert cg.gemv_applies(native, x, w, bias, kind=kind, argmax=True)
+        ids, vals = cg.gemv_argmax(x, w, bias, kernels=native, kind=kind)
+        logits = x.float() @ lin.dequantize_ref(w).T + (0.0 if bias is None else bias.float())
+        top2 = logits[0].topk(2).values
+        tol = 1e-4 * float(logits.abs().max())
+        assert ids.shape == (1,) and ids.dtype == torch.int32 and vals.dtype == torch.float32
+        if float(top2[0] - top2[1]) > tol:
+            assert int(ids[0]) == int(logits[0].argmax())
+        assert float(logits[0, int(ids[0])]) >= float(top2[0]) - tol
+        assert abs(float(vals[0]) - float(logits[0, int(ids[0])])) <= tol
+    top = int(cg.gemv_argmax(x, w, kernels=native, kind=kind)[0][0])
+    if n > 32 and top > 1:
+        for t in (w.weight, w.scales, w.zeros):  # rows 0 and 1 become copies of the top row
+            if t is not None:
+                t[0:2] = t[top]
+        ids, _ = cg.gemv_argmax(x, w, kernels=native, kind=kind)
+        assert int(ids[0]) == 0
+    want = cg.gemv_argmax(x, w, kernels=native, kind=kind)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = cg.gemv_argmax(x, w, kernels=native, kind=kind)
+    got[0].fill_(-1)
+    graph.replay()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not cg.gemv_applies(native, x, w, kind="mma", argmax=True)
+
+
 @pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize("k", [4096, 8192])

@@ -78,6 +78,23 @@ def test_rmsnorm_prologue_operands_and_entry_names() -> None:
         assert cg.NORM_ENTRIES[key] == f"{base}_norm_v{version}"
 
 
+def test_greedy_lm_head_entries_are_the_imma_kinds_without_a_prologue() -> None:
+    """``gemv_argmax``'s entries: one per imma entry and scheme, same ABI version; no other kind and
+    no RMSNorm prologue takes the greedy head (the kernel itself: tests/gpu)."""
+    assert set(cg.ARGMAX_ENTRIES) == {key for key in cg.ENTRIES if key[0].startswith("imma")}
+    for key, name in cg.ARGMAX_ENTRIES.items():
+        assert name == cg.ENTRIES[key].replace("_bf16_v", "_argmax_v") and name.endswith(f"_v{cg.KERNEL_ABI}")
+    for kind in cg.KINDS:
+        for scheme in ("int4", "w8a16", "none"):
+            got = cg.entry_for(kind, scheme, argmax=True)
+            assert (got is not None) == (kind.startswith("imma") and scheme != "none")
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    w = make_weight("int4", 64, 256, group_size=128)
+    every = FakeKernels(*cg.ENTRIES.values(), *cg.NORM_ENTRIES.values(), *cg.ARGMAX_ENTRIES.values())
+    assert not cg.gemv_applies(every, x, w, kind="imma", argmax=True, norm=cg.NormPrologue(None, None, 1e-6))
+    assert not cg.gemv_applies(every, x, w, kind="mma", argmax=True)
+
+
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);

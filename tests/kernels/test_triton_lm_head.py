@@ -40,3 +40,19 @@ def test_ties_go_to_the_smallest_id_across_tiles() -> None:
     ids, vals = lm_head.lm_head_argmax(x, GpuWeight("none", v, h, weight), config=LinearConfig(1, 16, 16, 4, 2))
     assert ids.tolist() == [7, 3]
     assert vals.tolist() == [2.0, 1.0]
+
+
+def test_merging_tile_bests_takes_the_largest_and_the_smallest_id_on_ties() -> None:
+    """``merge_tile_argmax`` (the second kernel of the Triton head and of the native one): per row, the
+    largest of the tiles' best logits and, among equal ones, the smallest id; 1,500 tiles span two of
+    its 1,024-wide passes."""
+    g = torch.Generator().manual_seed(5)
+    part_v = torch.randn(3, 1500, generator=g)
+    part_i = (torch.arange(1500, dtype=torch.int32) * 16 + torch.randint(0, 16, (3, 1500), generator=g)).to(torch.int32)
+    part_v[1, [40, 1200]] = 9.0  # a tie across passes: tile 40's id wins
+    part_v[2, 1400] = float("-inf")
+    ids, vals = lm_head.merge_tile_argmax(part_v.to(DEVICE), part_i.to(DEVICE))
+    top = part_v.argmax(dim=1)
+    assert ids.tolist() == part_i[torch.arange(3), top].tolist()
+    assert int(top[1]) == 40
+    assert vals.tolist() == part_v[torch.arange(3), top].tolist()
