@@ -879,7 +879,8 @@ __device__ __forceinline__ ImmaTally<W>& imma_tally() {
 }
 
 // kArgmax (the greedy LM head): out is float [2 groups]; the group's largest output and its row (the
-// smallest on ties; NaN never wins) go to out[blk] and, as int, out[groups + blk] instead of the outputs.
+// smallest on ties; NaN counts as -inf, so a group of NaN still gives its first row, as lm_head.py's
+// kernels) go to out[blk] and, as int, out[groups + blk] instead of the outputs.
 template <int W, bool kArgmax = false>
 __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
@@ -917,8 +918,8 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
   const float up = __shfl_down_sync(0xFFFFFFFFu, v, 8);  // lane r < 8: row r + 8's total
   if constexpr (kArgmax) {
     // Lanes 0-15 hold rows n0 + lane; the xor steps below 16 stay within them.
-    const bool real = lane < 16 && n0 + lane < n && !isnan(v);
-    float best = real ? v : -INFINITY;
+    const bool real = lane < 16 && n0 + lane < n;
+    float best = real && !isnan(v) ? v : -INFINITY;
     int at = real ? n0 + lane : 0x7FFFFFFF;
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) {

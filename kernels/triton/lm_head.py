@@ -3,7 +3,11 @@
 Each program computes the logits of one vocabulary tile for a block of rows, keeps only each row's
 largest logit and its index, and writes those [R, V / BLOCK_N] pairs; a second small kernel reduces
 them per row. The [R, V] logits never reach device memory, which at batch 1 leaves the weight read
-as the only real traffic. Ties go to the smallest token id, like numpy's and torch's argmax.
+as the only real traffic. Ties go to the smallest token id, like numpy's and torch's argmax. A NaN
+logit counts as -inf (never picked over a number, as in the CPU kernels), so the token is always one
+of the vocabulary's, the smallest where every logit is NaN or -inf (its logit then reads -inf): a
+greedy step's token goes on the device into the next step's embedding lookup, where an id outside
+the table would end the process.
 
 The argmax is over the fp32 logits, not over logits rounded to the activation dtype: bf16 logits of
 magnitude 16-32 come in steps of 0.125, so rounding would turn near-ties into exact ties that the
@@ -54,7 +58,7 @@ def _lm_head_tile_kernel(
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN, False, False)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    acc = tl.where(n_mask[None, :], acc, float("-inf"))
+    acc = tl.where(n_mask[None, :] & (acc == acc), acc, float("-inf"))  # NaN counts as -inf
     best = tl.max(acc, axis=1)  # [BLOCK_M]
     idx = tl.argmax(acc, axis=1, tie_break_left=True) + pid_n * BLOCK_N
     dst = rm.to(tl.int64) * num_tiles + pid_n
@@ -73,8 +77,9 @@ def _argmax_merge_kernel(part_v_ptr, part_i_ptr, ids_ptr, vals_ptr, num_tiles, B
         t = t0 + tl.arange(0, BLOCK_T)
         v = tl.load(part_v_ptr + r * num_tiles + t, mask=t < num_tiles, other=float("-inf"))
         i = tl.load(part_i_ptr + r * num_tiles + t, mask=t < num_tiles, other=2147483647)
-        # Lanes keep their best; earlier tiles hold smaller ids, so only a strictly larger value wins.
-        better = v > best
+        # Lanes keep their best, the smaller id on ties (so that rows of -inf logits, NaN's included,
+        # still give a token of the vocabulary: the smallest).
+        better = (v > best) | ((v == best) & (i < best_i))
         best = tl.where(better, v, best)
         best_i = tl.where(better, i, best_i)
     top = tl.max(best, axis=0)

@@ -203,7 +203,8 @@ def test_native_greedy_lm_head_picks_the_reference_token(native, n: int, k: int,
     kernel merges them) against the fp32 reference logits: with and without bias, the reference's
     token wherever its lead over the runner-up exceeds 1e-4 of the largest |logit| (else a token within
     that of the top), its logit within 1e-4 of the reference's (relative); ties (the top row copied
-    into rows 0 and 1, in another block) go to the smallest id; replayed from a CUDA graph to the bit.
+    into rows 0 and 1, in another block) go to the smallest id; replayed from a CUDA graph to the bit;
+    a NaN in x (every logit NaN) gives token 0 with logit -inf, as the Triton head.
     The 8B vocabulary, a ragged one (32,003: the last block holds 3 rows) and a single block's worth."""
     from mgx.kernels.cuda import gemv as cg
 
@@ -237,6 +238,9 @@ def test_native_greedy_lm_head_picks_the_reference_token(native, n: int, k: int,
     graph.replay()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not cg.gemv_applies(native, x, w, kind="mma", argmax=True)
+    x[0, k // 3] = float("nan")  # every logit NaN, which counts as -inf: the smallest id, never one past V
+    ids, vals = cg.gemv_argmax(x, w, kernels=native, kind=kind)
+    assert ids.tolist() == [0] and vals.tolist() == [float("-inf")]
 
 
 @pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])

@@ -56,3 +56,25 @@ def test_merging_tile_bests_takes_the_largest_and_the_smallest_id_on_ties() -> N
     assert ids.tolist() == part_i[torch.arange(3), top].tolist()
     assert int(top[1]) == 40
     assert vals.tolist() == part_v[torch.arange(3), top].tolist()
+
+
+def test_nan_logits_never_win_and_the_token_is_always_in_the_vocabulary() -> None:
+    """A NaN logit counts as -inf: passed over where any number is left (row 0: a NaN row in the
+    weight), and a row whose logits are all NaN (row 1: NaN in x) or all -inf (a bias of -inf) gets the
+    smallest id, 0, with the logit -inf, never an id outside the vocabulary (which the next step's
+    embedding lookup would read out of bounds on the device)."""
+    v, h = 100, 16
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(v, h, generator=g)
+    weight[37] = float("nan")
+    x = torch.randn(2, h, generator=g)
+    x[1, 3] = float("nan")
+    w = GpuWeight("none", v, h, weight.to(DEVICE))
+    ids, vals = lm_head.lm_head_argmax(x.to(DEVICE), w, config=LinearConfig(1, 16, 16, 4, 2))
+    logits = x[0] @ weight.T
+    want = int(torch.where(logits.isnan(), float("-inf"), logits).argmax())
+    assert want != 37 and ids.tolist() == [want, 0]
+    assert vals[0].item() == pytest.approx(logits[want].item(), rel=1e-5) and vals[1].item() == float("-inf")
+    bias = torch.full((v,), float("-inf"), device=DEVICE)
+    ids, vals = lm_head.lm_head_argmax(x[:1].to(DEVICE), w, bias, config=LinearConfig(1, 16, 16, 4, 2))
+    assert ids.tolist() == [0] and vals.tolist() == [float("-inf")]
