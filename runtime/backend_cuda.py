@@ -69,9 +69,9 @@ import torch
 
 from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
+from mgx.kernels.cuda.gemv import ARGMAX_ENTRIES, ARGMAX_LABEL, NormPrologue, gemv, gemv_applies, gemv_argmax
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
-from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_applies, gemv_argmax
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton._common import num_sms, overlapped_launches
 from mgx.kernels.triton.attention import (
@@ -559,6 +559,8 @@ class CUDABackend(Backend):
             stored = ", ".join(sorted(images)) or "none"
             return f"no native CUDA kernels for sm_{sm} (stored: {stored}); Triton RMSNorm"
         gemvs = [GEMV_LABELS[key] for key, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
+        if any(self.cuda_kernels.has(entry) for entry in ARGMAX_ENTRIES.values()):
+            gemvs.append(ARGMAX_LABEL)
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
         if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)

@@ -39,7 +39,7 @@ from mgx.kernels.triton.lm_head import merge_tile_argmax
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ARGMAX_ENTRIES", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
+__all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_threads", "norm_blocks_per_sm", "norm_most",
            "relative_error"]  # fmt: skip
 
@@ -73,6 +73,7 @@ NORM_ENTRIES = {key: name.replace(f"_v{KERNEL_ABI}", f"_norm_v{KERNEL_ABI}") for
 # The greedy LM head on the imma kinds (``gemv_argmax``): each output group's largest logit and its id.
 ARGMAX_ENTRIES = {key: name.replace(f"_bf16_v{KERNEL_ABI}", f"_argmax_v{KERNEL_ABI}")
                   for key, name in ENTRIES.items() if key[0].startswith("imma")}  # fmt: skip
+ARGMAX_LABEL = "greedy LM head on the integer tensor cores"  # the kernel note's name for them
 LABELS = {  # how the engine's kernel note names them
     ("gemv", "int4"): "int4 GEMV",
     ("gemv", "w8a16"): "w8a16 GEMV",

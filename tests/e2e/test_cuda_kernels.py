@@ -215,7 +215,7 @@ def test_gpu_native_rmsnorm_is_loaded_and_gives_the_triton_tokens(
     engine = Engine(built.output, backend="cuda")
     kernels = engine.runner.backend.cuda_kernels
     assert kernels is not None and kernels.arch == native.here
-    listed = ", ".join(["RMSNorm", *cgemv.LABELS.values()])  # every entry point the image holds, in build order
+    listed = ", ".join(["RMSNorm", *cgemv.LABELS.values(), cgemv.ARGMAX_LABEL])  # every entry the image holds
     overlapped = ", launched overlapped" if engine.runner.backend.overlap_launches else ""  # sm_90+ by default
     assert engine.kernels_note == f"native CUDA kernels for {native.here} ({listed}){overlapped}"
     launches: list[str] = []
