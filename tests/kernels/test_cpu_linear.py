@@ -88,6 +88,22 @@ def test_lm_head_argmax_takes_the_first_of_equal_logits() -> None:
     assert index.tolist() == [7] and value.tolist() == [1.0]
 
 
+def test_lm_head_argmax_counts_nan_as_minus_infinity() -> None:
+    """As the GPU heads: a NaN logit is never picked over a number, even as the first logit (row 0),
+    and a row of NaN gives id 0 with -inf, never an id outside the vocabulary; 3,000 outputs span
+    several threads' tiles."""
+    w, aux = random_weight("f32", 3000, 8)
+    w.data[0] = np.nan  # logit 0 is NaN in every row
+    w.data[2100] = np.nan
+    x = np.random.default_rng(5).normal(size=(2, 8)).astype(np.float32)
+    x[1, 3] = np.nan  # every logit of row 1 NaN
+    index, value = cpu.lm_head_argmax(x, cpu.LinearWeight(w, aux))
+    logits = x[0] @ w.data.T
+    best = int(np.nanargmax(logits))
+    assert index.tolist() == [best, 0]
+    assert value[0] == pytest.approx(logits[best], rel=1e-5) and value[1] == -np.inf
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout", ["row_major", "cpu_tile16"])
 @pytest.mark.parametrize("name", list(SCHEMES))

@@ -48,7 +48,7 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
     entry keeps everything in registers (no stack), the pipelined ones and ``imma`` within 128
     registers a thread (two blocks of 256 threads an SM, which their design counts on; ``imma_multi``,
     kind ``imma_persistent``'s entries, and ``imma4`` and ``imma16``, those of 4 and 16 warps a block,
-    are counted with ``imma``), and each has a
+    are counted with ``imma``, and so are the greedy LM head's ``_argmax`` entries), and each has a
     main loop with its weight loads inside: int4 64 MMAs (4 steps of 16), W8A16 48 (2 steps of 24: four
     MMAs for each 8 columns' codes and two for the sum of x), ``imma`` 8 integer MMAs (two passes of
     one step, four a step: two 64-column halves, int4: low and high nibbles, for each of the two sets of 8 rows)."""
@@ -63,7 +63,9 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
         f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16") for kind in ("mma", "mma_pipe")
         for norm in ("", "_norm")} | {f"mgx_gemv_{scheme}_{kind}_bf16{norm}" for scheme in ("int4", "w8a16")
                                        for kind in ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
-                                       for norm in ("", "_norm")}  # fmt: skip
+                                       for norm in ("", "_norm")} | {
+        f"mgx_gemv_{scheme}_{kind}_argmax" for scheme in ("int4", "w8a16")
+        for kind in ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")}  # fmt: skip
     for name, (regs, stack, loops) in found.items():
         assert stack == 0, name
         assert regs <= (128 if "_pipe_" in name or "_imma" in name else 255), name

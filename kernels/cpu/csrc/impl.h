@@ -758,8 +758,12 @@ void linear_argmax(const WeightDesc& w, const float* x, int64_t ldx, int64_t m, 
       const int64_t n1 = std::min(w.n, c1 * kTile);
       for (int64_t i = 0; i < m; ++i) {
         const float* row = logits.data() + i * ld - c0 * kTile;
-        for (int64_t n = c0 * kTile; n < n1; ++n)
-          if (row[n] > bv[i] || bi[i] < 0) bv[i] = row[n], bi[i] = n;  // NaN never wins a comparison
+        for (int64_t n = c0 * kTile; n < n1; ++n) {
+          // NaN counts as -inf (as the GPU heads): never picked over a number, and a row of NaN gives
+          // its first id with -inf (a NaN first logit used to hold its place against every number).
+          const float v = row[n] == row[n] ? row[n] : -std::numeric_limits<float>::infinity();
+          if (v > bv[i] || bi[i] < 0) bv[i] = v, bi[i] = n;
+        }
       }
     }
   });
