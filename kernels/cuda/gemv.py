@@ -21,8 +21,10 @@ launches it. With ``norm`` (``NormPrologue``) the row it multiplies is rms_norm(
 computed by every block first (a decoder layer's add + RMSNorm and the projection after it, in one
 launch: the ``_norm`` entry points). Which runs a shape is the autotune pass's choice (``LinearConfig.native``, checked
 against the Triton kernel's result first); untuned, the CUDA backend runs ``gemv`` for quantized
-weights only. The launch goes on torch's current stream, so it is captured into
-CUDA graphs like any other kernel.
+weights only. ``gemv_argmax`` runs the imma kinds as the greedy LM head (``_argmax`` entries: each
+block keeps its output group's largest fp32 logit and its row, and ``merge_tile_argmax`` takes the
+row's argmax over those), where autotune chose one for the LM head. The launch goes on torch's
+current stream, so it is captured into CUDA graphs like any other kernel.
 """
 
 from __future__ import annotations
