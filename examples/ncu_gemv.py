@@ -3,7 +3,7 @@ shape and kind, the kernel's duration, DRAM and SM throughput, warp instructions
 cycles between a warp's instructions and occupancy -- what says whether a GEMV is bound by its bytes
 or by its instructions.
 
-    python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag -D...]
+    python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag -D...] [--stalls]
     python examples/ncu_gemv.py --parse report.csv --manifest launches.json   # a saved report, no GPU
 
 On a GPU host the script runs itself under ncu (``--launch``: build gemv.cu, launch every applicable
@@ -37,6 +37,12 @@ METRICS = {  # ncu metric name -> our key
     "Registers Per Thread": "registers",
 }
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "InstructionStats")
+# --stalls: where a warp's cycles between two issued instructions go, per reason (ncu's raw warp-state
+# metrics, listed by ncu outside the sections); the table names the three largest.
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+STALLS = ("long_scoreboard", "short_scoreboard", "wait", "barrier", "membar", "math_pipe_throttle", "mio_throttle",
+          "lg_throttle", "not_selected", "selected", "no_instruction", "dispatch_stall", "branch_resolving", "drain",
+          "sleeping", "imc_miss", "tex_throttle", "misc")  # fmt: skip
 
 
 def parse_report(text: str) -> list[dict]:
@@ -50,7 +56,10 @@ def parse_report(text: str) -> list[dict]:
         if not row.get("ID", "").isdigit():
             continue
         launch = launches.setdefault(int(row["ID"]), {"kernel": row["Kernel Name"], "grid": row["Grid Size"]})
-        key = METRICS.get(row["Metric Name"])
+        name = row["Metric Name"]
+        key = METRICS.get(name)
+        if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX):
+            key = "stall:" + name[len(STALL_PREFIX) : -len(STALL_SUFFIX)]
         if key is not None:
             launch[key] = float(row["Metric Value"].replace(",", ""))
     return [launches[i] for i in sorted(launches)]
@@ -70,7 +79,8 @@ def summarize(launches: list[dict], manifest: list[dict]) -> list[dict]:
     rows = []
     for (scheme, n, k, kind), pairs in groups.items():
         row = {"scheme": scheme, "n": n, "k": k, "kind": kind, "grid": pairs[0][0]["grid"]}
-        for key in METRICS.values():
+        keys = [*METRICS.values(), *sorted({k for launch, _ in pairs for k in launch if k.startswith("stall:")})]
+        for key in keys:
             values = [launch[key] for launch, _ in pairs if key in launch]
             if values:
                 row[key] = statistics.median(values)
@@ -83,17 +93,26 @@ def summarize(launches: list[dict], manifest: list[dict]) -> list[dict]:
     return rows
 
 
+def top_stalls(row: dict, most: int = 3) -> str:
+    """The row's largest stall reasons, "long_scoreboard 6.10, wait 1.20, ..." (cycles per issued
+    instruction), or "" without --stalls."""
+    stalls = sorted(((v, k.removeprefix("stall:")) for k, v in row.items() if k.startswith("stall:")), reverse=True)
+    return ", ".join(f"{name} {value:.2f}" for value, name in stalls[:most])
+
+
 def table(rows: list[dict]) -> str:
+    stalls = any(k.startswith("stall:") for r in rows for k in r)
     head = ("scheme", "N x K", "kind", "grid", "us", "GB/s", "DRAM %", "SM %", "inst/KiB", "cyc/issue", "occ %", "regs")
-    lines = [" | ".join(head)]
+    lines = [" | ".join(head + (("top stalls (cycles a warp waits per issue)",) if stalls else ()))]
     for r in rows:
         def num(key: str, fmt: str, scale: float = 1.0, r: dict = r) -> str:
             return format(r[key] * scale, fmt) if key in r else "-"
 
-        lines.append(" | ".join((r["scheme"], f"{r['n']}x{r['k']}", r["kind"], r["grid"], num("duration_ns", ".1f", 1e-3),
-                                 num("weight_gb_s", ".0f"), num("dram_pct", ".1f"), num("sm_pct", ".1f"),
-                                 num("instructions_per_kib", ".1f"), num("cycles_per_issue", ".2f"),
-                                 num("occupancy_pct", ".1f"), num("registers", ".0f"))))  # fmt: skip
+        cells = (r["scheme"], f"{r['n']}x{r['k']}", r["kind"], r["grid"], num("duration_ns", ".1f", 1e-3),
+                 num("weight_gb_s", ".0f"), num("dram_pct", ".1f"), num("sm_pct", ".1f"),
+                 num("instructions_per_kib", ".1f"), num("cycles_per_issue", ".2f"),
+                 num("occupancy_pct", ".1f"), num("registers", ".0f"))  # fmt: skip
+        lines.append(" | ".join(cells + ((top_stalls(r) or "-",) if stalls else ())))
     return "\n".join(lines)
 
 
@@ -138,6 +157,7 @@ def main() -> None:
     ap.add_argument("--schemes", default="int4,w8a16")
     ap.add_argument("--nvcc-flag", action="append", default=[], help="a compile-time setting of gemv.cu, e.g. -DMGX_IMMA_CACHE=0")
     ap.add_argument("--csv", type=Path, help="keep ncu's report here")
+    ap.add_argument("--stalls", action="store_true", help="also collect the warp stall reasons (the table's top three)")
     ap.add_argument("--parse", type=Path, help="summarize a saved report (with --manifest) instead of profiling")
     ap.add_argument("--manifest", type=Path)
     ap.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the child run under ncu
@@ -156,7 +176,9 @@ def main() -> None:
         raise SystemExit("ncu (Nsight Compute) not found: put it on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "launches.json"
+        stalls = ["--metrics", ",".join(STALL_PREFIX + r + STALL_SUFFIX for r in STALLS)] if args.stalls else []
         cmd = [ncu, "--csv", "--page", "details", "-k", "regex:^mgx_gemv_", *(a for s in SECTIONS for a in ("--section", s)),
+               *stalls,
                sys.executable, __file__, "--launch", "--kinds", args.kinds, "--schemes", args.schemes,
                "--manifest", str(manifest), *(f"--nvcc-flag={f}" for f in args.nvcc_flag)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -81,3 +81,19 @@ def test_parse_mode_prints_the_table_from_saved_files(tmp_path: Path) -> None:
     assert "int4 | 28672x4096 | imma" in done.stdout
     done = subprocess.run([sys.executable, str(SCRIPT), "--parse", str(report)], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "--parse needs --manifest" in done.stderr
+
+
+def test_stall_reasons_are_read_and_the_largest_three_named() -> None:
+    """With --stalls ncu lists the raw warp-state metrics outside the sections: each reason's cycles
+    per issued instruction, medians per kind, and the table names the three largest."""
+    stalls = {f"{ncu_gemv.STALL_PREFIX}{r}{ncu_gemv.STALL_SUFFIX}": v
+              for r, v in (("long_scoreboard", "5.10"), ("wait", "1.25"), ("barrier", "0.30"), ("math_pipe_throttle", "0.80"))}
+    text = _report([("mgx_gemv_int4_imma_bf16_v1", "(1792, 1, 1)", {**_metrics("36,864", "16,902,144"), **stalls}),
+                    ("mgx_gemv_int4_imma_bf16_v1", "(1792, 1, 1)", {**_metrics("37,152", "16,902,144"), **stalls})])  # fmt: skip
+    (row,) = ncu_gemv.summarize(ncu_gemv.parse_report(text), MANIFEST)
+    assert row["stall:long_scoreboard"] == pytest.approx(5.1) and row["stall:barrier"] == pytest.approx(0.3)
+    assert ncu_gemv.top_stalls(row) == "long_scoreboard 5.10, wait 1.25, math_pipe_throttle 0.80"
+    out = ncu_gemv.table([row])
+    assert out.splitlines()[0].endswith("| top stalls (cycles a warp waits per issue)")
+    assert out.splitlines()[1].endswith("| 62 | long_scoreboard 5.10, wait 1.25, math_pipe_throttle 0.80")
+    assert "top stalls" not in ncu_gemv.table([{k: v for k, v in row.items() if not k.startswith("stall:")}])
