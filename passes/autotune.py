@@ -285,7 +285,14 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
 
     from mgx.formats.artifact import AutotuneEntry
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
-    from mgx.kernels.cuda.gemv import NATIVE_TOLERANCE, gemv, gemv_applies, gemv_argmax, relative_error
+    from mgx.kernels.cuda.gemv import (
+        NATIVE_TOLERANCE,
+        gemv,
+        gemv_applies,
+        gemv_argmax,
+        native_error,
+        native_error_text,
+    )
     from mgx.kernels.triton._common import overlapped_launches
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
@@ -354,13 +361,9 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 # disagrees is reported, never chosen.
                 want = launch[kernel](x, w, config=best[1]) if kinds else None
                 for kind in kinds:
-                    got = run_native(kind)
-                    if head:
-                        err = relative_error(got[1], want[1]) if torch.equal(got[0], want[0]) else float("inf")
-                    else:
-                        err = relative_error(got, want)
+                    err = native_error(x, w, None, kernels=kernels, kind=kind, want=want, silu_mul=silu, argmax=head)
                     if err > NATIVE_TOLERANCE:
-                        rejected.append(f"{kind} {key[1]} (relative error {err:.1e})")
+                        rejected.append(f"{kind} {key[1]} ({native_error_text(err, head)})")
                         continue
                     native = dataclasses.replace(best[1], native=kind)
                     seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: run_native(d, x, w, s), opts.repeats, ws)

@@ -497,10 +497,16 @@ class CUDABackend(Backend):
         return f"sm_{self._sm}" if self.device.type == "cuda" else "interpreter"
 
     def one_row_linears(self) -> list[tuple[str, GpuWeight, Array | None]]:
-        """(kernel, weight, bias) of every linear op, the kernel named as stored tunings name it
-        (``linear_silu_mul`` for a gate/up projection whose SiLU product its epilogue takes)."""
-        return [("linear_silu_mul" if id(op) in self._fuse.silu_after_linear else "linear", self._weights[id(op)],
-                 self._bias[id(op)]) for op in self.graph.ops if op.kind == "linear"]  # fmt: skip
+        """(kernel, weight, bias) of every linear op and of the LM head, the kernel named as stored
+        tunings name it (``linear_silu_mul`` for a gate/up projection whose SiLU product its epilogue
+        takes, ``lm_head_argmax`` for the LM head, which a greedy decode step runs with its argmax)."""
+        def kernel(op: Op) -> str:
+            if op.kind == "lm_head":
+                return "lm_head_argmax"
+            return "linear_silu_mul" if id(op) in self._fuse.silu_after_linear else "linear"
+
+        return [(kernel(op), self._weights[id(op)], self._bias[id(op)]) for op in self.graph.ops
+                if op.kind in ("linear", "lm_head")]  # fmt: skip
 
     def drop_graphs(self) -> None:
         """Forget the captured decode steps, to be captured anew when next needed (after a change of

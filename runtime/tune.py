@@ -1,5 +1,6 @@
-"""In-graph tuning (``mgx-run tune``): each one-row projection's kernel chosen by the time of the whole
-decode step on the GPU that will serve the model, the choices stored back into the artifact.
+"""In-graph tuning (``mgx-run tune``): each one-row projection's kernel (and the greedy LM head's)
+chosen by the time of the whole decode step on the GPU that will serve the model, the choices stored
+back into the artifact.
 
 The autotune pass (``mgxc compile``) times every candidate kernel of a shape on its own: launches of
 the same kernel back to back. Inside the decode step a kernel starts while the one before it
@@ -10,7 +11,8 @@ gate/up on ``imma`` to 2.641 against 2.749 on autotune's ``imma_persistent_w4``.
 
 So this takes the artifact's stored tunings for the GPU's architecture and, shape by shape (one
 coordinate at a time, ``rounds`` passes over them), tries every kernel that can run the shape at
-one row -- the native GEMV kinds the artifact's code holds, and the stored Triton configuration --
+one row -- the native GEMV kinds the artifact's code holds (for the LM head, the imma kinds' greedy
+entries, which must pick the Triton head's token), and the stored Triton configuration --
 in the real step: the engine's batch-1 decode graph, captured anew for each trial and timed over
 ``replays`` replays. A candidate replaces the current choice only when it makes the step at least
 ``min_gain`` shorter (replays of one graph spread by about 0.5%). Then two switches of the step the
@@ -132,14 +134,15 @@ SWITCHES = (
 
 
 def _candidates(backend: Any, entries: list[Any], rejected: list[str] | None = None) -> dict[int, list[str]]:
-    """Index of each one-row linear entry that some op of the model runs -> the kernels that can run
-    it: ``triton`` and every native kind that applies to its weight with the loaded code and gives
-    the Triton kernel's result on a random row (as the autotune pass checks; the others go to
-    ``rejected``, named with their error)."""
+    """Index of each one-row linear entry that some op of the model runs (the greedy LM head's
+    included) -> the kernels that can run it: ``triton`` and every native kind that applies to its
+    weight with the loaded code and gives the Triton kernel's result on a random row (the LM head:
+    its token; as the autotune pass checks; the others go to ``rejected``, named with their error)."""
     import torch
 
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton import linear as tl
+    from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import shape_key
 
     by_key: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -152,19 +155,24 @@ def _candidates(backend: Any, entries: list[Any], rejected: list[str] | None = N
             continue
         w, bias = by_key[(e.kernel, e.shape_key)]
         x = torch.randn(1, w.k, generator=generator, device=backend.device).to(backend.dtype)
-        kinds = [k for k in cg.KINDS if cg.gemv_applies(backend.cuda_kernels, x, w, bias, kind=k)]
+        head = e.kernel == "lm_head_argmax"  # the greedy LM head: the imma kinds' argmax entries
+        kinds = [k for k in cg.KINDS if cg.gemv_applies(backend.cuda_kernels, x, w, bias, kind=k, argmax=head)]
         if not kinds:
             continue  # nothing to choose
         silu = e.kernel == "linear_silu_mul"
         triton = tl.LinearConfig(**{**e.config, "native": ""})
-        want = (tl.linear_silu_mul if silu else tl.linear)(x, w, bias, config=triton)
+        if head:
+            want = lm_head_argmax(x, w, bias, config=triton)
+        else:
+            want = (tl.linear_silu_mul if silu else tl.linear)(x, w, bias, config=triton)
         ok = []
         for kind in kinds:
-            err = cg.relative_error(cg.gemv(x, w, bias, kernels=backend.cuda_kernels, silu_mul=silu, kind=kind), want)
+            err = cg.native_error(x, w, bias, kernels=backend.cuda_kernels, kind=kind, want=want, silu_mul=silu,
+                                  argmax=head)  # fmt: skip
             if err <= cg.NATIVE_TOLERANCE:
                 ok.append(kind)
             elif rejected is not None:
-                rejected.append(f"{kind} for {e.kernel} {_short(e.shape_key)} (relative error {err:.1e})")
+                rejected.append(f"{kind} for {e.kernel} {_short(e.shape_key)} ({cg.native_error_text(err, head)})")
         found[i] = [TRITON, *ok]
     return found
 

@@ -42,7 +42,7 @@ from mgx.kernels.triton.lm_head import merge_tile_argmax
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
-           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_threads", "norm_blocks_per_sm", "norm_most",
+           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "native_error", "native_error_text", "gemv_threads", "norm_blocks_per_sm", "norm_most",
            "relative_error"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
@@ -169,6 +169,32 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     ``mgx-run tune`` check a native kind's result against the Triton kernel's before timing it."""
     got, want = got.double(), want.double()
     return float((got - want).norm() / want.norm().clamp_min(1e-30)) if bool(got.isfinite().all()) else float("inf")
+
+
+def native_error(
+    x: torch.Tensor,
+    w: GpuWeight,
+    bias: torch.Tensor | None,
+    *,
+    kernels: CudaKernels,
+    kind: str,
+    want: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    silu_mul: bool = False,
+    argmax: bool = False,
+) -> float:
+    """How far ``kind``'s result on the row x is from ``want``, the Triton kernel's (what the autotune
+    pass and ``mgx-run tune`` check before timing a kind; at most NATIVE_TOLERANCE passes):
+    ``relative_error`` of the outputs, or with ``argmax`` (want: the Triton head's ids and logits) of
+    the logits where ``gemv_argmax`` picks the same token, else inf."""
+    if argmax:
+        ids, logits = gemv_argmax(x, w, bias, kernels=kernels, kind=kind)
+        return relative_error(logits, want[1]) if torch.equal(ids, want[0]) else float("inf")
+    return relative_error(gemv(x, w, bias, kernels=kernels, silu_mul=silu_mul, kind=kind), want)
+
+
+def native_error_text(err: float, argmax: bool = False) -> str:
+    """How reports name a rejected kind's ``native_error``."""
+    return "another token than the Triton head's" if argmax and err == float("inf") else f"relative error {err:.1e}"
 
 
 def norm_blocks_per_sm(kind: str, k: int, resident: int) -> int:

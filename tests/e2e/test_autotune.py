@@ -258,6 +258,7 @@ def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_
     natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
     assert natives == (set() if wrong else {("lm_head_argmax", "1", "imma_w4")})
     assert ("native GEMV rejected (wrong results) for imma_w4 " in result.summary) == wrong
+    assert ("(another token than the Triton head's)" in result.summary) == wrong
     assert ran == ["imma_w4"]  # its check against the Triton head (the fake timer runs nothing)
 
     backend = CUDABackend(graph, device="cpu", dtype="f32")

@@ -21,9 +21,11 @@ from mgx.runtime.tune import PASS_NAME, tune_in_graph, write_tunings
 
 from _tiny_graph import tiny_contents
 
-NATIVE = ("gemv", "imma")  # the kinds that "apply" here
-# ms of one projection on each kernel: gate/up (the SiLU product) fastest on imma, the rest on gemv
-COST = {"linear_silu_mul": {"triton": 3.0, "gemv": 2.0, "imma": 1.0}, "linear": {"triton": 2.0, "gemv": 1.0, "imma": 1.5}}
+NATIVE = ("gemv", "imma")  # the kinds that "apply" here (the greedy LM head: imma only, as on a GPU)
+# ms of one projection on each kernel: gate/up (the SiLU product) fastest on imma, the rest on gemv;
+# the greedy LM head faster on imma
+COST = {"linear_silu_mul": {"triton": 3.0, "gemv": 2.0, "imma": 1.0}, "linear": {"triton": 2.0, "gemv": 1.0, "imma": 1.5},
+        "lm_head_argmax": {"triton": 2.0, "imma": 1.0}}  # fmt: skip
 
 
 @pytest.fixture
@@ -51,12 +53,19 @@ WRONG: set[str] = set()  # the native kinds whose stand-in is 10% off
 
 @pytest.fixture
 def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
-    """Native kinds ``NATIVE`` apply to one row; the native GEMV is the reference product."""
+    """Native kinds ``NATIVE`` apply to one row (the greedy LM head: ``imma``); the native GEMV is the
+    reference product, the native head the reference argmax."""
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+    from mgx.kernels.triton.lm_head import lm_head_argmax_ref
 
     def applies(kernels, x, w, bias=None, *, kind="gemv", norm=None, argmax=False):  # noqa: ANN001, ANN202
-        return kernels is KERNELS and x.shape[0] == 1 and kind in NATIVE and norm is None and not argmax
+        return kernels is KERNELS and x.shape[0] == 1 and kind in NATIVE and norm is None and (kind == "imma" or not argmax)
+
+    def head(x, w, bias=None, *, kernels, kind):  # noqa: ANN001, ANN202
+        LAUNCHED.append(f"{kind} head")
+        ids, logits = lm_head_argmax_ref(x, w, bias)
+        return (ids + 1 if kind in WRONG else ids), logits
 
     def gemv(x, w, bias=None, *, kernels, silu_mul=False, out=None, kind="gemv", norm=None):  # noqa: ANN001, ANN202
         LAUNCHED.append(kind)
@@ -67,6 +76,8 @@ def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
     monkeypatch.setattr(cg, "gemv", gemv)
     monkeypatch.setattr(backend_cuda, "gemv_applies", applies)
     monkeypatch.setattr(backend_cuda, "gemv", gemv)
+    monkeypatch.setattr(cg, "gemv_argmax", head)
+    monkeypatch.setattr(backend_cuda, "gemv_argmax", head)
     LAUNCHED.clear()
     WRONG.clear()
 
@@ -108,14 +119,18 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     priced: list[float] = []
     report = tune_in_graph(engine, lambda: priced.append(step_price(engine)) or priced[-1])
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer), 64-token tiles (1), norm kernels (0.5);
-    # chosen: imma for gate/up, gemv for the rest, 32-token tiles, norms in the prologues.
-    assert report.baseline_ms == pytest.approx(layers * 10.5)
-    assert report.final_ms == pytest.approx(layers * 4.75)
+    # Stored: Triton everywhere (3 + 2 + 2 + 2 a layer, the LM head 2), 64-token tiles (1), norm
+    # kernels (0.5); chosen: imma for gate/up and the LM head, gemv for the rest, 32-token tiles, norms
+    # in the prologues.
+    assert report.baseline_ms == pytest.approx(layers * 10.5 + 2)
+    assert report.final_ms == pytest.approx(layers * 4.75 + 1)
     chosen = {(t.kernel, t.chosen) for t in report.trials}
-    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv"), ("decode_attention", "32"), ("norm_prologue", "on")}
+    assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv"), ("lm_head_argmax", "imma"), ("decode_attention", "32"),
+                      ("norm_prologue", "on")}  # fmt: skip
     linears = [t for t in report.trials if t.kernel.startswith("linear")]
     assert all(t.before == "triton" and set(t.ms) == {"triton", *NATIVE} for t in linears)
+    (head,) = [t for t in report.trials if t.kernel == "lm_head_argmax"]
+    assert head.before == "triton" and set(head.ms) == {"triton", "imma"}  # the head's kinds only
     assert engine.runner.backend.narrow_decode_tiles and engine.runner.backend._norm_gemv
     assert "changed" in report.summary() and len(report.lines()) == len(report.trials)
     assert step_price(engine) == pytest.approx(report.final_ms)  # the backend keeps the choices
@@ -128,14 +143,14 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     assert step_price(again) == pytest.approx(report.final_ms)  # the switches too
     assert again.contents.passes[-1].name == PASS_NAME and again.contents.passes[-1].summary == report.summary()
     assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"]) + 2
-    # The other entries (several rows, the LM head) are as stored.
+    # The other entries (several rows) are as stored.
     many = [e for e in again.contents.autotune["interpreter"]
-            if e.kernel.startswith(("linear", "lm_head")) and (not e.shape_key.endswith(",M=1") or "lm_head" in e.kernel)]  # fmt: skip
+            if e.kernel.startswith(("linear", "lm_head")) and not e.shape_key.endswith(",M=1")]  # fmt: skip
     stored = {(e.kernel, e.shape_key): e.config for e in engine.contents.autotune["interpreter"]}
     assert many and all(stored[(e.kernel, e.shape_key)] == e.config for e in many)
     LAUNCHED.clear()
     assert greedy(again, prompt, 3) == before
-    assert set(LAUNCHED) == {"imma", "gemv"}  # the decode rows ran the chosen native kernels
+    assert set(LAUNCHED) == {"imma", "gemv", "imma head"}  # the decode rows ran the chosen native kernels
     ref = Engine(load_artifact(out), backend="reference")
     assert greedy(ref, prompt, 3) == before
 
@@ -157,20 +172,22 @@ def test_the_environment_pins_a_switch_over_a_stored_tuning(tuned_artifact, nati
     engine = engine_on_cpu(tuned_artifact)
     assert getattr(engine.runner.backend, state) == (pinned == "1")
     report = tune_in_graph(engine, lambda: step_price(engine))
-    assert [t.kernel for t in report.trials if not t.kernel.startswith("linear")] == [
+    assert [t.kernel for t in report.trials if not t.kernel.startswith(("linear", "lm_head"))] == [
         k for k in ("decode_attention", "norm_prologue") if k != switch]
 
 
 @pytest.mark.interpreted
 def test_tune_never_tries_a_native_kind_whose_result_is_wrong(tuned_artifact, native_stand_in) -> None:  # noqa: ANN001
-    """A kind 10% off the Triton kernel's product (the price would choose it) is rejected before any
-    trial, and the report names it."""
+    """A kind 10% off the Triton kernel's product (the price would choose it), or picking another
+    token for the greedy LM head, is rejected before any trial, and the report names it."""
     engine = engine_on_cpu(tuned_artifact)
     WRONG.add("imma")
     report = tune_in_graph(engine, lambda: step_price(engine))
     assert all("imma" not in t.ms for t in report.trials)
     assert {(t.kernel, t.chosen) for t in report.trials if t.kernel == "linear_silu_mul"} == {("linear_silu_mul", "gemv")}
-    assert report.rejected and all(r.startswith("imma for ") and "relative error 1.0e-01" in r for r in report.rejected)
+    assert report.rejected and all(r.startswith("imma for ") for r in report.rejected)
+    assert all("relative error 1.0e-01" in r for r in report.rejected if "lm_head" not in r)
+    assert [r for r in report.rejected if "lm_head" in r] == ["imma for lm_head_argmax w8a16 300x40 (another token than the Triton head's)"]
     assert "; rejected (wrong results): imma for " in report.summary() and "imma for linear_silu_mul" in report.summary()
 
 
@@ -255,10 +272,10 @@ def test_tune_over_two_rounds_with_a_stored_tile_entry_first(tuned_artifact, nat
     engine = engine_on_cpu(first)
     report = tune_in_graph(engine, lambda: step_price(engine), rounds=2)
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    assert report.final_ms == pytest.approx(layers * 4.75) == step_price(engine)
+    assert report.final_ms == pytest.approx(layers * 4.75 + 1) == step_price(engine)
     assert {(t.kernel, t.before, t.chosen) for t in report.trials} == {
-        ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("decode_attention", "64", "32"),
-        ("norm_prologue", "off", "on")}
+        ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("lm_head_argmax", "triton", "imma"),
+        ("decode_attention", "64", "32"), ("norm_prologue", "off", "on")}
     kinds = [e.kernel for e in report.entries]
     assert kinds.count("decode_attention") == 1 and kinds[0] == "decode_attention"
 
