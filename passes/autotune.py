@@ -287,11 +287,10 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
     from mgx.kernels.cuda.gemv import (
         NATIVE_TOLERANCE,
-        gemv,
         gemv_applies,
-        gemv_argmax,
         native_error,
         native_error_text,
+        run_native,
     )
     from mgx.kernels.triton._common import overlapped_launches
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
@@ -350,12 +349,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 head = kernel == "lm_head_argmax"  # the greedy LM head: the imma kinds' argmax entries
                 kinds = [k for k in NATIVE_KINDS if one_row and gemv_applies(kernels, x, w, kind=k, argmax=head)]
                 silu = kernel == "linear_silu_mul"
-
-                def run_native(kind: str, x: Any = x, w: Any = w, silu: bool = silu, head: bool = head) -> Any:
-                    if head:
-                        return gemv_argmax(x, w, kernels=kernels, kind=kind)
-                    return gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind)
-
                 # A candidate must first give the Triton kernel's result (within one rounding of the output
                 # dtype; the LM head: the same token, its logit within that): a native kernel that
                 # disagrees is reported, never chosen.
@@ -366,7 +359,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         rejected.append(f"{kind} {key[1]} ({native_error_text(err, head)})")
                         continue
                     native = dataclasses.replace(best[1], native=kind)
-                    seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind: run_native(d, x, w, s), opts.repeats, ws)
+                    seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
+                        x, w, kernels=kernels, kind=d, silu_mul=s, argmax=h), opts.repeats, ws)  # fmt: skip
                     timed += 1
                     if seconds < best[0]:
                         best = (seconds, native)

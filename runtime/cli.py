@@ -272,8 +272,9 @@ def check(model: str, backend: str, threads: int | None) -> None:
 @click.option("--dry-run", is_flag=True, help="Time and report the choices; write nothing.")
 @_user_errors
 def tune(model: str, out: str | None, prompt_len: int, rounds: int, min_gain: float, dry_run: bool) -> None:
-    """Choose each one-row projection's kernel by timing the whole decode step on this GPU, and store
-    the choices in the model (the runtime reads them; it never tunes at start-up)."""
+    """Choose each one-row projection's kernel (and the greedy LM head's) by timing the whole decode
+    step on this GPU, and store the choices in the model (the runtime reads them; it never tunes at
+    start-up)."""
     from pathlib import Path
 
     import numpy as np

@@ -227,11 +227,8 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
                 entries[i] = _with_kind(entries[i], kind)
                 use()
                 times[kind] = measure()
-            winner = min(times, key=times.__getitem__)
-            if winner != before and times[winner] < best * (1 - min_gain):
-                best = times[winner]
-            else:
-                winner = before
+            winner = _keep(times, before, best, min_gain)
+            best = times[winner]
             entries[i] = _with_kind(entries[i], winner)
             trials.append(Trial(entries[i].kernel, entries[i].shape_key, before, winner, times))
             say(trials[-1].kernel + " " + _short(trials[-1].shape_key) + f": {winner} ({times[winner]:.3f} ms)")
@@ -254,6 +251,13 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
     return report
 
 
+def _keep(times: dict[str, float], before: str, best: float, min_gain: float) -> str:
+    """The choice after a trial: the fastest candidate where it makes the step at least ``min_gain``
+    shorter than ``best`` (the current choice's time), else the current choice ``before``."""
+    winner = min(times, key=times.__getitem__)
+    return winner if times[winner] < best * (1 - min_gain) else before
+
+
 def _switch_trial(sw: _Switch, backend: Any, measure: Callable[[], float], best: float, min_gain: float) -> Trial:
     """``sw``'s options by the step's time, as the linear kernels: another option replaces the
     current one only for ``min_gain``."""
@@ -264,9 +268,7 @@ def _switch_trial(sw: _Switch, backend: Any, measure: Callable[[], float], best:
             sw.write(backend, option)
             backend.drop_graphs()
             times[option] = measure()
-    winner = min(times, key=times.__getitem__)
-    if not times[winner] < best * (1 - min_gain):
-        winner = before
+    winner = _keep(times, before, best, min_gain)
     sw.write(backend, winner)
     backend.drop_graphs()
     return Trial(sw.kernel, "M=1", before, winner, times)

@@ -42,8 +42,8 @@ from mgx.kernels.triton.lm_head import merge_tile_argmax
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
-           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "native_error", "native_error_text", "gemv_threads", "norm_blocks_per_sm", "norm_most",
-           "relative_error"]  # fmt: skip
+           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
+           "relative_error", "run_native"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -186,10 +186,27 @@ def native_error(
     pass and ``mgx-run tune`` check before timing a kind; at most NATIVE_TOLERANCE passes):
     ``relative_error`` of the outputs, or with ``argmax`` (want: the Triton head's ids and logits) of
     the logits where ``gemv_argmax`` picks the same token, else inf."""
+    got = run_native(x, w, bias, kernels=kernels, kind=kind, silu_mul=silu_mul, argmax=argmax)
     if argmax:
-        ids, logits = gemv_argmax(x, w, bias, kernels=kernels, kind=kind)
-        return relative_error(logits, want[1]) if torch.equal(ids, want[0]) else float("inf")
-    return relative_error(gemv(x, w, bias, kernels=kernels, silu_mul=silu_mul, kind=kind), want)
+        return relative_error(got[1], want[1]) if torch.equal(got[0], want[0]) else float("inf")
+    return relative_error(got, want)
+
+
+def run_native(
+    x: torch.Tensor,
+    w: GpuWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    kernels: CudaKernels,
+    kind: str,
+    silu_mul: bool = False,
+    argmax: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``kind`` on the row x as the autotune pass and ``mgx-run tune`` check and time it: the greedy
+    LM head (``gemv_argmax``) with ``argmax``, else ``gemv``."""
+    if argmax:
+        return gemv_argmax(x, w, bias, kernels=kernels, kind=kind)
+    return gemv(x, w, bias, kernels=kernels, silu_mul=silu_mul, kind=kind)
 
 
 def native_error_text(err: float, argmax: bool = False) -> str:
