@@ -51,18 +51,44 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_slots(page, pos, h, d, PAGE: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
+    """Element offsets [BLOCK_N, BLOCK_D] of kv head h for key positions pos on their pages."""
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    return slot[:, None] * (HK * D) + h * D + d[None, :]
+
+
+@triton.jit
 def _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
     """Element offsets [BLOCK_N, BLOCK_D] of kv head h for key positions pos, through the block table."""
-    page = tl.load(bt_ptr + seq_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-    slot = page * PAGE + pos % PAGE
-    return slot[:, None] * (HK * D) + h * D + d[None, :]
+    page = tl.load(bt_ptr + seq_row + pos // PAGE, mask=valid, other=0)
+    return _kv_slots(page, pos, h, d, PAGE, HK, D)
+
+
+@triton.jit
+def _decode_tile(q, kc_ptr, vc_ptr, off, valid, scale_log2, m, denom, acc, d, D: tl.constexpr,
+                 DOT_PREC: tl.constexpr):  # fmt: skip
+    """One tile of keys (element offsets ``off``, rows ``valid``) into the running softmax (m, denom,
+    acc) of the G query rows."""
+    kv_mask = valid[:, None] & (d < D)[None, :]
+    k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+    sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
+    sc = tl.where(valid[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    # Rows that have seen no key yet (an empty piece) keep m = -inf, denom = 0 and acc = 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    pr = tl.exp2(sc - m_safe[:, None])
+    denom = denom * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, denom, acc
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, cnt_ptr,
     k_ptr, v_ptr, inv_ptr, stride_k, stride_v, attention_scaling,
-    stride_q, stride_o, stride_bt, scale_log2, window, num_splits,
+    stride_q, stride_o, stride_bt, bt_cols, scale_log2, window, num_splits,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -73,6 +99,11 @@ def _decode_kernel(
     h = tl.program_id(1)
     p = tl.program_id(2)
     s64 = s.to(tl.int64)
+    seq_row = s64 * stride_bt
+    # The usual piece is the one tile at p * BLOCK_N (no window, num_splits * BLOCK_N covering the
+    # context): its pages are read before the context length, not after it (one round trip fewer).
+    pos1 = p * BLOCK_N + tl.arange(0, BLOCK_N)
+    page1 = tl.load(bt_ptr + seq_row + pos1 // PAGE, mask=pos1 < bt_cols * PAGE, other=0)
     ctx = tl.load(ctx_ptr + s)
     lo = ctx * 0
     if window > 0:
@@ -85,6 +116,7 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     hq = h * G + g
     gd_mask = (g < G)[:, None] & (d < D)[None, :]
+    one_tile = (lo == 0) & (chunk == BLOCK_N)
     if ROT > 0:
         # RoPE in the prologue (as rope_and_write_kv would): q's G heads here, at position ctx - 1;
         # the program whose share holds that position turns k and writes it and v to the cache
@@ -96,7 +128,10 @@ def _decode_kernel(
             one = tl.arange(0, 2)
             kmask = (one < 1)[:, None] & (d < D)[None, :]
             k_new = _rotate(k_ptr + h * D, s64 * stride_k, 1, cos, sin, partner, sign, rot, 2, BLOCK_D, D)
-            page = tl.load(bt_ptr + s64 * stride_bt + (ctx - 1) // PAGE).to(tl.int64)
+            if one_tile:  # the slot's page is among the tile's, already loaded
+                page = tl.sum(tl.where(pos1 == ctx - 1, page1, 0), axis=0).to(tl.int64)
+            else:
+                page = tl.load(bt_ptr + seq_row + (ctx - 1) // PAGE).to(tl.int64)
             dst = (page * PAGE + (ctx - 1) % PAGE) * (HK * D) + h * D
             k_new = cast_as(k_new, k_ptr.dtype.element_ty)
             tl.store(kc_ptr + dst + one[:, None] * D + d[None, :], k_new.to(kc_ptr.dtype.element_ty), mask=kmask)
@@ -109,22 +144,15 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    seq_row = s.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        off = _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE, HK, D)
-        kv_mask = valid[:, None] & (d < D)[None, :]
-        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
-        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        alpha = tl.exp2(m - m_new)
-        pr = tl.exp2(sc - m_new[:, None])
-        denom = denom * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
+    if one_tile:
+        off = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
+        m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, pos1 < end, scale_log2, m, denom, acc, d, D, DOT_PREC)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            off = _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE, HK, D)
+            m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, valid, scale_log2, m, denom, acc, d, D, DOT_PREC)
 
     if SPLIT:
         first = (s * (HK * G) + hq).to(tl.int64) * num_splits  # [BLOCK_G]: split 0 of each row of [S, Hq, splits]
@@ -351,7 +379,8 @@ def paged_attention_decode(
     _decode_kernel[(n, hk, num_splits)](
         q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l, counters if merge else out,
         k_new, v_new, inv, k_new.stride(0), v_new.stride(0), scaling,
-        q.stride(0), out.stride(0), block_table.stride(0), float(scale) * LOG2E, int(sliding_window), num_splits,
+        q.stride(0), out.stride(0), block_table.stride(0), block_table.shape[1], float(scale) * LOG2E,
+        int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
         BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
         SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,

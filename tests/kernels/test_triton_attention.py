@@ -71,12 +71,14 @@ def test_paged_attention_prefill(case: str) -> None:
     np.testing.assert_array_equal(b.v_cache.cpu().numpy(), vc0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, None])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("merge", ["kernel", "last split"])
 def test_paged_attention_decode(num_splits: int | None, window: int, merge: str) -> None:
     """Split partials merged by the second kernel, or by the split that arrives last (counters),
-    which leaves the counters zeroed for the next launch."""
+    which leaves the counters zeroed for the next launch. Pieces of one tile (3 and 8 splits of
+    16-token tiles here; 8 leaves most pieces empty) take the kernel's straight path, longer pieces
+    (1 split) and windows its loop."""
     g = torch.Generator().manual_seed(5 + window)
     hq, hk, d = 8, 2, 16
     b = paged_batch([1, 13, 40], [1, 1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=8,
@@ -97,11 +99,13 @@ def test_paged_attention_decode(num_splits: int | None, window: int, merge: str)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rotary_dim", "window", "num_splits"), [(None, 0, 3), (8, 0, 1), (None, 6, 2)])
+@pytest.mark.parametrize(("rotary_dim", "window", "num_splits"), [(None, 0, 3), (8, 0, 1), (None, 6, 2), (8, 0, 8)])
 def test_decode_with_rope_equals_rope_and_write_kv_then_decode(dtype, rotary_dim, window: int, num_splits: int) -> None:
     """``rope=`` in decode: the kernel turns q and k at position ctx - 1 (transformers' roundings)
     and writes this step's k and v into the cache itself; the same cache, to the bit, and the same
-    output as ``rope_and_write_kv`` followed by plain decode, with the caller's q, k, v untouched."""
+    output as ``rope_and_write_kv`` followed by plain decode, with the caller's q, k, v untouched.
+    One-tile pieces (3 and 8 splits; the slot's page from the tile's, read before the context length)
+    and the loop (1 split; a window) both."""
     from mgx.kernels.triton.rope import rope_and_write_kv
 
     g = torch.Generator().manual_seed(11)
