@@ -327,6 +327,11 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
+    # The native kernels built with each --nvcc-flip flag instead of the stored ones (same weights, recaptured).
+    for flag in args.nvcc_flip:
+        flipped = graph_ms_other_kernels(engine, flag, prompt)
+        if flipped is not None:
+            row[f"graph_b1_ms_nvcc{flag}"] = flipped
     # The default once more, captured anew like the flips: how far two captures of one graph spread.
     if DEVICE == "cuda":
         row["graph_b1_ms_default_recaptured"] = graph_ms_recaptured(engine, prompt)
@@ -418,6 +423,29 @@ def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:
         return graph_ms_recaptured(engine, prompt)
     finally:
         setattr(obj, attr, was)
+        backend._graphs.pop((1, True), None)
+
+
+def graph_ms_other_kernels(engine, flag: str, prompt: list[int]) -> float | None:  # noqa: ANN001
+    """``replay_ms`` of the batch-1 graph captured with the native kernels built anew with the nvcc
+    ``flag`` (e.g. -DMGX_IMMA_PREFETCH=1) in place of the artifact's; None without native kernels or
+    nvcc. The stored kernels are back and the graph dropped after."""
+    from mgx.kernels.cuda.build import build_cuda_kernels, find_nvcc
+    from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
+
+    backend = engine.runner.backend
+    stored = getattr(backend, "cuda_kernels", None)
+    if stored is None or DEVICE != "cuda" or find_nvcc() is None:
+        return None
+    other = load_cuda_kernels(build_cuda_kernels(stored.arch, extra_flags=(flag,)), stored.arch, stored.device)
+    if other is None:
+        return None
+    other.overlap = stored.overlap and other.allow_overlap(backend._sm)
+    backend.cuda_kernels = other
+    try:
+        return graph_ms_recaptured(engine, prompt)
+    finally:
+        backend.cuda_kernels = stored
         backend._graphs.pop((1, True), None)
 
 
@@ -572,6 +600,9 @@ def main() -> None:
     parser.add_argument("--cold-start", action="store_true", help="also time process start to first token")
     parser.add_argument("--profile", type=int, default=0, help="profile 5 decode steps at this batch (0: no)")
     parser.add_argument("--profile-prefill", action="store_true", help="profile one prefill step (kernel table)")
+    parser.add_argument("--nvcc-flip", action="append", default=[],
+                        help="also time the batch-1 graph on native kernels built with this nvcc flag "
+                             "(repeatable), e.g. -DMGX_IMMA_PREFETCH=1")  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -39,3 +39,48 @@ def test_gpu_state_is_none_when_nvidia_smi_printed_no_sample(bench) -> None:  # 
     # An nvidia-smi that does not know a queried field prints an error line instead of samples.
     assert bench.summarize_gpu_state('Field "clocks_event_reasons.active" is not a valid field to query.\n') is None
     assert bench.summarize_gpu_state("") is None
+
+
+def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_stored_ones_back(bench, monkeypatch) -> None:  # noqa: ANN001
+    """``--nvcc-flip``: the graph is recaptured on kernels built with the flag (same arch and device,
+    launched overlapped as the stored ones are), then the stored kernels return, also after a failure."""
+    from types import SimpleNamespace
+
+    from mgx.kernels.cuda import build, rmsnorm
+
+    class Kernels:
+        def __init__(self, arch: str, device: int, overlap: bool) -> None:
+            self.arch, self.device, self.overlap = arch, device, overlap
+
+        def allow_overlap(self, sm: int) -> bool:
+            return sm >= 90
+
+    stored = Kernels("sm_90a", 3, True)
+    backend = SimpleNamespace(cuda_kernels=stored, _sm=90, _graphs={(1, True): "graph"})
+    engine = SimpleNamespace(runner=SimpleNamespace(backend=backend))
+    built, seen = [], []
+    monkeypatch.setattr(bench, "DEVICE", "cuda")
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(build, "build_cuda_kernels", lambda arch, extra_flags=(): built.append((arch, extra_flags)) or b"cubin")
+    monkeypatch.setattr(rmsnorm, "load_cuda_kernels", lambda cubin, arch, device: Kernels(arch, device, False))
+
+    def recaptured(engine, prompt):  # noqa: ANN001, ANN202
+        seen.append(backend.cuda_kernels)
+        return 1.25
+
+    monkeypatch.setattr(bench, "graph_ms_recaptured", recaptured)
+    assert bench.graph_ms_other_kernels(engine, "-DMGX_IMMA_PREFETCH=1", [1, 2]) == 1.25
+    assert built == [("sm_90a", ("-DMGX_IMMA_PREFETCH=1",))]
+    (other,) = seen
+    assert other is not stored and (other.arch, other.device, other.overlap) == ("sm_90a", 3, True)
+    assert backend.cuda_kernels is stored and (1, True) not in backend._graphs
+
+    def fails(engine, prompt):  # noqa: ANN001, ANN202
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(bench, "graph_ms_recaptured", fails)
+    with pytest.raises(RuntimeError):
+        bench.graph_ms_other_kernels(engine, "-DX=1", [1])
+    assert backend.cuda_kernels is stored
+    backend.cuda_kernels = None
+    assert bench.graph_ms_other_kernels(engine, "-DX=1", [1]) is None  # no native kernels: nothing to flip
