@@ -116,7 +116,9 @@ __all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS", "graph_
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Decode splits merge themselves (the last to finish merges all) up to this many; past it the merge
 # kernel runs. On the H200 (8B heads, batch 1) the self-merge won at 10 splits (640 tokens: 14.0 vs
-# 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us).
+# 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us), when it loaded
+# all splits at once (255 registers and a stack on sm_90a). It now loads 16 at a time and only the
+# pieces that hold keys (attention.MERGE_SPLITS): to be measured again before this limit moves.
 SELF_MERGE_MAX_SPLITS = 16
 # Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
 # default; W8A16 and dense readers lost on the H200 (module docstring).

@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
+# Splits a merge loads at a time: [G, 16, D] fp32 partials fit a program's registers (all of 33-64
+# splits at once took 255 registers and 120 bytes of stack on sm_90a).
+MERGE_SPLITS = 16
 
 
 @triton.jit
@@ -166,8 +169,10 @@ def _decode_kernel(
             if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
                 # The other splits' stores are in L2: loads bypass L1 (.cg). The G query rows of
                 # this KV head in one round of loads (one after another they waited on L2 G times).
+                live = tl.cdiv(ctx - lo, tl.maximum(chunk, 1))  # the pieces that hold keys
                 _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, (s * (HK * G) + h * G).to(tl.int64) * num_splits,
-                            out_ptr + s64 * stride_o + h * G * D, d, num_splits, G, D, BLOCK_R, BLOCK_P, ".cg")  # fmt: skip
+                            out_ptr + s64 * stride_o + h * G * D, d, num_splits, live, G, D, BLOCK_R, BLOCK_P, BLOCK_D,
+                            ".cg")  # fmt: skip
                 tl.store(cnt, 0)
     else:
         out = acc / denom[:, None]
@@ -176,23 +181,34 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, d, num_splits, ROWS: tl.constexpr,
-                D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+def _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, d, num_splits, live, ROWS: tl.constexpr,
+                D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                CACHE: tl.constexpr):  # fmt: skip
     """``ROWS`` consecutive query rows' outputs (at ``dst_ptr``, D apart) from the partial softmaxes
-    of their ``num_splits`` splits (rows ``first`` onwards of the [S * Hq, splits] partials), every
-    split of every row loaded at once. Empty splits (m = -inf) weigh nothing; at least one split of a
-    row is not empty."""
+    of their first ``live`` splits (rows ``first`` onwards of the [S * Hq, num_splits] partials; the
+    splits past ``live`` are empty), ``BLOCK_P`` splits of every row loaded at a time (one round of
+    loads up to ``BLOCK_P`` splits; a bounded tile, so many splits do not spill registers). Empty
+    splits (m = -inf) weigh nothing; at least one split of a row is not empty."""
     r = tl.arange(0, BLOCK_R)
-    p = tl.arange(0, BLOCK_P)
-    mask = (r < ROWS)[:, None] & (p < num_splits)[None, :]  # [BLOCK_R, BLOCK_P]
-    row = first + r[:, None] * num_splits + p[None, :]
-    m = tl.load(part_m_ptr + row, mask=mask, other=float("-inf"), cache_modifier=CACHE)
-    denom = tl.load(part_l_ptr + row, mask=mask, other=0.0, cache_modifier=CACHE)
-    o = tl.load(part_o_ptr + row[:, :, None] * D + d[None, None, :], mask=mask[:, :, None] & (d < D)[None, None, :],
-                other=0.0, cache_modifier=CACHE)  # fmt: skip
-    top = tl.max(m, axis=1)
-    w = tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)[:, None])  # padding rows: all -inf
-    out = tl.sum(w[:, :, None] * o, axis=1) / tl.maximum(tl.sum(w * denom, axis=1), 1e-30)[:, None]
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    o_sum = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    l_sum = tl.zeros([BLOCK_R], tl.float32)
+    for p0 in range(0, live, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (r < ROWS)[:, None] & (p < live)[None, :]  # [BLOCK_R, BLOCK_P]
+        row = first + r[:, None] * num_splits + p[None, :]
+        m = tl.load(part_m_ptr + row, mask=mask, other=float("-inf"), cache_modifier=CACHE)
+        denom = tl.load(part_l_ptr + row, mask=mask, other=0.0, cache_modifier=CACHE)
+        o = tl.load(part_o_ptr + row[:, :, None] * D + d[None, None, :], mask=mask[:, :, None] & (d < D)[None, None, :],
+                    other=0.0, cache_modifier=CACHE)  # fmt: skip
+        new_top = tl.maximum(top, tl.max(m, axis=1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # padding rows: all -inf
+        alpha = tl.exp2(top - safe)  # 0 in the first round
+        w = tl.exp2(m - safe[:, None])
+        o_sum = o_sum * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        l_sum = l_sum * alpha + tl.sum(w * denom, axis=1)
+        top = new_top
+    out = o_sum / tl.maximum(l_sum, 1e-30)[:, None]
     tl.store(dst_ptr + r[:, None] * D + d[None, :], out.to(dst_ptr.dtype.element_ty),
              mask=(r < ROWS)[:, None] & (d < D)[None, :])  # fmt: skip
 
@@ -206,7 +222,8 @@ def _decode_merge_kernel(
     s = tl.program_id(0)
     hq = tl.program_id(1)
     _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, (s * HQ + hq).to(tl.int64) * num_splits,
-                out_ptr + s.to(tl.int64) * stride_o + hq * D, tl.arange(0, BLOCK_D), num_splits, 1, D, 1, BLOCK_P, "")  # fmt: skip
+                out_ptr + s.to(tl.int64) * stride_o + hq * D, tl.arange(0, BLOCK_D), num_splits, num_splits, 1, D, 1,
+                BLOCK_P, BLOCK_D, "")  # fmt: skip
 
 
 @triton.jit
@@ -382,14 +399,14 @@ def paged_attention_decode(
         q.stride(0), out.stride(0), block_table.stride(0), block_table.shape[1], float(scale) * LOG2E,
         int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, BLOCK_P=next_pow2(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
+        BLOCK_N=block_n, BLOCK_P=min(next_pow2(num_splits), MERGE_SPLITS) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
         SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:
         _decode_merge_kernel[(n, hq)](
             part_o, part_m, part_l, out, out.stride(0), num_splits,
-            HQ=hq, D=d, BLOCK_P=next_pow2(num_splits), BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
+            HQ=hq, D=d, BLOCK_P=min(next_pow2(num_splits), MERGE_SPLITS), BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
         )  # fmt: skip
     return out
 

@@ -98,6 +98,26 @@ def test_paged_attention_decode(num_splits: int | None, window: int, merge: str)
                                                          window=window), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("num_splits", [20, 40])
+@pytest.mark.parametrize("merge", ["kernel", "last split"])
+def test_decode_merges_more_splits_than_it_loads_at_once(num_splits: int, merge: str) -> None:
+    """A 300-token context in 16-token pieces: 19 of them hold keys, more than the merge loads at
+    once (``MERGE_SPLITS``), so it runs in rounds; with 40 splits the last 21 are empty."""
+    assert attention.MERGE_SPLITS < 19
+    g = torch.Generator().manual_seed(num_splits)
+    hq, hk, d = 4, 2, 16
+    b = paged_batch([300, 5], [1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=8, device=DEVICE,
+                    generator=g)  # fmt: skip
+    counters = attention.new_decode_counters(DEVICE, 2, hk) if merge == "last split" else None
+    want = attention.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
+                                         b.query_start_loc, b.positions, scale=0.3)  # fmt: skip
+    got = attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                           num_splits=num_splits, block_n=16, counters=counters)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if counters is not None:
+        assert not counters.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rotary_dim", "window", "num_splits"), [(None, 0, 3), (8, 0, 1), (None, 6, 2), (8, 0, 8)])
 def test_decode_with_rope_equals_rope_and_write_kv_then_decode(dtype, rotary_dim, window: int, num_splits: int) -> None:
