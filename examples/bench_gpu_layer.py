@@ -1,0 +1,196 @@
+"""Where a batch-1 decode step's time goes: the Llama-3.1-8B decode layer's kernels, launched as the
+CUDA backend launches them (native RMSNorm and GEMVs, decode attention with RoPE and the K/V write
+fused, programmatic dependent launches), chained over 32 layers in one CUDA graph with random
+weights, then the same chain with parts left out:
+
+- ``all``: norm, QKV, attention, o_proj, add + norm, gate/up with SiLU, down (no embedding, LM head);
+- ``gemvs``: the four GEMVs alone; ``others``: everything but the GEMVs; ``norms``; ``attention``.
+
+A model's step replays more than this (the LM head, the sampled token's embedding), and its GEMVs'
+kinds are the stored tunings'; this is for splitting a step into its parts and for A/Bs of a build
+flag of the native kernels (``--nvcc-flag``: every chain again on kernels built with it):
+
+    python examples/bench_gpu_layer.py --scheme int4 --context 768 --nvcc-flag -DMGX_IMMA_PREFETCH=1
+
+Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+
+# (name, N, K) of the 8B layer's one-row products; gate/up holds the gate rows, then the up rows.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 4096, 32, 8, 128, 14336, 32
+DEFAULT_KINDS = {"int4": "qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16",
+                 "w8a16": "qkv=imma,o=imma,gate_up=imma_w4,down=imma_w16"}  # the 44th/45th runs' tunings
+PARTS = ("all", "gemvs", "others", "norms", "attention")
+
+
+def parse_kinds(text: str) -> dict[str, str]:
+    """``qkv=imma,o=...`` -> {projection: native kind}; every projection must be named once."""
+    kinds = {}
+    for item in text.split(","):
+        name, sep, kind = item.partition("=")
+        if not sep or name not in ("qkv", "o", "gate_up", "down") or not kind or name in kinds:
+            raise ValueError(f"--kinds: {item!r} is not one of qkv=, o=, gate_up=, down= with a kind")
+        kinds[name] = kind
+    missing = {"qkv", "o", "gate_up", "down"} - set(kinds)
+    if missing:
+        raise ValueError(f"--kinds names no kind for {', '.join(sorted(missing))}")
+    return kinds
+
+
+class Chain:
+    """The layers' weights, caches and step buffers on the GPU, and one decode layer's launches."""
+
+    def __init__(self, scheme: str, context: int, page: int = 16, table_blocks: int = 64) -> None:
+        import torch
+
+        from mgx.kernels.triton import attention
+        from mgx.kernels.triton.testing import make_weight
+
+        if context > table_blocks * page:
+            raise ValueError(f"--context {context} is past the table's {table_blocks * page} tokens")
+        dev, bf16 = "cuda", torch.bfloat16
+        group = {"group_size": 128} if scheme == "int4" else {}
+        qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+        def weight(n: int, k: int):  # noqa: ANN202
+            return make_weight(scheme, n, k, device=dev, **group)
+
+        def cache():  # noqa: ANN202
+            return torch.randn(table_blocks, page, KV_HEADS, HEAD_DIM, device=dev).to(bf16)
+
+        self.layers = [{"qkv": weight(qkv_n, HIDDEN), "o": weight(HIDDEN, HEADS * HEAD_DIM),
+                        "gate_up": weight(2 * FFN, HIDDEN), "down": weight(HIDDEN, FFN),
+                        "g1": torch.rand(HIDDEN, device=dev).to(bf16) + 0.5,
+                        "g2": torch.rand(HIDDEN, device=dev).to(bf16) + 0.5,
+                        "kc": cache(), "vc": cache(),
+                        "counters": attention.new_decode_counters(dev, 1, KV_HEADS)}
+                       for _ in range(LAYERS)]  # fmt: skip
+        self.table = torch.arange(table_blocks, device=dev, dtype=torch.int32)[None]
+        self.max_context = table_blocks * page
+        self.context = torch.tensor([context], device=dev, dtype=torch.int32)
+        self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context.
+        self.splits = attention.decode_splits(1, KV_HEADS, self.max_context, sms, 64, 1)
+        self.stand_in = {"qkv": torch.randn(1, qkv_n, device=dev).to(bf16),  # outputs of the parts left out
+                         "attention": torch.randn(1, HEADS * HEAD_DIM, device=dev).to(bf16),
+                         "gate_up": torch.randn(1, FFN, device=dev).to(bf16),
+                         "down": torch.randn(1, HIDDEN, device=dev).to(bf16)}  # fmt: skip
+        self.x = {"res": torch.randn(1, HIDDEN, device=dev).to(bf16), "d": self.stand_in["down"]}
+
+    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
+        from mgx.kernels.cuda.gemv import gemv
+        from mgx.kernels.cuda.rmsnorm import rms_norm
+        from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
+
+        gemvs, norms = part in ("all", "gemvs"), part in ("all", "others", "norms")
+        attend = part in ("all", "others", "attention")
+        res = self.x["res"]
+        x = self.x["d"]
+        if norms:
+            x, res = rms_norm(x, w["g1"], 1e-5, kernels=kernels, residual=res)
+        qkv = gemv(x, w["qkv"], kernels=kernels, kind=kinds["qkv"]) if gemvs else self.stand_in["qkv"]
+        a = self.stand_in["attention"]
+        if attend:
+            q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
+            rope = DecodeRope(qkv[:, q_end:k_end], qkv[:, k_end:], self.inv_freq)
+            a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
+                                       scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
+                                       counters=w["counters"], rope=rope)  # fmt: skip
+        o = gemv(a, w["o"], kernels=kernels, kind=kinds["o"]) if gemvs else self.stand_in["down"]
+        x2 = o
+        if norms:
+            x2, res = rms_norm(o, w["g2"], 1e-5, kernels=kernels, residual=res)
+        h = gemv(x2, w["gate_up"], kernels=kernels, kind=kinds["gate_up"], silu_mul=True) if gemvs else self.stand_in["gate_up"]
+        self.x["d"] = gemv(h, w["down"], kernels=kernels, kind=kinds["down"]) if gemvs else self.stand_in["down"]
+        self.x["res"] = res
+
+    def step(self, kernels, kinds: dict[str, str], part: str) -> Callable[[], None]:  # noqa: ANN001
+        def run() -> None:
+            for w in self.layers:
+                self.layer(w, kernels, kinds, part)
+
+        return run
+
+
+def graph_ms(fn: Callable[[], None], replays: int) -> float:
+    """Median milliseconds of a replay of ``fn`` captured in a CUDA graph with overlapped launches."""
+    import torch
+
+    from mgx.kernels.triton._common import overlapped_launches
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), overlapped_launches(True):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with overlapped_launches(True), torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def load_kernels(flags: tuple[str, ...]):  # noqa: ANN201
+    """The native kernels built for this GPU with ``flags``, launched overlapped where they can be."""
+    import torch
+
+    from mgx.kernels.cuda.build import build_cuda_kernels
+    from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    kernels = load_cuda_kernels(build_cuda_kernels(arch, extra_flags=flags), arch)
+    if kernels is None:
+        raise SystemExit(f"the native kernels built for {arch} do not load on this GPU")
+    kernels.allow_overlap(10 * major + minor)
+    return kernels
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scheme", choices=sorted(DEFAULT_KINDS), default="int4")
+    ap.add_argument("--kinds", help="native kind of each projection, e.g. qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16")
+    ap.add_argument("--context", type=int, default=768, help="tokens in the cache (at most 1,024)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which chains, of {', '.join(PARTS)}")
+    ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable)")
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args(argv)
+    try:
+        kinds = parse_kinds(args.kinds or DEFAULT_KINDS[args.scheme])
+    except ValueError as e:
+        ap.error(str(e))
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_layer needs an NVIDIA GPU")
+    builds = {"stored flags": load_kernels(())}
+    builds.update({flag: load_kernels((flag,)) for flag in args.nvcc_flag})
+    chain = Chain(args.scheme, args.context)
+    print(f"{args.scheme}, {LAYERS} layers, context {args.context}, {chain.splits} attention pieces, kinds {kinds}")
+    for label, kernels in builds.items():
+        for part in parts:
+            ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
+            print(f"  {label}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""examples/bench_gpu_layer.py: its arguments and its refusal without a GPU (the chains themselves run on
+an NVIDIA GPU only)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_layer.py"
+
+
+@pytest.fixture(scope="module")
+def bench():  # noqa: ANN201
+    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kinds_name_each_projection_once(bench) -> None:  # noqa: ANN001
+    assert bench.parse_kinds("qkv=imma,o=imma_w16,gate_up=imma_w4,down=triton") == {
+        "qkv": "imma", "o": "imma_w16", "gate_up": "imma_w4", "down": "triton"}  # fmt: skip
+    for scheme, text in bench.DEFAULT_KINDS.items():
+        assert set(bench.parse_kinds(text)) == {"qkv", "o", "gate_up", "down"}, scheme
+    for bad, says in (("qkv=imma,o=imma,gate_up=imma", "no kind for down"), ("qkv=imma,qkv=imma", "'qkv=imma'"),
+                      ("lm_head=imma", "'lm_head=imma'"), ("qkv", "'qkv'"), ("qkv=", "'qkv='")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            bench.parse_kinds(bad)
+
+
+def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatch) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--parts", "all,lm_head"])
+    assert stop.value.code == 2 and "lm_head not one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--kinds", "qkv=imma"])
+    assert stop.value.code == 2 and "no kind for down, gate_up, o" in capsys.readouterr().err
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
+        bench.main([])
+
+
+@pytest.mark.gpu
+def test_gpu_chains_run_and_print_a_time_for_each_part(bench, capsys) -> None:  # noqa: ANN001
+    """On a GPU with nvcc: every part's chain is captured, replayed and reported, also on kernels
+    built with a flag (two replays each: this checks the script, not the times)."""
+    from mgx.kernels.cuda import build
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    assert bench.main(["--scheme", "w8a16", "--replays", "2", "--nvcc-flag", "-DMGX_IMMA_PREFETCH=1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(lines) == 2 * len(bench.PARTS)
+    for line, part in zip(lines, [*bench.PARTS, *bench.PARTS]):
+        assert f": {part} " in line and float(line.split(f": {part} ")[1].split(" ms")[0]) > 0
