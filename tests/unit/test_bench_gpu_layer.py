@@ -1,5 +1,5 @@
 """examples/bench_gpu_layer.py: its arguments and its refusal without a GPU (the chains themselves run on
-an NVIDIA GPU only)."""
+an NVIDIA GPU only: tests/gpu/test_gpu_layer_bench.py)."""
 
 from __future__ import annotations
 
@@ -42,17 +42,3 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
     with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
         bench.main([])
 
-
-@pytest.mark.gpu
-def test_gpu_chains_run_and_print_a_time_for_each_part(bench, capsys) -> None:  # noqa: ANN001
-    """On a GPU with nvcc: every part's chain is captured, replayed and reported, also on kernels
-    built with a flag (two replays each: this checks the script, not the times)."""
-    from mgx.kernels.cuda import build
-
-    if build.find_nvcc() is None:
-        pytest.skip("needs nvcc")
-    assert bench.main(["--scheme", "w8a16", "--replays", "2", "--nvcc-flag", "-DMGX_IMMA_PREFETCH=1"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
-    assert len(lines) == 2 * len(bench.PARTS)
-    for line, part in zip(lines, [*bench.PARTS, *bench.PARTS]):
-        assert f": {part} " in line and float(line.split(f": {part} ")[1].split(" ms")[0]) > 0

@@ -1,0 +1,33 @@
+"""examples/bench_gpu_layer.py on a GPU with nvcc: the chains are captured, replayed and reported.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_layer.py"
+
+
+def test_gpu_chains_run_and_print_a_time_for_each_part(capsys) -> None:  # noqa: ANN001
+    """On a GPU with nvcc: every part's chain is captured, replayed and reported, also on kernels
+    built with a flag (two replays each: this checks the script, not the times)."""
+    from mgx.kernels.cuda import build
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--scheme", "w8a16", "--replays", "2", "--nvcc-flag", "-DMGX_IMMA_PREFETCH=1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(lines) == 2 * len(bench.PARTS)
+    for line, part in zip(lines, [*bench.PARTS, *bench.PARTS]):
+        assert f": {part} " in line and float(line.split(f": {part} ")[1].split(" ms")[0]) > 0
