@@ -997,16 +997,16 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
 #endif
 constexpr bool kImmaPrefetch = MGX_IMMA_PREFETCH != 0;
 
-// Into L2: the codes of output group blockIdx.x, rows_lo = 16 rows from 16 b (8 from 8 b with a silu
-// pair: the gate rows, then the up rows from silu_f on), row_bytes of each, rows clamped as gemv_imma
+// Into L2: the codes of output group blockIdx.x, 16 rows from 16 b (with a silu pair, silu_f > 0: 8
+// gate rows from 8 b, then the up rows from silu_f on), row_bytes of each, rows clamped as gemv_imma
 // clamps them. Not inlined: its registers stay out of the main loop's count.
-__device__ __noinline__ void imma_prefetch_group(const uint8_t* w, long long stride_w, int row_bytes, int rows_lo,
-                                                 int n_out, int silu_f, int n, int threads) {
+__device__ __noinline__ void imma_prefetch_group(const uint8_t* w, long long stride_w, int row_bytes, int n_out,
+                                                 int silu_f, int n, int threads) {
   const int per_row = (row_bytes + 127) / 128 + 1;  // 128 bytes apart, then the row's last byte
   const int b = blockIdx.x;
   for (int i = threadIdx.x; i < 16 * per_row; i += threads) {
     const int r = i / per_row, c = min((i % per_row) * 128, row_bytes - 1);
-    const int row = r < 8 ? min(b * rows_lo + r, n_out - 1)
+    const int row = r < 8 ? min(b * (silu_f > 0 ? 8 : 16) + r, n_out - 1)
                           : (silu_f > 0 ? silu_f + min(b * 8 + r - 8, n_out - 1) : min(b * 16 + r, n - 1));
     prefetch_l2(w + (static_cast<uint32_t>(row) * static_cast<uint32_t>(stride_w) + static_cast<uint32_t>(c)));
   }
@@ -1180,7 +1180,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     norm_prologue(const_cast<uint4*>(x), *norm, k);
   }
   if constexpr (kImmaPrefetch && !kNorm) {  // the block's first group into L2 (see kImmaPrefetch)
-    imma_prefetch_group(w, stride_w, steps * 64 * kW, kSilu ? 8 : 16, n_out, kSilu ? silu_f : 0, n, 32 * W);
+    imma_prefetch_group(w, stride_w, steps * 64 * kW, n_out, kSilu ? silu_f : 0, n, 32 * W);
   }
   Pass even, odd;  // two passes' registers, by turns
   load_w(at, even);
