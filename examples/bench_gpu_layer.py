@@ -10,7 +10,7 @@ A model's step replays more than this (the LM head, the sampled token's embeddin
 kinds are the stored tunings'; this is for splitting a step into its parts and for A/Bs of a build
 flag of the native kernels (``--nvcc-flag``: every chain again on kernels built with it):
 
-    python examples/bench_gpu_layer.py --scheme int4 --context 768 --nvcc-flag -DMGX_IMMA_PREFETCH=1
+    python examples/bench_gpu_layer.py --scheme int4 --context 768 --nvcc-flag -DMGX_IMMA_UNROLL=2
 
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """

@@ -428,7 +428,7 @@ def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:
 
 def graph_ms_other_kernels(engine, flag: str, prompt: list[int]) -> float | None:  # noqa: ANN001
     """``replay_ms`` of the batch-1 graph captured with the native kernels built anew with the nvcc
-    ``flag`` (e.g. -DMGX_IMMA_PREFETCH=1) in place of the artifact's; None without native kernels or
+    ``flag`` (e.g. -DMGX_IMMA_UNROLL=2) in place of the artifact's; None without native kernels or
     nvcc. The stored kernels are back and the graph dropped after."""
     from mgx.kernels.cuda.build import build_cuda_kernels, find_nvcc
     from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
@@ -602,7 +602,7 @@ def main() -> None:
     parser.add_argument("--profile-prefill", action="store_true", help="profile one prefill step (kernel table)")
     parser.add_argument("--nvcc-flip", action="append", default=[],
                         help="also time the batch-1 graph on native kernels built with this nvcc flag "
-                             "(repeatable), e.g. -DMGX_IMMA_PREFETCH=1")  # fmt: skip
+                             "(repeatable), e.g. -DMGX_IMMA_UNROLL=2")  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -986,31 +986,9 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
 // -- its lanes' B words, the step's factor and sum X -- and reads them back in the others instead of
 // staging x again (the staging is about a quarter of a step's instructions; the same values, so the
 // same bits).
-// Launched overlapped (mgx_abi.cuh), an imma block may start while the kernel before it still runs:
-// decode attention or an RMSNorm, which leave DRAM idle for microseconds. With MGX_IMMA_PREFETCH the
-// block asks L2 for all of its first output group's codes (16 rows of K) before its wait, so they
-// stream in meanwhile and its loads then hit L2 (a no-op in effect where the wait returns at once).
-// The codes only: int4 scales and zeros are a 32nd of them. Not the RMSNorm prologue's entries, which
-// prefetch their first pass. Build flag until measured on a GPU.
-#ifndef MGX_IMMA_PREFETCH
-#define MGX_IMMA_PREFETCH 0
-#endif
-constexpr bool kImmaPrefetch = MGX_IMMA_PREFETCH != 0;
-
-// Into L2: the codes of output group blockIdx.x, 16 rows from 16 b (with a silu pair, silu_f > 0: 8
-// gate rows from 8 b, then the up rows from silu_f on), row_bytes of each, rows clamped as gemv_imma
-// clamps them. Not inlined: its registers stay out of the main loop's count.
-__device__ __noinline__ void imma_prefetch_group(const uint8_t* w, long long stride_w, int row_bytes, int n_out,
-                                                 int silu_f, int n, int threads) {
-  const int per_row = (row_bytes + 127) / 128 + 1;  // 128 bytes apart, then the row's last byte
-  const int b = blockIdx.x;
-  for (int i = threadIdx.x; i < 16 * per_row; i += threads) {
-    const int r = i / per_row, c = min((i % per_row) * 128, row_bytes - 1);
-    const int row = r < 8 ? min(b * (silu_f > 0 ? 8 : 16) + r, n_out - 1)
-                          : (silu_f > 0 ? silu_f + min(b * 8 + r - 8, n_out - 1) : min(b * 16 + r, n - 1));
-    prefetch_l2(w + (static_cast<uint32_t>(row) * static_cast<uint32_t>(stride_w) + static_cast<uint32_t>(c)));
-  }
-}
+// Asking L2 for a block's whole first group before its PDL wait (build flag MGX_IMMA_PREFETCH,
+// twenty-first session) lost on the H200: the 8B layer chained 32 times, INT4 2.24 vs 1.81 ms, W8A16
+// 2.92 vs 2.32; so each block loads only its first step's codes before the wait (load_w below).
 
 #ifndef MGX_IMMA_CACHE
 #define MGX_IMMA_CACHE 32
@@ -1178,9 +1156,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     prefetch_steps<kW>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
     mgx_pdl_wait();
     norm_prologue(const_cast<uint4*>(x), *norm, k);
-  }
-  if constexpr (kImmaPrefetch && !kNorm) {  // the block's first group into L2 (see kImmaPrefetch)
-    imma_prefetch_group(w, stride_w, steps * 64 * kW, n_out, kSilu ? silu_f : 0, n, 32 * W);
   }
   Pass even, odd;  // two passes' registers, by turns
   load_w(at, even);

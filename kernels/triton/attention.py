@@ -75,6 +75,13 @@ def _decode_tile(q, kc_ptr, vc_ptr, off, valid, scale_log2, m, denom, acc, d, D:
     kv_mask = valid[:, None] & (d < D)[None, :]
     k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+    return _decode_kv(q, k, v, valid, scale_log2, m, denom, acc, DOT_PREC)
+
+
+@triton.jit
+def _decode_kv(q, k, v, valid, scale_log2, m, denom, acc, DOT_PREC: tl.constexpr):
+    """Keys k and values v [BLOCK_N, BLOCK_D] (rows ``valid``) into the running softmax (m, denom,
+    acc) of the G query rows."""
     sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
     sc = tl.where(valid[None, :], sc, float("-inf"))
     m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -97,7 +104,11 @@ def _decode_kernel(
     BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, MERGE: tl.constexpr, ROT: tl.constexpr, DOT_PREC: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
-    overlap_start(OVERLAP)
+    # With RoPE fused (ROT > 0) this kernel writes the step's K/V itself: what it reads before its
+    # wait below (the context length, block table and cache, written before the previous kernel
+    # began) is not the previous kernel's output, so those round trips of memory overlap it.
+    if ROT == 0:
+        overlap_start(OVERLAP)
     s = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
@@ -120,11 +131,21 @@ def _decode_kernel(
     hq = h * G + g
     gd_mask = (g < G)[:, None] & (d < D)[None, :]
     one_tile = (lo == 0) & (chunk == BLOCK_N)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if ROT > 0:
+        cos, sin, partner, sign, rot = _angles(inv_ptr, ctx - 1, d, attention_scaling, ROT)
+        # A one-tile piece's keys and values; the slot at ctx - 1 is stale until this step's k, v
+        # replace it below.
+        off1 = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
+        kv1_mask = (one_tile & (pos1 < end))[:, None] & (d < D)[None, :]
+        k1 = tl.load(kc_ptr + off1, mask=kv1_mask, other=0.0)
+        v1 = tl.load(vc_ptr + off1, mask=kv1_mask, other=0.0)
+        overlap_start(OVERLAP)
         # RoPE in the prologue (as rope_and_write_kv would): q's G heads here, at position ctx - 1;
         # the program whose share holds that position turns k and writes it and v to the cache
-        # before reading the cache (no other program reads that slot).
-        cos, sin, partner, sign, rot = _angles(inv_ptr, ctx - 1, d, attention_scaling, ROT)
+        # (no other program reads that slot).
         q = _rotate(q_ptr + h * (G * D), s64 * stride_q, G, cos, sin, partner, sign, rot, BLOCK_G, BLOCK_D, D)
         q = cast_as(q, q_ptr.dtype.element_ty)
         if (start <= ctx - 1) & (ctx - 1 < end):
@@ -136,21 +157,24 @@ def _decode_kernel(
             else:
                 page = tl.load(bt_ptr + seq_row + (ctx - 1) // PAGE).to(tl.int64)
             dst = (page * PAGE + (ctx - 1) % PAGE) * (HK * D) + h * D
-            k_new = cast_as(k_new, k_ptr.dtype.element_ty)
-            tl.store(kc_ptr + dst + one[:, None] * D + d[None, :], k_new.to(kc_ptr.dtype.element_ty), mask=kmask)
-            v_new = tl.load(v_ptr + s64 * stride_v + h * D + d, mask=d < D, other=0.0)
-            tl.store(vc_ptr + dst + d, v_new.to(vc_ptr.dtype.element_ty), mask=d < D)
-            tl.debug_barrier()  # every thread's cache writes land before the reads below
+            k_new = cast_as(k_new, k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty)
+            tl.store(kc_ptr + dst + one[:, None] * D + d[None, :], k_new, mask=kmask)
+            v_new = tl.load(v_ptr + s64 * stride_v + h * D + d, mask=d < D, other=0.0).to(vc_ptr.dtype.element_ty)
+            tl.store(vc_ptr + dst + d, v_new, mask=d < D)
+            # The tile's row at ctx - 1 as it is now in the cache.
+            k_row = tl.sum(tl.where(kmask, k_new.to(tl.float32), 0.0), axis=0).to(kc_ptr.dtype.element_ty)
+            here = (pos1 == ctx - 1)[:, None]
+            k1 = tl.where(here, k_row[None, :], k1)
+            v1 = tl.where(here, v_new[None, :], v1)
+            tl.debug_barrier()  # every thread's cache writes land before the loop's reads below
+        if one_tile:
+            m, denom, acc = _decode_kv(q, k1, v1, pos1 < end, scale_log2, m, denom, acc, DOT_PREC)
     else:
         q = tl.load(q_ptr + s64 * stride_q + hq[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
-
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if one_tile:
-        off = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
-        m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, pos1 < end, scale_log2, m, denom, acc, d, D, DOT_PREC)
-    else:
+        if one_tile:
+            off = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
+            m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, pos1 < end, scale_log2, m, denom, acc, d, D, DOT_PREC)
+    if not one_tile:
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < end

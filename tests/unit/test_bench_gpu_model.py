@@ -69,8 +69,8 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
         return 1.25
 
     monkeypatch.setattr(bench, "graph_ms_recaptured", recaptured)
-    assert bench.graph_ms_other_kernels(engine, "-DMGX_IMMA_PREFETCH=1", [1, 2]) == 1.25
-    assert built == [("sm_90a", ("-DMGX_IMMA_PREFETCH=1",))]
+    assert bench.graph_ms_other_kernels(engine, "-DMGX_IMMA_UNROLL=2", [1, 2]) == 1.25
+    assert built == [("sm_90a", ("-DMGX_IMMA_UNROLL=2",))]
     (other,) = seen
     assert other is not stored and (other.arch, other.device, other.overlap) == ("sm_90a", 3, True)
     assert backend.cuda_kernels is stored and (1, True) not in backend._graphs
