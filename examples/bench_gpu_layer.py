@@ -10,7 +10,7 @@ A model's step replays more than this (the LM head, the sampled token's embeddin
 kinds are the stored tunings'; this is for splitting a step into its parts and for A/Bs of a build
 flag of the native kernels (``--nvcc-flag``: every chain again on kernels built with it):
 
-    python examples/bench_gpu_layer.py --scheme int4 --context 768 --nvcc-flag -DMGX_IMMA_UNROLL=2
+    python examples/bench_gpu_layer.py --scheme int4 --context 768 --nvcc-flag=-DMGX_IMMA_UNROLL=2
 
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", help="native kind of each projection, e.g. qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16")
     ap.add_argument("--context", type=int, default=768, help="tokens in the cache (at most 1,024)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which chains, of {', '.join(PARTS)}")
-    ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable)")
+    ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable; with =: --nvcc-flag=-D...)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:

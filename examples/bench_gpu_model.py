@@ -602,7 +602,7 @@ def main() -> None:
     parser.add_argument("--profile-prefill", action="store_true", help="profile one prefill step (kernel table)")
     parser.add_argument("--nvcc-flip", action="append", default=[],
                         help="also time the batch-1 graph on native kernels built with this nvcc flag "
-                             "(repeatable), e.g. -DMGX_IMMA_UNROLL=2")  # fmt: skip
+                             "(repeatable; with =: --nvcc-flip=-DMGX_IMMA_UNROLL=2)")  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

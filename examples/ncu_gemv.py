@@ -3,7 +3,7 @@ shape and kind, the kernel's duration, DRAM and SM throughput, warp instructions
 cycles between a warp's instructions and occupancy -- what says whether a GEMV is bound by its bytes
 or by its instructions.
 
-    python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag -D...] [--stalls]
+    python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag=-D...] [--stalls]
     python examples/ncu_gemv.py --parse report.csv --manifest launches.json   # a saved report, no GPU
 
 On a GPU host the script runs itself under ncu (``--launch``: build gemv.cu, launch every applicable
@@ -155,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", default="mma_pipelined,imma,imma_persistent", help="native kinds, comma-separated")
     ap.add_argument("--schemes", default="int4,w8a16")
-    ap.add_argument("--nvcc-flag", action="append", default=[], help="a compile-time setting of gemv.cu, e.g. -DMGX_IMMA_CACHE=0")
+    ap.add_argument("--nvcc-flag", action="append", default=[], help="a compile-time setting of gemv.cu, written --nvcc-flag=-DMGX_IMMA_CACHE=0")
     ap.add_argument("--csv", type=Path, help="keep ncu's report here")
     ap.add_argument("--stalls", action="store_true", help="also collect the warp stall reasons (the table's top three)")
     ap.add_argument("--parse", type=Path, help="summarize a saved report (with --manifest) instead of profiling")

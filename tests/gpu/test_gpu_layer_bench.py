@@ -26,7 +26,7 @@ def test_gpu_chains_run_and_print_a_time_for_each_part(capsys) -> None:  # noqa:
     spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--scheme", "w8a16", "--replays", "2", "--nvcc-flag", "-DMGX_IMMA_UNROLL=2"]) == 0
+    assert bench.main(["--scheme", "w8a16", "--replays", "2", "--nvcc-flag=-DMGX_IMMA_UNROLL=2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert len(lines) == 2 * len(bench.PARTS)
     for line, part in zip(lines, [*bench.PARTS, *bench.PARTS]):
