@@ -136,12 +136,17 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if ROT > 0:
         cos, sin, partner, sign, rot = _angles(inv_ptr, ctx - 1, d, attention_scaling, ROT)
-        # A one-tile piece's keys and values; the slot at ctx - 1 is stale until this step's k, v
-        # replace it below.
-        off1 = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
-        kv1_mask = (one_tile & (pos1 < end))[:, None] & (d < D)[None, :]
-        k1 = tl.load(kc_ptr + off1, mask=kv1_mask, other=0.0)
-        v1 = tl.load(vc_ptr + off1, mask=kv1_mask, other=0.0)
+        # The piece's first tile of keys and values (a one-tile piece's through the pages read
+        # above); its slot at ctx - 1, if there, is stale until this step's k, v replace it below.
+        if one_tile:
+            pos_f, page_f = pos1, page1
+        else:
+            pos_f = start + tl.arange(0, BLOCK_N)
+            page_f = tl.load(bt_ptr + seq_row + pos_f // PAGE, mask=pos_f < end, other=0)
+        off_f = _kv_slots(page_f, pos_f, h, d, PAGE, HK, D)
+        kv_mask = (pos_f < end)[:, None] & (d < D)[None, :]
+        k_f = tl.load(kc_ptr + off_f, mask=kv_mask, other=0.0)
+        v_f = tl.load(vc_ptr + off_f, mask=kv_mask, other=0.0)
         overlap_start(OVERLAP)
         # RoPE in the prologue (as rope_and_write_kv would): q's G heads here, at position ctx - 1;
         # the program whose share holds that position turns k and writes it and v to the cache
@@ -152,8 +157,8 @@ def _decode_kernel(
             one = tl.arange(0, 2)
             kmask = (one < 1)[:, None] & (d < D)[None, :]
             k_new = _rotate(k_ptr + h * D, s64 * stride_k, 1, cos, sin, partner, sign, rot, 2, BLOCK_D, D)
-            if one_tile:  # the slot's page is among the tile's, already loaded
-                page = tl.sum(tl.where(pos1 == ctx - 1, page1, 0), axis=0).to(tl.int64)
+            if ctx - 1 < start + BLOCK_N:  # the slot's page is among the first tile's, already loaded
+                page = tl.sum(tl.where(pos_f == ctx - 1, page_f, 0), axis=0).to(tl.int64)
             else:
                 page = tl.load(bt_ptr + seq_row + (ctx - 1) // PAGE).to(tl.int64)
             dst = (page * PAGE + (ctx - 1) % PAGE) * (HK * D) + h * D
@@ -161,25 +166,26 @@ def _decode_kernel(
             tl.store(kc_ptr + dst + one[:, None] * D + d[None, :], k_new, mask=kmask)
             v_new = tl.load(v_ptr + s64 * stride_v + h * D + d, mask=d < D, other=0.0).to(vc_ptr.dtype.element_ty)
             tl.store(vc_ptr + dst + d, v_new, mask=d < D)
-            # The tile's row at ctx - 1 as it is now in the cache.
+            # The first tile's row at ctx - 1 as it is now in the cache (no row where it is not there).
             k_row = tl.sum(tl.where(kmask, k_new.to(tl.float32), 0.0), axis=0).to(kc_ptr.dtype.element_ty)
-            here = (pos1 == ctx - 1)[:, None]
-            k1 = tl.where(here, k_row[None, :], k1)
-            v1 = tl.where(here, v_new[None, :], v1)
+            here = (pos_f == ctx - 1)[:, None]
+            k_f = tl.where(here, k_row[None, :], k_f)
+            v_f = tl.where(here, v_new[None, :], v_f)
             tl.debug_barrier()  # every thread's cache writes land before the loop's reads below
-        if one_tile:
-            m, denom, acc = _decode_kv(q, k1, v1, pos1 < end, scale_log2, m, denom, acc, DOT_PREC)
+        m, denom, acc = _decode_kv(q, k_f, v_f, pos_f < end, scale_log2, m, denom, acc, DOT_PREC)
+        rest = start + BLOCK_N  # the loop below takes the piece's other tiles
     else:
         q = tl.load(q_ptr + s64 * stride_q + hq[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
+        rest = start
         if one_tile:
             off = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
             m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, pos1 < end, scale_log2, m, denom, acc, d, D, DOT_PREC)
-    if not one_tile:
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            off = _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE, HK, D)
-            m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, valid, scale_log2, m, denom, acc, d, D, DOT_PREC)
+            rest = end
+    for n0 in range(rest, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        off = _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE, HK, D)
+        m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, valid, scale_log2, m, denom, acc, d, D, DOT_PREC)
 
     if SPLIT:
         first = (s * (HK * G) + hq).to(tl.int64) * num_splits  # [BLOCK_G]: split 0 of each row of [S, Hq, splits]

@@ -125,7 +125,8 @@ def test_decode_with_rope_equals_rope_and_write_kv_then_decode(dtype, rotary_dim
     and writes this step's k and v into the cache itself; the same cache, to the bit, and the same
     output as ``rope_and_write_kv`` followed by plain decode, with the caller's q, k, v untouched.
     One-tile pieces (3 and 8 splits; the slot's page from the tile's, read before the context length)
-    and the loop (1 split; a window) both."""
+    and longer pieces (1 split: the slot in the third tile; a window: in the first tile, which is read
+    before the kernel's wait and takes this step's k, v in registers) both."""
     from mgx.kernels.triton.rope import rope_and_write_kv
 
     g = torch.Generator().manual_seed(11)
