@@ -12,6 +12,12 @@ flag of the native kernels (``--nvcc-flag``: every chain again on kernels built 
 
     python examples/bench_gpu_layer.py --scheme int4 --context 768 --nvcc-flag=-DMGX_IMMA_UNROLL=2
 
+Longer contexts take a wider block table (``--table-blocks``, 16-token pages); past the backend's
+``SELF_MERGE_MAX_SPLITS`` pieces the last piece no longer merges them and the merge kernel runs, as
+in the backend; ``--self-merge-max 16,64`` times each limit (whether self-merging wins there):
+
+    python examples/bench_gpu_layer.py --context 3000 --table-blocks 256 --parts all,attention --self-merge-max 16,64
+
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
 
@@ -78,6 +84,7 @@ class Chain:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context.
         self.splits = attention.decode_splits(1, KV_HEADS, self.max_context, sms, 64, 1)
+        self.self_merge = True  # whether the pieces' last merges them (the backend's rule: self_merges)
         self.stand_in = {"qkv": torch.randn(1, qkv_n, device=dev).to(bf16),  # outputs of the parts left out
                          "attention": torch.randn(1, HEADS * HEAD_DIM, device=dev).to(bf16),
                          "gate_up": torch.randn(1, FFN, device=dev).to(bf16),
@@ -102,7 +109,7 @@ class Chain:
             rope = DecodeRope(qkv[:, q_end:k_end], qkv[:, k_end:], self.inv_freq)
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
-                                       counters=w["counters"], rope=rope)  # fmt: skip
+                                       counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
         o = gemv(a, w["o"], kernels=kernels, kind=kinds["o"]) if gemvs else self.stand_in["down"]
         x2 = o
         if norms:
@@ -165,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scheme", choices=sorted(DEFAULT_KINDS), default="int4")
     ap.add_argument("--kinds", help="native kind of each projection, e.g. qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16")
-    ap.add_argument("--context", type=int, default=768, help="tokens in the cache (at most 1,024)")
+    ap.add_argument("--context", type=int, default=768, help="tokens in the cache (at most 16 x --table-blocks)")
+    ap.add_argument("--table-blocks", type=int, default=64, help="block table width in 16-token pages (the graph's)")
+    ap.add_argument("--self-merge-max", default="", help="most pieces the last one merges, comma-separated "
+                    "limits to time (default: the backend's SELF_MERGE_MAX_SPLITS)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which chains, of {', '.join(PARTS)}")
     ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable; with =: --nvcc-flag=-D...)")
     ap.add_argument("--replays", type=int, default=50)
@@ -177,18 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
+    if not 0 < args.context <= 16 * args.table_blocks:
+        ap.error(f"--context {args.context} is not within the table's {16 * args.table_blocks} tokens (--table-blocks)")
+    try:
+        limits = [int(x) for x in args.self_merge_max.split(",")] if args.self_merge_max else [None]
+    except ValueError:
+        ap.error(f"--self-merge-max: {args.self_merge_max!r} is not a comma-separated list of integers")
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_layer needs an NVIDIA GPU")
     builds = {"stored flags": load_kernels(())}
     builds.update({flag: load_kernels((flag,)) for flag in args.nvcc_flag})
-    chain = Chain(args.scheme, args.context)
+    from mgx.runtime.backend_cuda import SELF_MERGE_MAX_SPLITS
+
+    chain = Chain(args.scheme, args.context, table_blocks=args.table_blocks)
     print(f"{args.scheme}, {LAYERS} layers, context {args.context}, {chain.splits} attention pieces, kinds {kinds}")
-    for label, kernels in builds.items():
-        for part in parts:
-            ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
-            print(f"  {label}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
+    for limit in limits:
+        chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
+        merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
+        for label, kernels in builds.items():
+            for part in parts:
+                ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
+                print(f"  {label}{merge}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
     return 0
 
 

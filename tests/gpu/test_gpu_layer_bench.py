@@ -31,3 +31,21 @@ def test_gpu_chains_run_and_print_a_time_for_each_part(capsys) -> None:  # noqa:
     assert len(lines) == 2 * len(bench.PARTS)
     for line, part in zip(lines, [*bench.PARTS, *bench.PARTS]):
         assert f": {part} " in line and float(line.split(f": {part} ")[1].split(" ms")[0]) > 0
+
+
+def test_gpu_long_context_chain_times_each_merge_limit(capsys) -> None:  # noqa: ANN001
+    """A 2,048-token table (32 pieces): with limit 8 the merge kernel runs, with 64 the last piece
+    merges; both chains are captured, replayed and reported."""
+    from mgx.kernels.cuda import build
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--context", "1500", "--table-blocks", "128", "--parts", "attention", "--self-merge-max", "8,64", "--replays", "2"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "32 attention pieces" in out
+    lines = [line for line in out.splitlines() if line.startswith("  ")]
+    assert len(lines) == 2 and "[merge kernel, limit 8]: attention" in lines[0] and "[self-merge, limit 64]: attention" in lines[1]

@@ -37,9 +37,15 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
     with pytest.raises(SystemExit) as stop:
         bench.main(["--kinds", "qkv=imma"])
     assert stop.value.code == 2 and "no kind for down, gate_up, o" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--context", "1100"])
+    assert stop.value.code == 2 and "not within the table's 1024 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--self-merge-max", "16,all"])
+    assert stop.value.code == 2 and "'16,all' is not a comma-separated list" in capsys.readouterr().err
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv in ([], ["--nvcc-flag=-DMGX_IMMA_UNROLL=2"]):  # a flag's leading dash after "="
+    for argv in ([], ["--nvcc-flag=-DMGX_IMMA_UNROLL=2"], ["--context", "3000", "--table-blocks", "256", "--self-merge-max", "16,64"]):  # a flag's leading dash after "="
         with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
             bench.main(argv)
 
