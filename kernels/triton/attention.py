@@ -391,7 +391,10 @@ def paged_attention_decode(
     ``counters``: zeroed int32, at least S * Hk of them (``new_decode_counters``), left zeroed: split
     programs merge their partials themselves instead of a second kernel (one stream at a time).
     ``rope``: q is not yet rotated, and this step's k and v are not yet in the cache: the kernel does
-    what ``rope_and_write_kv`` would first (q itself is left as it was), one launch fewer.
+    what ``rope_and_write_kv`` would first (q itself is left as it was), one launch fewer. Launched
+    overlapped (``overlapped_launches``), it then reads ``context_lens``, ``block_table`` and the
+    cache's earlier slots before it waits for the kernel launched just before it: none of them may be
+    that kernel's output (the backend fills them before a step's first kernel).
     """
     q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
     if block_n < 16 or block_n & (block_n - 1):
