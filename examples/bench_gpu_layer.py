@@ -84,7 +84,7 @@ class Chain:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context.
         self.splits = attention.decode_splits(1, KV_HEADS, self.max_context, sms, 64, 1)
-        self.self_merge = True  # whether the pieces' last merges them (the backend's rule: self_merges)
+        self.self_merge = True  # whether the pieces' last merges them (the backend's rule: SELF_MERGE_MAX_SPLITS)
         self.stand_in = {"qkv": torch.randn(1, qkv_n, device=dev).to(bf16),  # outputs of the parts left out
                          "attention": torch.randn(1, HEADS * HEAD_DIM, device=dev).to(bf16),
                          "gate_up": torch.randn(1, FFN, device=dev).to(bf16),

@@ -986,9 +986,6 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
 // -- its lanes' B words, the step's factor and sum X -- and reads them back in the others instead of
 // staging x again (the staging is about a quarter of a step's instructions; the same values, so the
 // same bits).
-// Asking L2 for a block's whole first group before its PDL wait (build flag MGX_IMMA_PREFETCH,
-// twenty-first session) lost on the H200: the 8B layer chained 32 times, INT4 2.24 vs 1.81 ms, W8A16
-// 2.92 vs 2.32; so each block loads only its first step's codes before the wait (load_w below).
 
 #ifndef MGX_IMMA_CACHE
 #define MGX_IMMA_CACHE 32
@@ -1158,6 +1155,9 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     norm_prologue(const_cast<uint4*>(x), *norm, k);
   }
   Pass even, odd;  // two passes' registers, by turns
+  // Only the first pass's codes before the wait: asking L2 for the block's whole first group there
+  // (build flag MGX_IMMA_PREFETCH, twenty-first session) lost on the H200 (the 8B layer chained 32
+  // times: INT4 2.24 vs 1.81 ms, W8A16 2.92 vs 2.32).
   load_w(at, even);
   mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
   load_x(at, even);
