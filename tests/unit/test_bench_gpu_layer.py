@@ -31,21 +31,17 @@ def test_kinds_name_each_projection_once(bench) -> None:  # noqa: ANN001
 
 
 def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatch) -> None:  # noqa: ANN001
-    with pytest.raises(SystemExit) as stop:
-        bench.main(["--parts", "all,lm_head"])
-    assert stop.value.code == 2 and "lm_head not one of" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:
-        bench.main(["--kinds", "qkv=imma"])
-    assert stop.value.code == 2 and "no kind for down, gate_up, o" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:
-        bench.main(["--context", "1100"])
-    assert stop.value.code == 2 and "not within the table's 1024 tokens" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:
-        bench.main(["--self-merge-max", "16,all"])
-    assert stop.value.code == 2 and "'16,all' is not a comma-separated list" in capsys.readouterr().err
+    for argv, says in ((["--parts", "all,lm_head"], "lm_head not one of"),
+                       (["--kinds", "qkv=imma"], "no kind for down, gate_up, o"),
+                       (["--context", "1100"], "not within the table's 1024 tokens"),
+                       (["--self-merge-max", "16,all"], "'16,all' is not a comma-separated list")):  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            bench.main(argv)
+        assert stop.value.code == 2 and says in capsys.readouterr().err
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv in ([], ["--nvcc-flag=-DMGX_IMMA_UNROLL=2"], ["--context", "3000", "--table-blocks", "256", "--self-merge-max", "16,64"]):  # a flag's leading dash after "="
+    # A flag's leading dash goes after "=" (argparse would take "-D..." alone for an option).
+    for argv in ([], ["--nvcc-flag=-DMGX_IMMA_UNROLL=2"],
+                 ["--context", "3000", "--table-blocks", "256", "--self-merge-max", "16,64"]):  # fmt: skip
         with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
             bench.main(argv)
-
