@@ -986,7 +986,6 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
 // -- its lanes' B words, the step's factor and sum X -- and reads them back in the others instead of
 // staging x again (the staging is about a quarter of a step's instructions; the same values, so the
 // same bits).
-
 #ifndef MGX_IMMA_CACHE
 #define MGX_IMMA_CACHE 32
 #endif

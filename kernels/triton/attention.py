@@ -134,19 +134,20 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # The piece's first tile of keys and values (a one-tile piece's through the pages read above).
+    # With RoPE fused they are read before the wait, and the slot at ctx - 1, if in the tile, is
+    # stale until this step's k, v replace it below.
+    if one_tile:
+        pos_f, page_f = pos1, page1
+    else:
+        pos_f = start + tl.arange(0, BLOCK_N)
+        page_f = tl.load(bt_ptr + seq_row + pos_f // PAGE, mask=pos_f < end, other=0)
+    off_f = _kv_slots(page_f, pos_f, h, d, PAGE, HK, D)
+    kv_mask = (pos_f < end)[:, None] & (d < D)[None, :]
+    k_f = tl.load(kc_ptr + off_f, mask=kv_mask, other=0.0)
+    v_f = tl.load(vc_ptr + off_f, mask=kv_mask, other=0.0)
     if ROT > 0:
         cos, sin, partner, sign, rot = _angles(inv_ptr, ctx - 1, d, attention_scaling, ROT)
-        # The piece's first tile of keys and values (a one-tile piece's through the pages read
-        # above); its slot at ctx - 1, if there, is stale until this step's k, v replace it below.
-        if one_tile:
-            pos_f, page_f = pos1, page1
-        else:
-            pos_f = start + tl.arange(0, BLOCK_N)
-            page_f = tl.load(bt_ptr + seq_row + pos_f // PAGE, mask=pos_f < end, other=0)
-        off_f = _kv_slots(page_f, pos_f, h, d, PAGE, HK, D)
-        kv_mask = (pos_f < end)[:, None] & (d < D)[None, :]
-        k_f = tl.load(kc_ptr + off_f, mask=kv_mask, other=0.0)
-        v_f = tl.load(vc_ptr + off_f, mask=kv_mask, other=0.0)
         overlap_start(OVERLAP)
         # RoPE in the prologue (as rope_and_write_kv would): q's G heads here, at position ctx - 1;
         # the program whose share holds that position turns k and writes it and v to the cache
@@ -172,16 +173,10 @@ def _decode_kernel(
             k_f = tl.where(here, k_row[None, :], k_f)
             v_f = tl.where(here, v_new[None, :], v_f)
             tl.debug_barrier()  # every thread's cache writes land before the loop's reads below
-        m, denom, acc = _decode_kv(q, k_f, v_f, pos_f < end, scale_log2, m, denom, acc, DOT_PREC)
-        rest = start + BLOCK_N  # the loop below takes the piece's other tiles
     else:
         q = tl.load(q_ptr + s64 * stride_q + hq[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
-        rest = start
-        if one_tile:
-            off = _kv_slots(page1, pos1, h, d, PAGE, HK, D)
-            m, denom, acc = _decode_tile(q, kc_ptr, vc_ptr, off, pos1 < end, scale_log2, m, denom, acc, d, D, DOT_PREC)
-            rest = end
-    for n0 in range(rest, end, BLOCK_N):
+    m, denom, acc = _decode_kv(q, k_f, v_f, pos_f < end, scale_log2, m, denom, acc, DOT_PREC)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):  # the piece's other tiles
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         off = _kv_offsets(bt_ptr, seq_row, pos, valid, h, d, PAGE, HK, D)
