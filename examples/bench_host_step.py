@@ -76,14 +76,18 @@ def build_engine(tokenizer: str, batch: int, prompt: int, steps: int):  # noqa: 
 
 def run(engine, batch: int, prompt: int, steps: int, stop: list[str], seed: int,  # noqa: ANN001
         profile: cProfile.Profile | None = None, clock=time.thread_time,
-        forward_on_cpu: bool = False) -> list[float]:  # fmt: skip
+        forward_on_cpu: bool = False, ahead: bool = True) -> list[float]:  # fmt: skip
     """Host seconds of each step in which all ``batch`` sequences decode.
 
     The default clock is this thread's CPU time: time the VM spends elsewhere is not counted (with
     one kernel thread the forward runs on this thread too, so it is subtracted all the same).
     Without ``forward_on_cpu`` the model does not run at all: the greedy ids come from a random
     generator, as if a GPU had computed them, so the forward does not evict the host's caches.
+    With ``ahead`` (and no forward) the backend also acts as the CUDA backend does: ``launch``
+    returns at once and the engine launches each decode step before it reads the last one's picks
+    (``Backend.overlaps_steps``), so the host runs the same calls as on a GPU but the backend's own.
     """
+    from mgx.runtime.backend import StepResult
     from mgx.runtime.sampler import SamplingParams
 
     runner = engine.runner
@@ -105,8 +109,21 @@ def run(engine, batch: int, prompt: int, steps: int, stop: list[str], seed: int,
         rows = b.sample_rows.size
         return rng.integers(3, vocab, rows), np.zeros(rows, dtype=np.float32)
 
+    backend = runner.backend
+
+    def launched(run_ops, b, kv, tokens_from=None):  # noqa: ANN001, ANN202
+        # CudaBackend.launch's contract off the device: picks now, the fed tokens from the last launch.
+        t = clock()
+        if tokens_from is not None:
+            b.token_ids = tokens_from.result()[0]
+        out = StepResult(no_forward(b))
+        forward[0] += clock() - t
+        return out
+
     if not forward_on_cpu:
         execute = no_forward
+        if ahead:
+            backend.launch, backend.overlaps_steps = launched, True
     runner.execute = timed_execute
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, stop=stop)
     for _ in range(batch):
@@ -129,6 +146,8 @@ def run(engine, batch: int, prompt: int, steps: int, stop: list[str], seed: int,
                 host.append(dt - forward[0])
     finally:
         del runner.execute
+        vars(backend).pop("launch", None)
+        vars(backend).pop("overlaps_steps", None)
     return host
 
 
@@ -144,6 +163,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the decode steps of one run")
     p.add_argument("--wall", action="store_true", help="wall-clock time instead of this thread's CPU time")
     p.add_argument("--forward", action="store_true", help="run the model on the CPU (default: random ids)")
+    p.add_argument("--no-ahead", dest="ahead", action="store_false",
+                   help="wait for each step's picks before the next launch (default: launch ahead, as on a GPU)")
     args = p.parse_args()
 
     engine = build_engine(tokenizer_json(args.work, args.artifact), args.batch, args.prompt, args.steps)
@@ -159,6 +180,7 @@ def main() -> None:
             seed=0,
             profile=prof,
             forward_on_cpu=args.forward,
+            ahead=args.ahead,
         )
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         return
@@ -166,7 +188,7 @@ def main() -> None:
     for i in range(args.repeat):
         clock = time.perf_counter if args.wall else time.thread_time
         host = run(engine, args.batch, args.prompt, args.steps, args.stop, seed=i, clock=clock,
-                   forward_on_cpu=args.forward)  # fmt: skip
+                   forward_on_cpu=args.forward, ahead=args.ahead)  # fmt: skip
         medians.append(statistics.median(host))
         print(f"run {i}: {len(host)} decode steps, host per step median {medians[-1] * 1e3:.3f} ms")
     print(f"host ms per step at batch {args.batch}: median of runs {statistics.median(medians) * 1e3:.3f}, "
