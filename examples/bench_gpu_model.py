@@ -123,10 +123,15 @@ def build_hf(shape: str, max_pos: int):  # noqa: ANN201
 
 
 def tokenizer_json(vocab: int) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level vocabulary behind a byte-level decoder, the decoder Llama 3's tokenizer has:
+    a token's text does not depend on the tokens before it, so streaming decodes no windows
+    (``Tokenizer.context_free``) as it does not for the real model. (Before 2026-12-02 the runs had
+    no decoder, which joins tokens with spaces: one window decode per streamed token.)"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.ByteLevel()
     return tok.to_str()
 
 
@@ -312,8 +317,18 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         profile_prefill(engine, rng.integers(3, vocab_hi, args.prefill).tolist())
     row["prefill_tok_s"] = args.prefill / pf
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
-    # A/B of the batch-1 graph with each decode fusion switched the other way (the same weights, recaptured).
-    prompt = rng.integers(3, vocab_hi, args.prompt).tolist()
+    if args.flips:
+        ab_flips(engine, row, args, rng.integers(3, vocab_hi, args.prompt).tolist())
+    add_row(row)
+    del engine
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN001
+    """A/B of the batch-1 graph with each decode fusion switched the other way (the same weights,
+    recaptured), then on native kernels built with each ``--nvcc-flip`` flag, then the default
+    recaptured (how far two captures of one graph spread): ``row``'s ``graph_b1_ms_*`` entries."""
     backend = engine.runner.backend
     for obj, attr, on, off in ((backend, "_norm_gemv", "norm_apart", "norm_in_gemv"),
                                (backend, "_decode_fusion", "attention_apart", "attention_fused"),
@@ -335,10 +350,6 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     # The default once more, captured anew like the flips: how far two captures of one graph spread.
     if DEVICE == "cuda":
         row["graph_b1_ms_default_recaptured"] = graph_ms_recaptured(engine, prompt)
-    add_row(row)
-    del engine
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
 
 
 def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa: ANN001
@@ -603,6 +614,8 @@ def main() -> None:
     parser.add_argument("--nvcc-flip", action="append", default=[],
                         help="also time the batch-1 graph on native kernels built with this nvcc flag "
                              "(repeatable; with =: --nvcc-flip=-DMGX_IMMA_UNROLL=2)")  # fmt: skip
+    parser.add_argument("--no-flips", dest="flips", action="store_false",
+                        help="skip the batch-1 graph's A/B flips and --nvcc-flip rebuilds (a shorter run)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -258,17 +258,22 @@ class BlockManager:
         What the scheduler already allocated costs ``allocate``'s first check only. None when a
         sequence cannot get its blocks; the sequences before it keep what they got.
         """
-        seqs, out = self._seqs, StepBlocks([], [], [])
+        seqs, bs, no_slots = self._seqs, self.block_size, self.slots is None
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        slots: list[int | None] = []
         for seq_id, n in zip(seq_ids, num_new, strict=True):
             seq = seqs.get(seq_id)
             start = len(seq.tokens) if seq is not None else 0
-            if not self.allocate(seq_id, start + n):
-                return None
-            seq = seqs[seq_id]
-            out.starts.append(start)
-            out.tables.append(seq.table)
-            out.state_slots.append(seq.slot)
-        return out
+            # allocate's first check inline (a decode step of a large batch passes it for nearly all)
+            if seq is None or len(seq.table) * bs < start + n or (seq.slot is None and not no_slots):
+                if not self.allocate(seq_id, start + n):
+                    return None
+                seq = seqs[seq_id]
+            starts.append(start)
+            tables.append(seq.table)
+            slots.append(seq.slot)
+        return StepBlocks(starts, tables, slots)
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Record that the K/V of ``token_ids`` (the next tokens of ``seq_id``) is written; cache full blocks."""
@@ -317,20 +322,26 @@ class BlockManager:
         seqs = self._seqs
         return [len(seq.tokens) if (seq := seqs.get(i)) is not None else 0 for i in seq_ids]
 
-    def extents(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Per sequence: (tokens computed, tokens its blocks hold), so that growing to ``n`` tokens
-        needs ``allocate`` only when ``n`` exceeds the second (which is 0 while a state slot is missing)."""
+    def extents(self, seq_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per sequence: tokens computed, and tokens its blocks hold (two lists), so that growing to
+        ``n`` tokens needs ``allocate`` only when ``n`` exceeds the second (which is 0 while a state
+        slot is missing)."""
         seqs, bs = self._seqs, self.block_size
-        out = []
+        try:
+            known = [seqs[i] for i in seq_ids]
+        except KeyError:
+            known = None
+        if known is not None and self.slots is None:  # the common case, two passes
+            return [len(s.tokens) for s in known], [len(s.table) * bs for s in known]
+        starts, rooms = [], []
         for seq_id in seq_ids:
             seq = seqs.get(seq_id)
-            if seq is None:
-                out.append((0, 0))
-            elif self.slots is not None and seq.slot is None:
-                out.append((len(seq.tokens), 0))
+            starts.append(len(seq.tokens) if seq is not None else 0)
+            if seq is None or (self.slots is not None and seq.slot is None):
+                rooms.append(0)
             else:
-                out.append((len(seq.tokens), len(seq.table) * bs))
-        return out
+                rooms.append(len(seq.table) * bs)
+        return starts, rooms
 
     def table(self, seq_id: int) -> list[int]:
         """The block table of ``seq_id`` (do not modify)."""

@@ -308,17 +308,19 @@ class Engine:
     ) -> None:
         seconds = end - start
         for req in reqs:
-            m, seq = req.metrics, req.seq
+            m = req.metrics
+            first = m.first_token_time
+            if first is not None and first < start:  # the common case: a decoding request
+                m.decode_seconds += seconds
+                continue
             if m.first_scheduled_time is None:
+                seq = req.seq
                 m.first_scheduled_time = start
                 m.cached_tokens = seq.num_cached_tokens
                 self.metrics.on_admitted(seq.num_prompt_tokens, seq.num_cached_tokens)
-            m.preemptions = seq.num_preemptions
-            first = m.first_token_time
-            if first is None or first >= start:
-                m.prefill_seconds += seconds
-            else:
-                m.decode_seconds += seconds
+            m.prefill_seconds += seconds
+        for seq in plan.preempted:  # a sequence's count changes only when a schedule preempts it
+            self._by_seq[seq.seq_id].metrics.preemptions = seq.num_preemptions
         self.metrics.on_step(
             end,
             plan.num_tokens,

@@ -145,7 +145,7 @@ class Request:
         # Read on every token: kept here rather than looked up through params and the sampler.
         self._stop_ids = self.sampler.stop_ids
         self._stop_strings = bool(self.stops.stops)
-        self._max_tokens = params.max_tokens
+        self.tokens_left = params.max_tokens  # tokens it may still generate before ``max_tokens``
         self.metrics = metrics
         self.output_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -161,16 +161,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def tokens_left(self) -> int:
-        """Tokens it may still generate before ``max_tokens``."""
-        return self._max_tokens - len(self.output_ids)
-
     def accept(self, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
         """Append a sampled token; returns this step's output (finished when the request stops)."""
         self.seq.token_ids.append(token)
-        output_ids = self.output_ids
-        output_ids.append(token)
+        self.output_ids.append(token)
+        self.tokens_left -= 1
         m = self.metrics
         m.output_tokens += 1
         m.last_token_time = now
@@ -185,11 +180,11 @@ class Request:
             text, hit = self.stops.push(self.detok.push(token))
             if hit is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
-            elif len(output_ids) >= self._max_tokens:
+            elif self.tokens_left <= 0:
                 self.finish_reason = "length"
         else:  # nothing to hold back: StopStrings.push would pass the text through
             text = self.detok.push(token)
-            if len(output_ids) >= self._max_tokens:
+            if self.tokens_left <= 0:
                 self.finish_reason = "length"
         if self.finish_reason is None:
             self.text_parts.append(text)

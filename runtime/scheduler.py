@@ -112,14 +112,18 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick this step's chunks, allocating their blocks (preempting if needed)."""
+        running = self.running
+        if running and (not self.waiting or len(running) >= self.config.max_num_seqs):
+            plan = self._decode_all()
+            if plan is not None:
+                return plan
         budget = self.config.max_tokens_per_step
         blocks = self.blocks
         plan: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (sequence, start, tokens)
         preempted: list[Sequence] = []
         decoding: list[tuple[Sequence, int, int]] = []  # (sequence, tokens computed, tokens its blocks hold)
         prefilling: list[tuple[Sequence, int, int]] = []
-        running = self.running
-        for s, (start, room) in zip(running, blocks.extents([s.seq_id for s in running])):
+        for s, start, room in zip(running, *blocks.extents([s.seq_id for s in running])):
             left = len(s.token_ids) - start
             if left == 1:
                 decoding.append((s, start, room))
@@ -164,6 +168,24 @@ class Scheduler:
             return StepPlan(preempted=preempted)
         seqs, starts, num_new = map(list, zip(*plan.values()))
         return StepPlan(seqs, starts, num_new, preempted)
+
+    def _decode_all(self) -> StepPlan | None:
+        """The steady state, when no sequence waits to be admitted: every running sequence decodes
+        its last token. The plan ``schedule`` would make, in fewer passes over the batch; None when
+        this step is not that (a prompt left to compute, the budget too small, a block that only a
+        preemption would free)."""
+        running, blocks = self.running, self.blocks
+        if len(running) > self.config.max_tokens_per_step:
+            return None
+        seq_ids = [s.seq_id for s in running]
+        starts, rooms = blocks.extents(seq_ids)
+        if any(len(s.token_ids) != a + 1 for s, a in zip(running, starts)):
+            return None
+        for seq_id, start, room in zip(seq_ids, starts, rooms):
+            # No room in the last block: one sequence in block_size each step.
+            if start >= room and not blocks.allocate(seq_id, start + 1):
+                return None  # schedule preempts (blocks taken here stay with their sequences)
+        return StepPlan(list(running), starts, [1] * len(running))
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done: release its blocks (full ones stay cached)."""

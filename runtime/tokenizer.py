@@ -119,19 +119,27 @@ class IncrementalDetokenizer:
         """Add one id; returns the new stable text ("" while a character is incomplete)."""
         ids = self._ids
         ids.append(int(token_id))
-        if self._tok.context_free and self._read == len(ids) - 1:
-            # Nothing is held back. On a byte-level decoder a token whose own bytes are whole
-            # characters (no U+FFFD) adds exactly its own text after the window, even after bytes
-            # that end inside a character (those decode to U+FFFD either way).
-            text = self._tok._decode_window(ids[-1:])
-            if "\ufffd" not in text:
+        tok = self._tok
+        # Called for every token of every running request: the one-token cache is read inline.
+        text = tok._singles.get(ids[-1])
+        if text is None:
+            text = tok._decode_window(ids[-1:])
+        n, read = len(ids), self._read
+        if read == n - 1:
+            if tok.context_free and "\ufffd" not in text:
+                # Nothing is held back. On a byte-level decoder a token whose own bytes are whole
+                # characters (no U+FFFD) adds exactly its own text after the window, even after
+                # bytes that end inside a character (those decode to U+FFFD either way).
                 if text:
-                    self._prefix, self._read, self._before = self._read, len(ids), text
+                    self._prefix, self._read, self._before = read, n, text
                 return text
         text = self._pending()
         if not text or text.endswith("\ufffd"):
             return ""
-        self._prefix, self._read, self._before = self._read, len(self._ids), None
+        # The next window starts at this token: its text (the new "before") is the token's own,
+        # which the one-token cache holds when only this token was read.
+        self._prefix, self._read = read, n
+        self._before = tok._singles.get(ids[-1]) if read == n - 1 else None
         return text
 
     def flush(self) -> str:

@@ -139,7 +139,7 @@ def test_commit_step_equals_commits_one_by_one() -> None:
         for s in seqs:
             assert many._seqs[s] == one._seqs[s]  # tokens, table and prefix keys
         assert many.blocks._index == one.blocks._index
-    assert many.extents([0, 7]) == [(many.num_computed(0), 4 * len(many.table(0))), (0, 0)]
+    assert many.extents([0, 7]) == ([many.num_computed(0), 0], [4 * len(many.table(0)), 0])
 
 
 def test_commit_step_refuses_tokens_past_the_blocks() -> None:

@@ -45,8 +45,10 @@ def solo(contents, workload) -> list[list[int]]:
     return [engine.generate(p, max_tokens=n, **GREEDY).token_ids for p, n in workload]
 
 
-def drive(engine: Engine, workload, stagger: random.Random | None = None, abort: set[int] = frozenset()):
-    """Submit every request (all at once, or a few per step), step to the end; tokens per request."""
+def drive(engine: Engine, workload, stagger: random.Random | None = None, abort: set[int] = frozenset(),
+          finished: list | None = None):  # fmt: skip
+    """Submit every request (all at once, or a few per step), step to the end; tokens per request.
+    ``finished``: gets each request's last output."""
     ids: dict[str, int] = {}
     got: dict[int, list[int]] = {i: [] for i in range(len(workload))}
     todo = list(enumerate(workload))
@@ -57,6 +59,8 @@ def drive(engine: Engine, workload, stagger: random.Random | None = None, abort:
                 ids[engine.add_request(prompt, SamplingParams(max_tokens=n, **GREEDY))] = i
         for out in engine.step():
             got[ids[out.request_id]] += out.token_ids
+            if out.finished and finished is not None:
+                finished.append(out)
         for rid, i in ids.items():
             if i in abort and len(got[i]) >= 2:
                 engine.abort(rid)
@@ -92,9 +96,13 @@ def test_a_kv_budget_too_small_preempts_but_completes_everything(contents, workl
         contents, config=EngineConfig(kv_memory=8 * 16 * 256, max_num_seqs=16, max_tokens_per_step=64)
     )
     assert engine.cache_plan.num_blocks == 8  # 128 tokens for 32 requests of up to 80
-    got = drive(engine, workload, stagger=random.Random(2))
+    finished: list = []
+    got = drive(engine, workload, stagger=random.Random(2), finished=finished)
     assert [got[i] for i in range(32)] == solo
     assert engine.metrics.counters.preemptions > 0
+    # Each request's own count: together, every preemption the engine counted.
+    assert len(finished) == 32
+    assert sum(out.metrics.preemptions for out in finished) == engine.metrics.counters.preemptions
     assert_no_leaks(engine)
 
 

@@ -113,3 +113,38 @@ def test_policy_code_is_plain_python(module: str) -> None:
     }
     assert not {m for m in imported if m.split(".")[0] in {"numpy", "torch", "triton"}}
     assert not {m for m in imported if m.endswith(("backend", "model_runner", "kv_cache"))}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_all_decode_plan_is_the_general_plan(seed: int, monkeypatch) -> None:
+    """``Scheduler._decode_all`` (every running sequence decodes, nothing to admit) makes the plan
+    the general path makes, step after step: blocks taken at block boundaries, preemptions when the
+    pool runs dry, prompts and admissions in between. Two schedulers run the same random workload,
+    one with the shortcut off; plans, preemptions and block tables must agree."""
+    import random
+
+    rng = random.Random(seed)
+    both = [make(num_blocks=rng.randint(6, 24), block_size=rng.choice([2, 4]), max_seqs=rng.randint(2, 6),
+                 budget=rng.randint(4, 16)) for _ in range(2)]  # fmt: skip
+    both[1] = make(both[0].blocks.num_blocks, both[0].blocks.block_size, both[0].config.max_num_seqs,
+                   both[0].config.max_tokens_per_step)  # fmt: skip
+    monkeypatch.setattr(both[1], "_decode_all", lambda: None)
+    took = []
+    shortcut = both[0]._decode_all
+    monkeypatch.setattr(both[0], "_decode_all", lambda: took.append(shortcut()) or took[-1])
+    for step in range(80):
+        if rng.random() < 0.15:
+            n = rng.randint(1, 9)
+            for s in both:
+                s.add(seq(step, n))
+        if rng.random() < 0.05 and both[0].running:
+            i = rng.randrange(len(both[0].running))
+            for s in both:
+                s.finish(s.running[i])
+        fast, general = run(both[0]), run(both[1])
+        assert shape(fast) == shape(general), step
+        assert [q.seq_id for q in fast.preempted] == [q.seq_id for q in general.preempted]
+        assert [both[0].blocks.table(q.seq_id) for q in both[0].running] == [
+            both[1].blocks.table(q.seq_id) for q in both[1].running
+        ]
+    assert sum(p is not None for p in took) >= 5  # the shortcut planned steps
