@@ -290,7 +290,8 @@ class BlockManager:
                 tokens = seq.tokens
                 tokens.append(token)
                 # Only a token that fills a block (or one past the table) needs a closer look.
-                if len(tokens) % limit == 0 or len(tokens) > len(seq.table) * limit:
+                n = len(tokens)
+                if not n % limit or n > len(seq.table) * limit:
                     self._committed(seq_id, seq)
             return
         end = 0

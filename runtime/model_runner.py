@@ -12,7 +12,7 @@ from mgx.formats.ir import Graph, IRError, verify
 
 from .backend import Array, Backend, StepResult, create_backend, value_plan
 from .batch import BlockTableCache, PagedStep, SeqChunk, StepBatch
-from .block_manager import BlockManager
+from .block_manager import BlockManager, StepBlocks
 from .errors import UnsupportedModelError
 from .kv_cache import KVCacheError
 
@@ -131,10 +131,12 @@ class ModelRunner:
         if not b.greedy or b.sample_rows.size != s:
             return None
         ones = [1] * s
-        starts = self.blocks.num_computed_many(b.seq_ids)
-        batch = StepBatch.packed(b.seq_ids, np.zeros(s, dtype=np.int64), ones, starts, [True] * s)
-        out = self._launch(batch, starts, ones, True, tokens_from=prev.out)
-        return None if out is None else LaunchedStep(batch, out, starts)
+        room = self.blocks.prepare_step(b.seq_ids, ones)  # (also where each sequence stands)
+        if room is None:
+            return None
+        batch = StepBatch.packed(b.seq_ids, np.zeros(s, dtype=np.int64), ones, room.starts, [True] * s)
+        out = self._launch(batch, room.starts, ones, True, tokens_from=prev.out, room=room)
+        return None if out is None else LaunchedStep(batch, out, room.starts)
 
     def adopt(self, ahead: LaunchedStep, token_ids: list[int]) -> None:
         """The schedule took ``ahead`` (``launch_ahead``) with these token ids: commit them."""
@@ -187,13 +189,21 @@ class ModelRunner:
         return out.result()
 
     def _launch(
-        self, batch: StepBatch, starts: list[int], sizes: Sequence[int], greedy: bool, tokens_from: StepResult | None = None
+        self,
+        batch: StepBatch,
+        starts: list[int],
+        sizes: Sequence[int],
+        greedy: bool,
+        tokens_from: StepResult | None = None,
+        room: StepBlocks | None = None,
     ) -> StepResult | None:
-        """Blocks for ``batch``, the launch, then the commit of its tokens (none with ``tokens_from``:
-        the host does not know them yet). Out of blocks: raises, or None with ``tokens_from``."""
+        """Blocks for ``batch`` (``room``: ``prepare_step``'s answer when the caller has it), the
+        launch, then the commit of its tokens (none with ``tokens_from``: the host does not know
+        them yet). Out of blocks: raises, or None with ``tokens_from``."""
         blocks, seq_ids = self.blocks, batch.seq_ids
         batch.greedy = greedy
-        room = blocks.prepare_step(seq_ids, sizes)  # allocates only what the scheduler did not
+        if room is None:
+            room = blocks.prepare_step(seq_ids, sizes)  # allocates only what the scheduler did not
         if room is None:
             if tokens_from is not None:
                 return None
