@@ -170,8 +170,8 @@ class Scheduler:
         return StepPlan(seqs, starts, num_new, preempted)
 
     def _decode_all(self) -> StepPlan | None:
-        """The steady state, when no sequence waits to be admitted: every running sequence decodes
-        its last token. The plan ``schedule`` would make, in fewer passes over the batch; None when
+        """The steady state, when nothing can be admitted (none waits, or the batch is full): every
+        running sequence decodes its last token. The plan ``schedule`` would make, in fewer passes over the batch; None when
         this step is not that (a prompt left to compute, the budget too small, a block that only a
         preemption would free)."""
         running, blocks = self.running, self.blocks
@@ -182,7 +182,7 @@ class Scheduler:
         if any(len(s.token_ids) != a + 1 for s, a in zip(running, starts)):
             return None
         for seq_id, start, room in zip(seq_ids, starts, rooms):
-            # No room in the last block: one sequence in block_size each step.
+            # Its last block is full: about one sequence in block_size a step.
             if start >= room and not blocks.allocate(seq_id, start + 1):
                 return None  # schedule preempts (blocks taken here stay with their sequences)
         return StepPlan(list(running), starts, [1] * len(running))
