@@ -113,17 +113,21 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's chunks, allocating their blocks (preempting if needed)."""
         running = self.running
-        if running and (not self.waiting or len(running) >= self.config.max_num_seqs):
-            plan = self._decode_all()
-            if plan is not None:
-                return plan
-        budget = self.config.max_tokens_per_step
         blocks = self.blocks
+        seq_ids = [s.seq_id for s in running]
+        # Once for both paths: where the shortcut declines after growing some tables, their rooms
+        # here are too small, which costs the general path one quick ``allocate`` each.
+        starts, rooms = blocks.extents(seq_ids)
+        if running and (not self.waiting or len(running) >= self.config.max_num_seqs):
+            decode = self._decode_all(seq_ids, starts, rooms)
+            if decode is not None:
+                return decode
+        budget = self.config.max_tokens_per_step
         plan: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (sequence, start, tokens)
         preempted: list[Sequence] = []
         decoding: list[tuple[Sequence, int, int]] = []  # (sequence, tokens computed, tokens its blocks hold)
         prefilling: list[tuple[Sequence, int, int]] = []
-        for s, start, room in zip(running, *blocks.extents([s.seq_id for s in running])):
+        for s, start, room in zip(running, starts, rooms):
             left = len(s.token_ids) - start
             if left == 1:
                 decoding.append((s, start, room))
@@ -169,16 +173,15 @@ class Scheduler:
         seqs, starts, num_new = map(list, zip(*plan.values()))
         return StepPlan(seqs, starts, num_new, preempted)
 
-    def _decode_all(self) -> StepPlan | None:
+    def _decode_all(self, seq_ids: list[int], starts: list[int], rooms: list[int]) -> StepPlan | None:
         """The steady state, when nothing can be admitted (none waits, or the batch is full): every
-        running sequence decodes its last token. The plan ``schedule`` would make, in fewer passes over the batch; None when
-        this step is not that (a prompt left to compute, the budget too small, a block that only a
-        preemption would free)."""
+        running sequence decodes its last token. The plan ``schedule`` would make, in fewer passes
+        over the batch; None when this step is not that (a prompt left to compute, the budget too
+        small, a block that only a preemption would free). ``seq_ids``, ``starts``, ``rooms``: the
+        running sequences' ids and their ``BlockManager.extents``."""
         running, blocks = self.running, self.blocks
         if len(running) > self.config.max_tokens_per_step:
             return None
-        seq_ids = [s.seq_id for s in running]
-        starts, rooms = blocks.extents(seq_ids)
         if any(len(s.token_ids) != a + 1 for s, a in zip(running, starts)):
             return None
         for seq_id, start, room in zip(seq_ids, starts, rooms):

@@ -128,10 +128,10 @@ def test_the_all_decode_plan_is_the_general_plan(seed: int, monkeypatch) -> None
                  budget=rng.randint(4, 16)) for _ in range(2)]  # fmt: skip
     both[1] = make(both[0].blocks.num_blocks, both[0].blocks.block_size, both[0].config.max_num_seqs,
                    both[0].config.max_tokens_per_step)  # fmt: skip
-    monkeypatch.setattr(both[1], "_decode_all", lambda: None)
+    monkeypatch.setattr(both[1], "_decode_all", lambda *extents: None)
     took = []
     shortcut = both[0]._decode_all
-    monkeypatch.setattr(both[0], "_decode_all", lambda: took.append(shortcut()) or took[-1])
+    monkeypatch.setattr(both[0], "_decode_all", lambda *extents: took.append(shortcut(*extents)) or took[-1])
     for step in range(80):
         if rng.random() < 0.15:
             n = rng.randint(1, 9)
