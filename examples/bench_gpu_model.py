@@ -317,6 +317,15 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         profile_prefill(engine, rng.integers(3, vocab_hi, args.prefill).tolist())
     row["prefill_tok_s"] = args.prefill / pf
     row["prefill_flops_frac"] = 2 * n_params * args.prefill / pf / flops
+    backend = engine.runner.backend
+    if getattr(backend, "prefill_graphs", False):  # A/B: the same prompts launched op by op
+        backend.prefill_graphs = False
+        try:
+            runs = sorted(run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)[0] for _ in range(5))
+        finally:
+            backend.prefill_graphs = True
+        row["prefill_eager_tok_s"] = args.prefill / runs[len(runs) // 2]
+        row["prefill_eager_flops_frac"] = 2 * n_params * args.prefill / runs[len(runs) // 2] / flops
     if args.flips:
         ab_flips(engine, row, args, rng.integers(3, vocab_hi, args.prompt).tolist())
     add_row(row)

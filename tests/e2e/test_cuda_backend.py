@@ -822,6 +822,150 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
     assert len(g.free) == 2 and g.free[0] is not g.free[1]  # two launches were in flight at most
 
 
+def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: list[bool] | None = None,
+                 block: int = 16):  # noqa: ANN202
+    """A packed batch of ``lengths`` new tokens per sequence (from ``starts``, default 0), block ids
+    100 s + j for sequence s, paged view attached."""
+    from mgx.runtime.batch import PagedStep, StepBatch
+
+    s = len(lengths)
+    starts = starts or [0] * s
+    samples = samples or [True] * s
+    ids = np.random.default_rng(sum(lengths)).integers(3, 200, sum(lengths))
+    batch = StepBatch.packed(list(range(s)), ids, lengths, starts, samples)
+    tables = [[100 * i + j for j in range(-(-(a + n) // block))] for i, (a, n) in enumerate(zip(starts, lengths))]
+    batch.paged = PagedStep.build(batch, tables, block)
+    return batch
+
+
+def test_prefill_graphs_take_one_fresh_prompt_in_the_smallest_bucket_that_holds_it() -> None:
+    from mgx.runtime.backend_cuda import PREFILL_GRAPH_TOKENS
+
+    bucket = CUDABackend.prefill_bucket
+    assert [bucket(_fresh_batch([n])) for n in (2, 16, 17, 100, 257, 385, 513, 2048, 2049, 4096)] == [
+        16, 16, 32, 128, 384, 512, 768, 2048, 2304, 4096]  # fmt: skip
+    pad = {a: b / (a + 1) for a, b in zip(PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_TOKENS[1:])}  # most padding past a
+    assert max(v for a, v in pad.items() if a >= 256) < 1.5 and max(v for a, v in pad.items() if a >= 768) < 4 / 3
+    assert bucket(_fresh_batch([1])) is None  # one token: a decode graph's
+    assert bucket(_fresh_batch([4097])) is None  # past the largest bucket
+    assert bucket(_fresh_batch([20, 30])) is None  # two prompts
+    assert bucket(_fresh_batch([20], starts=[32])) is None  # a cached prefix before it
+    assert bucket(_fresh_batch([20], samples=[False])) is None  # a chunk that samples nothing
+
+
+def test_prefill_graph_fill_pads_past_the_prompt_with_the_scratch_block() -> None:
+    """The prompt's tokens then zeros, its blocks then the scratch block, its last row sampled;
+    without a batch (capture) all of it padding. The device buffer equals the pinned host one."""
+    import types
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=99, block_size=16)
+    st = backend._prefill_step(64)
+    assert st.block_tables.shape == (1, 4) and st.fresh == (0, 64) and st.max_query_len == 64
+    np.testing.assert_array_equal(st.positions.numpy(), np.arange(64))
+    for n in (20, 64, 33, 2):
+        batch = _fresh_batch([n])
+        backend._fill_prefill(st, batch, st.host)
+        used = -(-n // 16)
+        np.testing.assert_array_equal(st.token_ids.numpy(), np.r_[batch.token_ids, np.zeros(64 - n)], err_msg=str(n))
+        np.testing.assert_array_equal(st.block_tables[0].numpy(), np.r_[np.arange(used), np.full(4 - used, 99)])
+        assert st.sample_rows.tolist() == [n - 1]
+        np.testing.assert_array_equal(st.packed.numpy(), st.host.numpy())
+    backend._fill_prefill(st, None, st.host)
+    assert st.token_ids.abs().sum() == 0 and st.block_tables.tolist() == [[99] * 4] and st.sample_rows.tolist() == [0]
+
+
+def test_lone_fresh_prompts_replay_their_bucket_graph_and_other_prefills_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch`` on the CPU with a stand-in capture whose replay picks the sampled row's token + 1:
+    a lone fresh prompt replays its bucket's graph (captured once per bucket and greedy flag), with
+    its own tokens; two prompts, or a prompt after a cached prefix, run the ops eagerly."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Graph
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
+    backend.prefill_graphs = True
+    captured: list[int] = []
+
+    def capture(run_ops, batch, bucket):  # noqa: ANN001, ANN202
+        captured.append(bucket)
+        st = backend._prefill_step(bucket)
+        ids, top = torch.zeros(1, dtype=torch.int64), torch.zeros(1)
+
+        def replay() -> None:
+            row = int(st.sample_rows[0])
+            ids.copy_(st.token_ids[row].long() + 1)
+            top.copy_(st.block_tables[0, row // 16].float())
+
+        return _Graph(types.SimpleNamespace(replay=replay), st, (ids, top))
+
+    eager: list[int] = []
+
+    def run_ops(batch):  # noqa: ANN001, ANN202
+        eager.append(batch.num_tokens)
+        rows = batch.sample_rows
+        return torch.from_numpy(batch.token_ids[rows] + 1), torch.zeros(rows.size)
+
+    monkeypatch.setattr(backend, "_capture_prefill", capture)
+    for n in (20, 30, 100, 5):
+        batch = _fresh_batch([n])
+        batch.greedy = True
+        ids, top = backend.launch(run_ops, batch, None).result()
+        assert ids.tolist() == [batch.token_ids[-1] + 1] and top.tolist() == [(n - 1) // 16]
+    assert captured == [32, 128, 16] and not eager
+    for batch in (_fresh_batch([20, 30]), _fresh_batch([20], starts=[32])):
+        batch.greedy = True
+        ids, _ = backend.launch(run_ops, batch, None).result()
+        assert ids.tolist() == (batch.token_ids[batch.sample_rows] + 1).tolist()
+    assert eager == [50, 20] and captured == [32, 128, 16]
+    backend.drop_graphs()
+    assert not backend._prefill_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["dense", "int4-tiled", "w8a16-tiled"])
+def test_gpu_prefill_graphs_match_the_reference(pipeline: str) -> None:
+    """fp32 on the GPU: lone fresh prompts of 2-80 tokens (buckets 16-128; prompts ending inside a
+    block, on its edge, and filling their bucket) prefilled by the prefill graphs, then decoded
+    together with the prompts before them: logits within ATOL of the reference backend's at every
+    step, the same greedy tokens. The padding wrote into no block a sequence reads."""
+    graph = compiled("gqa", pipeline, target="cuda")
+    runners = [ModelRunner(graph, "reference"), ModelRunner(graph, CUDABackend(graph, dtype="f32", graphs=True))]
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (17, 2, 32, 64, 80, 45)]
+    last: list[list[int]] = [[], []]
+    for i, p in enumerate(prompts):
+        outs = [r.step([SeqChunk(i, p)])[0] for r in runners]
+        np.testing.assert_allclose(outs[1], outs[0], atol=ATOL, rtol=0, err_msg=f"prompt {i}")
+        for j, o in enumerate(outs):
+            last[j].append(int(np.argmax(o[-1])))
+        assert last[0][-1] == last[1][-1]
+    assert set(runners[1].backend._prefill_graphs) == {(b, False) for b in (32, 16, 64, 128)}
+    for _ in range(4):  # all of them decode together: every cached K/V is read
+        outs = [r.step([SeqChunk(i, np.array([t])) for i, t in enumerate(ls)]) for r, ls in zip(runners, last)]
+        for i in range(len(prompts)):
+            np.testing.assert_allclose(outs[1][i], outs[0][i], atol=ATOL, rtol=0, err_msg=f"sequence {i}")
+        last = [[int(np.argmax(o[-1])) for o in out] for out in outs]
+        assert last[0] == last[1]
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_prefill_graph_matches_eager() -> None:
+    """bf16: the greedy pick and its logit of a lone prompt through the prefill graph equal an eager
+    backend's within bf16's rounding (the graph multiplies the bucket's rows, eager the prompt's)."""
+    graph = compiled("tied-bf16", "w8a16-tiled", target="cuda")
+    prompt = np.random.default_rng(5).integers(0, graph.arch.vocab_size, 50)
+    picks = []
+    for prefill_graphs in (False, True):
+        runner = ModelRunner(graph, CUDABackend(graph, graphs=True))
+        runner.backend.prefill_graphs = prefill_graphs
+        picks.append(runner.step_greedy([SeqChunk(0, prompt)])[0])
+        assert bool(runner.backend._prefill_graphs) == prefill_graphs
+    assert picks[0][0].tolist() == picks[1][0].tolist()
+    np.testing.assert_allclose(picks[1][1], picks[0][1], rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["dense", "int4-tiled"])
 def test_gpu_engine_launching_steps_ahead_matches_waiting_for_each(pipeline: str) -> None:
