@@ -43,7 +43,8 @@ captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 12
 holds it; the rows past the real ones point at a scratch KV block that no sequence owns. A graph
 is captured the first time its bucket is needed. A step that prefills one prompt with nothing cached
 (and decodes nothing) runs as a graph too, padded to the smallest of ``PREFILL_GRAPH_TOKENS`` that
-holds it: causal attention keeps the padding tokens out of the real ones, and their K/V land in the
+holds it, from the bucket's second such prompt on (the first runs eagerly: a one-off prompt pays
+for no capture). Causal attention keeps the padding tokens out of the real ones, and their K/V land in the
 prompt's own last block past its end (written again by its next tokens) or in the scratch block.
 Launched op by op, a 2,048-token prefill of the 1B shape took 19-20 ms of host time on the H200's
 host against 7.2 ms of GPU work (24th session). Other prefill and mixed steps run eagerly.
@@ -387,6 +388,7 @@ class CUDABackend(Backend):
         self._step: _Step | None = None
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
         self._prefill_graphs: dict[tuple[int, bool], _Graph] = {}  # (token bucket, greedy) -> captured prefill
+        self._prefill_seen: set[tuple[int, bool]] = set()  # buckets whose first prompt ran eagerly
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
@@ -637,6 +639,8 @@ class CUDABackend(Backend):
         graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
         unwaited = graphed and batch.greedy and self.overlaps_steps
         prefill = self.prefill_bucket(batch) if self.prefill_graphs and not decode else None
+        if prefill is not None and not self._prefill_graph_due(prefill, batch.greedy):
+            prefill = None
         fed = None  # the previous launch's picks, where they are still on the device
         if tokens_from is not None:
             if unwaited and tokens_from is self._last_launch:
@@ -673,6 +677,16 @@ class CUDABackend(Backend):
         if rows.size != 1 or rows[0] != t - 1:
             return None
         return next(b for b in PREFILL_GRAPH_TOKENS if b >= t)
+
+    def _prefill_graph_due(self, bucket: int, greedy: bool) -> bool:
+        """Whether a fresh prompt of ``bucket`` replays its graph (captured now if need be): from
+        the bucket's second prompt on. The first runs eagerly, so a one-off prompt (``mgx-run
+        generate``'s cold start) pays for no capture (two more eager runs and the capture)."""
+        key = (bucket, greedy)
+        if key in self._prefill_graphs or key in self._prefill_seen:
+            return True
+        self._prefill_seen.add(key)
+        return False
 
     def _eager_step(self, batch: StepBatch) -> _Step:
         paged = batch.paged

@@ -877,8 +877,9 @@ def test_prefill_graph_fill_pads_past_the_prompt_with_the_scratch_block() -> Non
 
 def test_lone_fresh_prompts_replay_their_bucket_graph_and_other_prefills_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     """``launch`` on the CPU with a stand-in capture whose replay picks the sampled row's token + 1:
-    a lone fresh prompt replays its bucket's graph (captured once per bucket and greedy flag), with
-    its own tokens; two prompts, or a prompt after a cached prefix, run the ops eagerly."""
+    a lone fresh prompt replays its bucket's graph (captured once per bucket and greedy flag, at the
+    bucket's second prompt: the first runs eagerly), with its own tokens; two prompts, or a prompt
+    after a cached prefix, run the ops eagerly."""
     import types
 
     from mgx.runtime.backend_cuda import _Graph
@@ -908,17 +909,19 @@ def test_lone_fresh_prompts_replay_their_bucket_graph_and_other_prefills_run_eag
         return torch.from_numpy(batch.token_ids[rows] + 1), torch.zeros(rows.size)
 
     monkeypatch.setattr(backend, "_capture_prefill", capture)
-    for n in (20, 30, 100, 5):
+    for n in (20, 30, 100, 5, 120, 31, 6):
         batch = _fresh_batch([n])
         batch.greedy = True
         ids, top = backend.launch(run_ops, batch, None).result()
-        assert ids.tolist() == [batch.token_ids[-1] + 1] and top.tolist() == [(n - 1) // 16]
-    assert captured == [32, 128, 16] and not eager
+        assert ids.tolist() == [batch.token_ids[-1] + 1]
+        if n not in eager:
+            assert top.tolist() == [(n - 1) // 16]  # the graph's replay read the prompt's own table
+    assert eager == [20, 100, 5] and captured == [32, 128, 16]
     for batch in (_fresh_batch([20, 30]), _fresh_batch([20], starts=[32])):
         batch.greedy = True
         ids, _ = backend.launch(run_ops, batch, None).result()
         assert ids.tolist() == (batch.token_ids[batch.sample_rows] + 1).tolist()
-    assert eager == [50, 20] and captured == [32, 128, 16]
+    assert eager == [20, 100, 5, 50, 20] and captured == [32, 128, 16]
     backend.drop_graphs()
     assert not backend._prefill_graphs
 
@@ -926,14 +929,14 @@ def test_lone_fresh_prompts_replay_their_bucket_graph_and_other_prefills_run_eag
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["dense", "int4-tiled", "w8a16-tiled"])
 def test_gpu_prefill_graphs_match_the_reference(pipeline: str) -> None:
-    """fp32 on the GPU: lone fresh prompts of 2-80 tokens (buckets 16-128; prompts ending inside a
-    block, on its edge, and filling their bucket) prefilled by the prefill graphs, then decoded
-    together with the prompts before them: logits within ATOL of the reference backend's at every
+    """fp32 on the GPU: lone fresh prompts of 2-90 tokens (buckets 16-128; prompts ending inside a
+    block, on its edge, and filling their bucket), each bucket's first eagerly and the others by its
+    prefill graph, then decoded together: logits within ATOL of the reference backend's at every
     step, the same greedy tokens. The padding wrote into no block a sequence reads."""
     graph = compiled("gqa", pipeline, target="cuda")
     runners = [ModelRunner(graph, "reference"), ModelRunner(graph, CUDABackend(graph, dtype="f32", graphs=True))]
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (17, 2, 32, 64, 80, 45)]
+    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (17, 2, 32, 64, 80, 45, 9, 90)]
     last: list[list[int]] = [[], []]
     for i, p in enumerate(prompts):
         outs = [r.step([SeqChunk(i, p)])[0] for r in runners]
@@ -952,18 +955,21 @@ def test_gpu_prefill_graphs_match_the_reference(pipeline: str) -> None:
 
 @pytest.mark.gpu
 def test_gpu_greedy_prefill_graph_matches_eager() -> None:
-    """bf16: the greedy pick and its logit of a lone prompt through the prefill graph equal an eager
-    backend's within bf16's rounding (the graph multiplies the bucket's rows, eager the prompt's)."""
+    """bf16: the greedy picks and their logits of lone prompts through the prefill graph equal an
+    eager backend's within bf16's rounding (the graph multiplies the bucket's rows, eager the
+    prompt's). The bucket's first prompt runs eagerly either way; the next two replay the graph."""
     graph = compiled("tied-bf16", "w8a16-tiled", target="cuda")
-    prompt = np.random.default_rng(5).integers(0, graph.arch.vocab_size, 50)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (50, 40, 64)]
     picks = []
     for prefill_graphs in (False, True):
         runner = ModelRunner(graph, CUDABackend(graph, graphs=True))
         runner.backend.prefill_graphs = prefill_graphs
-        picks.append(runner.step_greedy([SeqChunk(0, prompt)])[0])
+        picks.append([runner.step_greedy([SeqChunk(i, p)])[0] for i, p in enumerate(prompts)])
         assert bool(runner.backend._prefill_graphs) == prefill_graphs
-    assert picks[0][0].tolist() == picks[1][0].tolist()
-    np.testing.assert_allclose(picks[1][1], picks[0][1], rtol=2e-2, atol=2e-2)
+    for eager, replayed in zip(*picks):
+        assert eager[0].tolist() == replayed[0].tolist()
+        np.testing.assert_allclose(replayed[1], eager[1], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
