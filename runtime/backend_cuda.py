@@ -41,11 +41,13 @@ for these A/Bs.
 CUDA graphs: a step of decode rows only (one new token and one sampled row per sequence) runs as a
 captured graph for the smallest batch bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) that
 holds it; the rows past the real ones point at a scratch KV block that no sequence owns. A graph
-is captured the first time its bucket is needed. A step that prefills one prompt with nothing cached
-(and decodes nothing) runs as a graph too, padded to the smallest of ``PREFILL_GRAPH_TOKENS`` that
-holds it, from the bucket's second such prompt on (the first runs eagerly: a one-off prompt pays
-for no capture). Causal attention keeps the padding tokens out of the real ones, and their K/V land in the
-prompt's own last block past its end (written again by its next tokens) or in the scratch block.
+is captured the first time its bucket is needed. A step that prefills one sequence (a prompt, a
+chunk of one, or what follows a cached prefix; no other rows) runs as a graph too, padded to the
+smallest of ``PREFILL_GRAPH_TOKENS`` that holds it, from the second such step of that bucket on
+(the first runs eagerly: a one-off prompt pays for no capture). The padding takes the positions
+after the real tokens, so causal attention keeps it out of their rows, and its K/V land in the
+sequence's own last block past its end (written again by its next tokens) or in the scratch block.
+Fresh prompts attend through SDPA, the others through the paged prefill kernel.
 Launched op by op, a 2,048-token prefill of the 1B shape took 19-20 ms of host time on the H200's
 host against 7.2 ms of GPU work (24th session). Other prefill and mixed steps run eagerly.
 ``MGX_CUDA_GRAPHS=0`` turns graphs off, ``MGX_CUDA_PREFILL_GRAPHS=0`` the prefill ones.
@@ -387,8 +389,9 @@ class CUDABackend(Backend):
         self._sdpa_proven = False  # a fresh-prompt SDPA call has succeeded
         self._step: _Step | None = None
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
-        self._prefill_graphs: dict[tuple[int, bool], _Graph] = {}  # (token bucket, greedy) -> captured prefill
-        self._prefill_seen: set[tuple[int, bool]] = set()  # buckets whose first prompt ran eagerly
+        # (token bucket, greedy, nothing cached before) -> captured prefill step
+        self._prefill_graphs: dict[tuple[int, bool, bool], _Graph] = {}
+        self._prefill_seen: set[tuple[int, bool, bool]] = set()  # those whose first step ran eagerly
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
@@ -639,7 +642,7 @@ class CUDABackend(Backend):
         graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
         unwaited = graphed and batch.greedy and self.overlaps_steps
         prefill = self.prefill_bucket(batch) if self.prefill_graphs and not decode else None
-        if prefill is not None and not self._prefill_graph_due(prefill, batch.greedy):
+        if prefill is not None and not self._prefill_graph_due(self._prefill_key(batch, prefill)):
             prefill = None
         fed = None  # the previous launch's picks, where they are still on the device
         if tokens_from is not None:
@@ -667,22 +670,27 @@ class CUDABackend(Backend):
 
     @staticmethod
     def prefill_bucket(batch: StepBatch) -> int | None:
-        """The token bucket of the prefill graph that runs ``batch``: one sequence, at least two new
-        tokens and nothing cached before them, only its last row sampled, and a bucket that holds it
-        (None: the step runs eagerly)."""
+        """The token bucket of the prefill graph that runs ``batch``: one sequence's new tokens, at
+        least two (a whole prompt, a chunk of one, or what follows a cached prefix), no other rows,
+        its last row sampled or none, and a bucket that holds them (None: the step runs eagerly)."""
         t = batch.num_tokens
-        if len(batch.seq_ids) != 1 or t < 2 or t > PREFILL_GRAPH_TOKENS[-1] or batch.paged.context_lens[0] != t:
+        if len(batch.seq_ids) != 1 or t < 2 or t > PREFILL_GRAPH_TOKENS[-1]:
             return None
         rows = batch.sample_rows
-        if rows.size != 1 or rows[0] != t - 1:
+        if rows.size > 1 or (rows.size == 1 and rows[0] != t - 1):
             return None
         return next(b for b in PREFILL_GRAPH_TOKENS if b >= t)
 
-    def _prefill_graph_due(self, bucket: int, greedy: bool) -> bool:
-        """Whether a fresh prompt of ``bucket`` replays its graph (captured now if need be): from
-        the bucket's second prompt on. The first runs eagerly, so a one-off prompt (``mgx-run
-        generate``'s cold start) pays for no capture (two more eager runs and the capture)."""
-        key = (bucket, greedy)
+    @staticmethod
+    def _prefill_key(batch: StepBatch, bucket: int) -> tuple[int, bool, bool]:
+        """(bucket, greedy, fresh): a prompt with nothing cached before it attends through SDPA
+        (``_fresh_attention``), one after cached tokens through the paged prefill kernel."""
+        return bucket, batch.greedy, bool(batch.paged.context_lens[0] == batch.num_tokens)
+
+    def _prefill_graph_due(self, key: tuple[int, bool, bool]) -> bool:
+        """Whether a step of ``key`` replays its prefill graph (captured now if need be): from the
+        key's second step on. The first runs eagerly, so a one-off prompt (``mgx-run generate``'s
+        cold start) pays for no capture (two more eager runs and the capture)."""
         if key in self._prefill_graphs or key in self._prefill_seen:
             return True
         self._prefill_seen.add(key)
@@ -738,16 +746,26 @@ class CUDABackend(Backend):
         return _to_host(g.out[:s])
 
     def _replay_prefill(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> Any:
-        """A fresh prompt's step on the prefill graph of ``bucket`` tokens (captured on first use),
-        waited for: host logits [1, V] (or the greedy pair)."""
-        key = (bucket, batch.greedy)
+        """One sequence's prefill step on the graph of ``bucket`` tokens (captured, or captured again
+        wider, when its block table does not reach the padding's last position), waited for: host
+        logits [R, V] (or the greedy pair), R = 0 or 1 sampled rows."""
+        assert self._kv is not None, "the KV cache is made before the first step"
+        key = self._prefill_key(batch, bucket)
+        block = self._kv.block_size
+        start = int(batch.paged.context_lens[0]) - batch.num_tokens  # tokens cached before this step's
+        needed = -(-(start + bucket) // block)
         g = self._prefill_graphs.get(key)
-        if g is None:
-            g = self._prefill_graphs[key] = self._capture_prefill(run_ops, batch, bucket)
+        if g is None or g.step.block_tables.shape[1] < needed:
+            self._prefill_graphs.pop(key, None)
+            g = None  # the old graph's memory goes back to the pool before the new capture
+            # A table past the model's context: the padding's positions run up to a bucket beyond it.
+            width = needed if start == 0 else graph_table_width(needed, self._max_blocks + -(-bucket // block))
+            g = self._prefill_graphs[key] = self._capture_prefill(run_ops, batch, bucket, width, fresh=key[2])
         assert g.step.host is not None
         self._fill_prefill(g.step, batch, g.step.host)
         g.graph.replay()
-        return _to_host(g.out)
+        r = batch.sample_rows.size
+        return _to_host(tuple(t[:r] for t in g.out) if isinstance(g.out, tuple) else g.out[:r])
 
     def _launch_graph(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, fed: Any) -> _GraphResult:
         """A greedy decode step's graph, not waited for; ``fed``: device ids [S] that are its tokens."""
@@ -823,48 +841,51 @@ class CUDABackend(Backend):
             tok[:s] = batch.token_ids
         st.packed.copy_(pinned, non_blocking=True)
 
-    def _prefill_step(self, bucket: int) -> _Step:
-        """Static buffers of a prefill graph of ``bucket`` tokens: one fresh sequence at positions 0 ..
-        bucket - 1, its block table as wide as the bucket's blocks."""
+    def _prefill_step(self, bucket: int, width: int, fresh: bool) -> _Step:
+        """Static buffers of a prefill graph: one sequence's ``bucket`` rows (its new tokens, then
+        padding) and a block table of ``width`` blocks; ``fresh``: nothing cached before them (SDPA)."""
         assert self._kv is not None, "the KV cache is made before the first step"
-        width = -(-bucket // self._kv.block_size)
-        # [token ids | block table | sampled row], all int32
-        packed = torch.zeros(bucket + width + 1, dtype=torch.int32, device=self.device)
-        ints = dict(dtype=torch.int32, device=self.device)
+        # [token ids | positions | context length | block table | sampled row], all int32
+        packed = torch.zeros(2 * bucket + width + 2, dtype=torch.int32, device=self.device)
         return _Step(
             token_ids=packed[:bucket],
-            positions=torch.arange(bucket, **ints),
-            context_lens=torch.tensor([bucket], **ints),
-            block_tables=packed[bucket : bucket + width].view(1, width),
-            query_start_loc=torch.tensor([0, bucket], **ints),
-            sample_rows=packed[bucket + width :],
+            positions=packed[bucket : 2 * bucket],
+            context_lens=packed[2 * bucket : 2 * bucket + 1],
+            block_tables=packed[2 * bucket + 1 : 2 * bucket + 1 + width].view(1, width),
+            query_start_loc=torch.tensor([0, bucket], dtype=torch.int32, device=self.device),
+            sample_rows=packed[2 * bucket + 1 + width :],
             max_query_len=bucket,
-            max_context_len=bucket,
+            max_context_len=width * self._kv.block_size,
             packed=packed,
             host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda"),
-            fresh=(0, bucket),
+            fresh=(0, bucket) if fresh else None,
         )
 
     def _fill_prefill(self, st: _Step, batch: StepBatch | None, pinned: torch.Tensor) -> None:
-        """Write a fresh prompt into a prefill graph's static buffers through the host buffer
-        ``pinned``: its tokens then zeros, its blocks then the scratch block (where the padding past
-        its last block writes), its last row sampled. Without a batch, all padding."""
+        """Write one sequence's prefill step into a prefill graph's static buffers through the host
+        buffer ``pinned``: its tokens then zeros at the positions after its cached ones, the context
+        through the last padding row, its blocks then the scratch block (where the padding past its
+        last block writes), its last row sampled. Without a batch, all padding at positions 0 ..."""
         assert st.packed is not None and self._kv is not None
         bucket, width = st.token_ids.shape[0], st.block_tables.shape[1]
         host = pinned.numpy()
-        tok, table = host[:bucket], host[bucket : bucket + width]
+        tok, pos, table = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket + 1 : 2 * bucket + 1 + width]
         n = 0 if batch is None else batch.num_tokens
-        used = -(-n // self._kv.block_size)
+        start = 0 if batch is None else int(batch.paged.context_lens[0]) - n
+        used = -(-(start + n) // self._kv.block_size)
         if batch is not None:
             tok[:n] = batch.token_ids
             table[:used] = batch.paged.block_tables[0, :used]
         tok[n:] = 0
+        pos[:] = np.arange(start, start + bucket)
+        host[2 * bucket] = start + bucket
         table[used:] = self._kv.scratch_block
-        host[-1] = max(n - 1, 0)
+        host[-1] = max(n - 1, 0)  # with no row sampled, this one's logits are computed and dropped
         st.packed.copy_(pinned, non_blocking=True)
 
-    def _capture_prefill(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> _Graph:
-        st = self._prefill_step(bucket)
+    def _capture_prefill(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int,
+                         fresh: bool) -> _Graph:  # fmt: skip
+        st = self._prefill_step(bucket, width, fresh)
         self._fill_prefill(st, None, st.host)  # all padding: warming up writes only the scratch block
         return self._record(run_ops, batch, st)
 

@@ -838,7 +838,7 @@ def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: l
     return batch
 
 
-def test_prefill_graphs_take_one_fresh_prompt_in_the_smallest_bucket_that_holds_it() -> None:
+def test_prefill_graphs_take_one_sequence_in_the_smallest_bucket_that_holds_it() -> None:
     from mgx.runtime.backend_cuda import PREFILL_GRAPH_TOKENS
 
     bucket = CUDABackend.prefill_bucket
@@ -846,58 +846,67 @@ def test_prefill_graphs_take_one_fresh_prompt_in_the_smallest_bucket_that_holds_
         16, 16, 32, 128, 384, 512, 768, 2048, 2304, 4096]  # fmt: skip
     pad = {a: b / (a + 1) for a, b in zip(PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_TOKENS[1:])}  # most padding past a
     assert max(v for a, v in pad.items() if a >= 256) < 1.5 and max(v for a, v in pad.items() if a >= 768) < 4 / 3
+    assert bucket(_fresh_batch([20], starts=[32])) == 32  # after a cached prefix
+    assert bucket(_fresh_batch([20], samples=[False])) == 32  # a chunk that samples nothing
     assert bucket(_fresh_batch([1])) is None  # one token: a decode graph's
     assert bucket(_fresh_batch([4097])) is None  # past the largest bucket
-    assert bucket(_fresh_batch([20, 30])) is None  # two prompts
-    assert bucket(_fresh_batch([20], starts=[32])) is None  # a cached prefix before it
-    assert bucket(_fresh_batch([20], samples=[False])) is None  # a chunk that samples nothing
+    assert bucket(_fresh_batch([20, 30])) is None  # two sequences
+    every_row = _fresh_batch([20])
+    every_row.sample_rows = np.arange(20)
+    assert bucket(every_row) is None  # logits of every row
 
 
-def test_prefill_graph_fill_pads_past_the_prompt_with_the_scratch_block() -> None:
-    """The prompt's tokens then zeros, its blocks then the scratch block, its last row sampled;
-    without a batch (capture) all of it padding. The device buffer equals the pinned host one."""
+def test_prefill_graph_fill_pads_past_the_tokens_with_the_scratch_block() -> None:
+    """The step's tokens then zeros at the positions after the cached ones, the context through the
+    padding, the sequence's blocks then the scratch block, its last row sampled; without a batch
+    (capture) all of it padding from position 0. The device buffer equals the pinned host one."""
     import types
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=99, block_size=16)
-    st = backend._prefill_step(64)
-    assert st.block_tables.shape == (1, 4) and st.fresh == (0, 64) and st.max_query_len == 64
-    np.testing.assert_array_equal(st.positions.numpy(), np.arange(64))
-    for n in (20, 64, 33, 2):
-        batch = _fresh_batch([n])
-        backend._fill_prefill(st, batch, st.host)
-        used = -(-n // 16)
-        np.testing.assert_array_equal(st.token_ids.numpy(), np.r_[batch.token_ids, np.zeros(64 - n)], err_msg=str(n))
-        np.testing.assert_array_equal(st.block_tables[0].numpy(), np.r_[np.arange(used), np.full(4 - used, 99)])
-        assert st.sample_rows.tolist() == [n - 1]
-        np.testing.assert_array_equal(st.packed.numpy(), st.host.numpy())
-    backend._fill_prefill(st, None, st.host)
-    assert st.token_ids.abs().sum() == 0 and st.block_tables.tolist() == [[99] * 4] and st.sample_rows.tolist() == [0]
+    for width, fresh, cases in ((4, True, [(20, 0), (64, 0), (33, 0), (2, 0)]), (8, False, [(20, 32), (50, 14), (3, 61)])):
+        st = backend._prefill_step(64, width, fresh)
+        assert st.block_tables.shape == (1, width) and st.max_query_len == 64
+        assert st.fresh == ((0, 64) if fresh else None)
+        for n, start in cases:
+            batch = _fresh_batch([n], starts=[start])
+            backend._fill_prefill(st, batch, st.host)
+            used = -(-(start + n) // 16)
+            msg = f"{n} tokens after {start}"
+            np.testing.assert_array_equal(st.token_ids.numpy(), np.r_[batch.token_ids, np.zeros(64 - n)], err_msg=msg)
+            np.testing.assert_array_equal(st.positions.numpy(), np.arange(start, start + 64), err_msg=msg)
+            np.testing.assert_array_equal(st.block_tables[0].numpy(), np.r_[np.arange(used), np.full(width - used, 99)])
+            assert st.context_lens.tolist() == [start + 64] and st.sample_rows.tolist() == [n - 1]
+            np.testing.assert_array_equal(st.packed.numpy(), st.host.numpy())
+        backend._fill_prefill(st, None, st.host)
+        assert st.token_ids.abs().sum() == 0 and st.block_tables.tolist() == [[99] * width]
+        assert st.positions.tolist() == list(range(64)) and st.sample_rows.tolist() == [0]
 
 
-def test_lone_fresh_prompts_replay_their_bucket_graph_and_other_prefills_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``launch`` on the CPU with a stand-in capture whose replay picks the sampled row's token + 1:
-    a lone fresh prompt replays its bucket's graph (captured once per bucket and greedy flag, at the
-    bucket's second prompt: the first runs eagerly), with its own tokens; two prompts, or a prompt
-    after a cached prefix, run the ops eagerly."""
+def test_lone_sequence_prefills_replay_their_bucket_graph_and_other_steps_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch`` on the CPU with a stand-in capture whose replay picks the sampled row's token + 1
+    (its logit: the block-table entry of that row): one sequence's prefill replays the graph of its
+    bucket, greedy flag and freshness (captured at the second such step, the first running eagerly;
+    again, wider, when a cached prefix needs a longer table), with its own tokens, and returns no
+    row when it samples none; two sequences run the ops eagerly."""
     import types
 
     from mgx.runtime.backend_cuda import _Graph
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
-    backend.prefill_graphs = True
-    captured: list[int] = []
+    backend._max_blocks, backend.prefill_graphs = 300, True
+    captured: list[tuple[int, int, bool]] = []
 
-    def capture(run_ops, batch, bucket):  # noqa: ANN001, ANN202
-        captured.append(bucket)
-        st = backend._prefill_step(bucket)
+    def capture(run_ops, batch, bucket, width, fresh):  # noqa: ANN001, ANN202
+        captured.append((bucket, width, fresh))
+        st = backend._prefill_step(bucket, width, fresh)
         ids, top = torch.zeros(1, dtype=torch.int64), torch.zeros(1)
 
         def replay() -> None:
             row = int(st.sample_rows[0])
             ids.copy_(st.token_ids[row].long() + 1)
-            top.copy_(st.block_tables[0, row // 16].float())
+            top.copy_(st.block_tables[0, int(st.positions[row]) // 16].float())
 
         return _Graph(types.SimpleNamespace(replay=replay), st, (ids, top))
 
@@ -909,48 +918,101 @@ def test_lone_fresh_prompts_replay_their_bucket_graph_and_other_prefills_run_eag
         return torch.from_numpy(batch.token_ids[rows] + 1), torch.zeros(rows.size)
 
     monkeypatch.setattr(backend, "_capture_prefill", capture)
-    for n in (20, 30, 100, 5, 120, 31, 6):
-        batch = _fresh_batch([n])
+    steps = [(20, 0), (30, 0), (100, 0), (5, 0), (120, 0), (31, 0), (6, 0), (20, 32), (25, 40), (30, 2000)]
+    for n, start in steps:
+        batch = _fresh_batch([n], starts=[start])
         batch.greedy = True
         ids, top = backend.launch(run_ops, batch, None).result()
         assert ids.tolist() == [batch.token_ids[-1] + 1]
-        if n not in eager:
-            assert top.tolist() == [(n - 1) // 16]  # the graph's replay read the prompt's own table
-    assert eager == [20, 100, 5] and captured == [32, 128, 16]
-    for batch in (_fresh_batch([20, 30]), _fresh_batch([20], starts=[32])):
-        batch.greedy = True
-        ids, _ = backend.launch(run_ops, batch, None).result()
-        assert ids.tolist() == (batch.token_ids[batch.sample_rows] + 1).tolist()
-    assert eager == [20, 100, 5, 50, 20] and captured == [32, 128, 16]
+        if (n, start) not in [(20, 0), (100, 0), (5, 0), (20, 32)]:  # those ran eagerly
+            assert top.tolist() == [(start + n - 1) // 16]  # its own table's block (``_fresh_batch``)
+    assert eager == [20, 100, 5, 20]
+    assert captured == [(32, 2, True), (128, 8, True), (16, 1, True), (32, 64, False), (32, 128, False)]
+    chunk = _fresh_batch([30], samples=[False])
+    chunk.greedy = True
+    ids, top = backend.launch(run_ops, chunk, None).result()
+    assert ids.size == 0 and top.size == 0 and len(captured) == 5  # replayed, its row dropped
+    both = _fresh_batch([20, 30])
+    both.greedy = True
+    ids, _ = backend.launch(run_ops, both, None).result()
+    assert ids.tolist() == (both.token_ids[both.sample_rows] + 1).tolist() and eager[-1] == 50
     backend.drop_graphs()
     assert not backend._prefill_graphs
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", ["dense", "int4-tiled", "w8a16-tiled"])
-def test_gpu_prefill_graphs_match_the_reference(pipeline: str) -> None:
-    """fp32 on the GPU: lone fresh prompts of 2-90 tokens (buckets 16-128; prompts ending inside a
-    block, on its edge, and filling their bucket), each bucket's first eagerly and the others by its
-    prefill graph, then decoded together: logits within ATOL of the reference backend's at every
-    step, the same greedy tokens. The padding wrote into no block a sequence reads."""
-    graph = compiled("gqa", pipeline, target="cuda")
-    runners = [ModelRunner(graph, "reference"), ModelRunner(graph, CUDABackend(graph, dtype="f32", graphs=True))]
+def _check_prefill_graphs(graph, backend: CUDABackend, lengths: tuple[int, ...],  # noqa: ANN001
+                          chunks: tuple[tuple[int, int], ...]) -> set:  # fmt: skip
+    """Lone fresh prompts of ``lengths``, then prompts of ``chunks`` (total, cut) in two steps (the
+    first sampling nothing, the second after cached tokens), then all of them decoding together for
+    four steps, on ``backend`` and on the reference backend: logits within ATOL at every step, the
+    same greedy tokens. Returns the keys of the prefill graphs ``backend`` captured."""
+    from mgx.runtime.block_manager import BlockManager
+
+    runners = [ModelRunner(graph, b, blocks=BlockManager(128, 16)) for b in ("reference", backend)]
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, graph.arch.vocab_size, n) for n in (17, 2, 32, 64, 80, 45, 9, 90)]
+    prompts = [(rng.integers(0, graph.arch.vocab_size, n), 0) for n in lengths]
+    prompts += [(rng.integers(0, graph.arch.vocab_size, n), cut) for n, cut in chunks]
     last: list[list[int]] = [[], []]
-    for i, p in enumerate(prompts):
-        outs = [r.step([SeqChunk(i, p)])[0] for r in runners]
+    for i, (p, cut) in enumerate(prompts):
+        if cut:
+            assert [r.step([SeqChunk(i, p[:cut], sample=False)])[0].size for r in runners] == [0, 0]
+        outs = [r.step([SeqChunk(i, p[cut:])])[0] for r in runners]
         np.testing.assert_allclose(outs[1], outs[0], atol=ATOL, rtol=0, err_msg=f"prompt {i}")
         for j, o in enumerate(outs):
             last[j].append(int(np.argmax(o[-1])))
         assert last[0][-1] == last[1][-1]
-    assert set(runners[1].backend._prefill_graphs) == {(b, False) for b in (32, 16, 64, 128)}
     for _ in range(4):  # all of them decode together: every cached K/V is read
         outs = [r.step([SeqChunk(i, np.array([t])) for i, t in enumerate(ls)]) for r, ls in zip(runners, last)]
         for i in range(len(prompts)):
             np.testing.assert_allclose(outs[1][i], outs[0][i], atol=ATOL, rtol=0, err_msg=f"sequence {i}")
         last = [[int(np.argmax(o[-1])) for o in out] for out in outs]
         assert last[0] == last[1]
+    return set(backend._prefill_graphs)
+
+
+@pytest.mark.interpreted
+def test_interpreted_prefill_graph_steps_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill graphs' static steps on the CPU: a stand-in for the capture runs the ops on the
+    graph's padded static step at every replay (as a replay re-runs the captured kernels on the
+    static buffers), so the padding, positions, tables and dropped rows are checked against the
+    reference backend without a GPU; SDPA for fresh prompts, the paged kernel after cached tokens."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Graph
+
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.prefill_graphs = True
+
+    def record(run_ops, batch, st):  # noqa: ANN001, ANN202
+        def run() -> torch.Tensor:
+            backend._step = st
+            try:
+                return run_ops(batch).float()
+            finally:
+                backend._step = None
+                backend._pending.clear()
+
+        out = run()
+        return _Graph(types.SimpleNamespace(replay=lambda: out.copy_(run())), st, out)
+
+    monkeypatch.setattr(backend, "_record", record)
+    keys = _check_prefill_graphs(graph, backend, (17, 2, 32, 9), ((60, 20), (60, 25)))
+    assert keys == {(32, False, True), (16, False, True), (64, False, False)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "pipeline"), [("gqa", "dense"), ("gqa", "int4-tiled"), ("gqa", "w8a16-tiled"),
+                                                 ("window-partial-rotary", "dense")])  # fmt: skip
+def test_gpu_prefill_graphs_match_the_reference(model: str, pipeline: str) -> None:
+    """fp32 on the GPU (``_check_prefill_graphs``): fresh prompts of 2-90 tokens (buckets 16-128;
+    ending inside a block, on its edge, and filling their bucket), then prompts in two chunks (the
+    second through the paged prefill kernel), each kind's first step in a bucket eagerly and the
+    others by its prefill graph."""
+    graph = compiled(model, pipeline, target="cuda")
+    keys = _check_prefill_graphs(graph, CUDABackend(graph, dtype="f32", graphs=True), (17, 2, 32, 64, 80, 45, 9, 90),
+                                 ((60, 20), (60, 25), (75, 30)))  # fmt: skip
+    assert keys == {(b, False, True) for b in (32, 16, 64, 128)} | {(64, False, False)}
 
 
 @pytest.mark.gpu
