@@ -1001,6 +1001,57 @@ def test_interpreted_prefill_graph_steps_match_the_reference(monkeypatch: pytest
     assert keys == {(32, False, True), (16, False, True), (64, False, False)}
 
 
+def _prefix_hits(graph, backend) -> tuple[list[list[int]], int]:  # noqa: ANN001
+    """Greedy tokens of prompts sharing a 40-token prefix, one request at a time through an engine
+    with the prefix cache (all but the first find 32 of their tokens cached), and the prompt tokens
+    served from the cache."""
+    from mgx.runtime import Engine, EngineConfig
+
+    from _tiny_graph import tiny_contents
+
+    contents = tiny_contents(vocab_size=graph.arch.vocab_size)
+    contents.graph = graph
+    engine = Engine.from_contents(contents, backend=backend, config=EngineConfig(kv_memory="64MiB"))
+    rng = np.random.default_rng(6)
+    base = rng.integers(2, graph.arch.vocab_size, 40).tolist()
+    prompts = [base + rng.integers(2, graph.arch.vocab_size, n).tolist() for n in (5, 9, 12, 20, 3)]
+    tokens = [engine.generate(p, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+    return tokens, engine.metrics.counters.cached_prompt_tokens
+
+
+@pytest.mark.interpreted
+def test_interpreted_prefix_cache_hits_replay_prefill_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine: prompts after a cached prefix run on the paged prefill graphs (the
+    stand-in capture of ``test_interpreted_prefill_graph_steps_match_the_reference``, greedy) and
+    give the reference backend's tokens."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Graph
+
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.prefill_graphs = True
+
+    def record(run_ops, batch, st):  # noqa: ANN001, ANN202
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            backend._step = st
+            try:
+                return run_ops(batch)
+            finally:
+                backend._step = None
+                backend._pending.clear()
+
+        out = run()
+        return _Graph(types.SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(out, run())]), st, out)
+
+    monkeypatch.setattr(backend, "_record", record)
+    want, _ = _prefix_hits(graph, "reference")
+    got, cached = _prefix_hits(graph, backend)
+    assert got == want and cached == 4 * 32
+    # 17, 20 and 28 new tokens after 32 cached (bucket 32): the first eagerly, the others replayed
+    assert {k for k in backend._prefill_graphs if not k[2]} == {(32, True, False)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("model", "pipeline"), [("gqa", "dense"), ("gqa", "int4-tiled"), ("gqa", "w8a16-tiled"),
                                                  ("window-partial-rotary", "dense")])  # fmt: skip
@@ -1013,6 +1064,18 @@ def test_gpu_prefill_graphs_match_the_reference(model: str, pipeline: str) -> No
     keys = _check_prefill_graphs(graph, CUDABackend(graph, dtype="f32", graphs=True), (17, 2, 32, 64, 80, 45, 9, 90),
                                  ((60, 20), (60, 25), (75, 30)))  # fmt: skip
     assert keys == {(b, False, True) for b in (32, 16, 64, 128)} | {(64, False, False)}
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_cache_hits_replay_prefill_graphs() -> None:
+    """fp32 on the GPU: prompts after a cached prefix, through the engine on the prefill graphs,
+    give the reference backend's greedy tokens."""
+    graph = compiled("gqa", "dense", target="cuda")
+    backend = CUDABackend(graph, dtype="f32", graphs=True)
+    want, _ = _prefix_hits(graph, "reference")
+    got, cached = _prefix_hits(graph, backend)
+    assert got == want and cached == 4 * 32
+    assert (32, True, False) in backend._prefill_graphs
 
 
 @pytest.mark.gpu
