@@ -656,8 +656,8 @@ class CUDABackend(Backend):
                 out: StepResult = self._launch_graph(run_ops, batch, fed)
             elif graphed:
                 out = StepResult(self._replay(run_ops, batch))
-            elif prefill is not None:
-                out = StepResult(self._replay_prefill(run_ops, batch, prefill))
+            elif prefill is not None and (graph_out := self._prefill_graph_step(run_ops, batch, prefill)) is not None:
+                out = graph_out
             else:
                 self._step = self._eager_step(batch)
                 try:
@@ -667,6 +667,20 @@ class CUDABackend(Backend):
                     self._pending.clear()
         self._last_launch = out
         return out
+
+    def _prefill_graph_step(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> StepResult | None:
+        """``_replay_prefill``'s result, or None (the step then runs eagerly) where capturing the graph
+        ran out of device memory: prefill graphs are then off for good, with one warning."""
+        try:
+            return StepResult(self._replay_prefill(run_ops, batch, bucket))
+        except torch.OutOfMemoryError as e:
+            self.prefill_graphs = False
+            self._prefill_graphs.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            warnings.warn(f"MGX: capturing a prefill graph of {bucket} tokens ran out of device memory ({e}); "
+                          "prefill steps run op by op from now on", RuntimeWarning, stacklevel=2)  # fmt: skip
+            return None
 
     @staticmethod
     def prefill_bucket(batch: StepBatch) -> int | None:

@@ -940,6 +940,35 @@ def test_lone_sequence_prefills_replay_their_bucket_graph_and_other_steps_run_ea
     assert not backend._prefill_graphs
 
 
+def test_a_prefill_graph_out_of_memory_runs_the_step_eagerly_and_switches_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
+    backend.prefill_graphs = True
+
+    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(backend, "_capture_prefill", capture)
+    ran: list[int] = []
+
+    def run_ops(batch):  # noqa: ANN001, ANN202
+        ran.append(batch.num_tokens)
+        return torch.from_numpy(batch.token_ids[batch.sample_rows] + 1), torch.zeros(1)
+
+    for n in (20, 30, 25):
+        batch = _fresh_batch([n])
+        batch.greedy = True
+        if n == 30:  # the bucket's second prompt: its capture fails
+            with pytest.warns(RuntimeWarning, match="prefill graph of 32 tokens ran out of device memory"):
+                ids, _ = backend.launch(run_ops, batch, None).result()
+        else:
+            ids, _ = backend.launch(run_ops, batch, None).result()
+        assert ids.tolist() == [batch.token_ids[-1] + 1]
+    assert ran == [20, 30, 25] and not backend.prefill_graphs and not backend._prefill_graphs
+
+
 def _check_prefill_graphs(graph, backend: CUDABackend, lengths: tuple[int, ...],  # noqa: ANN001
                           chunks: tuple[tuple[int, int], ...]) -> set:  # fmt: skip
     """Lone fresh prompts of ``lengths``, then prompts of ``chunks`` (total, cut) in two steps (the
