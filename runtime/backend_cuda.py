@@ -131,7 +131,7 @@ SELF_MERGE_MAX_SPLITS = 16
 # Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
 # default; W8A16 and dense readers lost on the H200 (module docstring).
 NORM_IN_SCHEMES = frozenset({"int4"})
-# Token buckets of the fresh-prompt prefill graphs (module docstring): powers of two up to 256, then
+# Token buckets of the prefill graphs (module docstring): powers of two up to 256, then
 # steps of 128 to 512 and of 256 to 4,096, so that padding adds less than half to prompts past 256
 # tokens and less than a third past 768.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, *range(768, 4097, 256))
@@ -330,7 +330,7 @@ class CUDABackend(Backend):
         # Greedy decode steps replay graphs without waiting for their picks (``launch``), so the
         # engine launches the next one ahead; MGX_CUDA_AHEAD=0 makes it wait for each step.
         self.overlaps_steps = self.use_graphs and os.environ.get("MGX_CUDA_AHEAD", "1") != "0"
-        # One fresh prompt alone in a step: a graph per token bucket (MGX_CUDA_PREFILL_GRAPHS=0: eager).
+        # One sequence's prefill alone in a step: a graph per token bucket (MGX_CUDA_PREFILL_GRAPHS=0: eager).
         self.prefill_graphs = self.use_graphs and os.environ.get("MGX_CUDA_PREFILL_GRAPHS", "1") != "0"
         self._last_launch: StepResult | None = None  # whose device picks are intact
         self._fuse = self._find_fusions()
