@@ -49,8 +49,12 @@ after the real tokens, so causal attention keeps it out of their rows, and its K
 sequence's own last block past its end (written again by its next tokens) or in the scratch block.
 Fresh prompts attend through SDPA, the others through the paged prefill kernel.
 Launched op by op, a 2,048-token prefill of the 1B shape took 19-20 ms of host time on the H200's
-host against 7.2 ms of GPU work (24th session). Other prefill and mixed steps run eagerly.
-``MGX_CUDA_GRAPHS=0`` turns graphs off, ``MGX_CUDA_PREFILL_GRAPHS=0`` the prefill ones.
+host against 7.2 ms of GPU work (24th session). Steps of several sequences (prefill rows with
+decode rows) run eagerly, or with ``MGX_CUDA_MIXED_GRAPHS=1`` (off by default: not yet run on a
+GPU) as graphs per token bucket and sequence capacity (``MIXED_GRAPH_SEQS``): the real sequences
+as they are, one more holding the padding rows on the scratch block, the rest empty; every sequence
+samples its last row or none. ``MGX_CUDA_GRAPHS=0`` turns graphs off, ``MGX_CUDA_PREFILL_GRAPHS=0``
+the prefill ones.
 
 Steps launched ahead: a greedy decode step's ``launch`` replays its graph and returns; the picks
 follow into a pinned slot (read by ``result()``) and stay on the device, where the engine's next
@@ -135,6 +139,9 @@ NORM_IN_SCHEMES = frozenset({"int4"})
 # steps of 128 to 512 and of 256 to 4,096, so that padding adds less than half to prompts past 256
 # tokens and less than a third past 768.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, *range(768, 4097, 256))
+# Sequence capacities of the mixed-step graphs (MGX_CUDA_MIXED_GRAPHS=1): a step of s sequences
+# takes the smallest that holds s + 1 (one sequence holds the padding tokens).
+MIXED_GRAPH_SEQS = (4, 8, 16, 32, 64, 128, 256)
 GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
 SDPA_MAX_SEQS = 4  # fresh prompts per step that torch's SDPA takes one by one (more: the varlen kernel)
 # How fresh prompts reach SDPA's fused kernels, in the order tried: query heads mapped to KV heads by
@@ -332,6 +339,9 @@ class CUDABackend(Backend):
         self.overlaps_steps = self.use_graphs and os.environ.get("MGX_CUDA_AHEAD", "1") != "0"
         # One sequence's prefill alone in a step: a graph per token bucket (MGX_CUDA_PREFILL_GRAPHS=0: eager).
         self.prefill_graphs = self.use_graphs and os.environ.get("MGX_CUDA_PREFILL_GRAPHS", "1") != "0"
+        # Several sequences' prefill and decode rows in one step: graphs per token bucket and
+        # sequence capacity. Off by default: not yet run on a GPU (MGX_CUDA_MIXED_GRAPHS=1: on).
+        self.mixed_graphs = self.use_graphs and os.environ.get("MGX_CUDA_MIXED_GRAPHS", "0") == "1"
         self._last_launch: StepResult | None = None  # whose device picks are intact
         self._fuse = self._find_fusions()
         # Tensors in a layout the kernels do not read (cpu_tile16) are unpacked and uploaded by
@@ -391,7 +401,8 @@ class CUDABackend(Backend):
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
         # (token bucket, greedy, nothing cached before) -> captured prefill step
         self._prefill_graphs: dict[tuple[int, bool, bool], _Graph] = {}
-        self._prefill_seen: set[tuple[int, bool, bool]] = set()  # those whose first step ran eagerly
+        self._mixed_graphs: dict[tuple[int, int, bool], _Graph] = {}  # (token bucket, sequences, greedy) -> step
+        self._seen: set[tuple[Any, ...]] = set()  # prefill and mixed keys whose first step ran eagerly
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
@@ -528,10 +539,11 @@ class CUDABackend(Backend):
                 if op.kind in ("linear", "lm_head")]  # fmt: skip
 
     def drop_graphs(self) -> None:
-        """Forget the captured decode and prefill steps, to be captured anew when next needed (after a
+        """Forget the captured decode, prefill and mixed steps, to be captured anew when next needed (after a
         change of tunings or switches; never while a launched step is in flight)."""
         self._graphs.clear()
         self._prefill_graphs.clear()
+        self._mixed_graphs.clear()
 
     def replay_ms(self, bucket: int, replays: int = 50) -> float | None:
         """Milliseconds per replay of the captured decode step of ``bucket`` rows (the greedy one where
@@ -642,8 +654,11 @@ class CUDABackend(Backend):
         graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
         unwaited = graphed and batch.greedy and self.overlaps_steps
         prefill = self.prefill_bucket(batch) if self.prefill_graphs and not decode else None
-        if prefill is not None and not self._prefill_graph_due(self._prefill_key(batch, prefill)):
+        if prefill is not None and not self._graph_due(self._prefill_graphs, self._prefill_key(batch, prefill)):
             prefill = None
+        mixed = self.mixed_key(batch) if self.mixed_graphs and not decode and s > 1 else None
+        if mixed is not None and not self._graph_due(self._mixed_graphs, mixed):
+            mixed = None
         fed = None  # the previous launch's picks, where they are still on the device
         if tokens_from is not None:
             if unwaited and tokens_from is self._last_launch:
@@ -658,6 +673,8 @@ class CUDABackend(Backend):
                 out = StepResult(self._replay(run_ops, batch))
             elif prefill is not None and (graph_out := self._prefill_graph_step(run_ops, batch, prefill)) is not None:
                 out = graph_out
+            elif mixed is not None:
+                out = StepResult(self._replay_mixed(run_ops, batch, mixed))
             else:
                 self._step = self._eager_step(batch)
                 try:
@@ -701,13 +718,27 @@ class CUDABackend(Backend):
         (``_fresh_attention``), one after cached tokens through the paged prefill kernel."""
         return bucket, batch.greedy, bool(batch.paged.context_lens[0] == batch.num_tokens)
 
-    def _prefill_graph_due(self, key: tuple[int, bool, bool]) -> bool:
-        """Whether a step of ``key`` replays its prefill graph (captured now if need be): from the
-        key's second step on. The first runs eagerly, so a one-off prompt (``mgx-run generate``'s
-        cold start) pays for no capture (two more eager runs and the capture)."""
-        if key in self._prefill_graphs or key in self._prefill_seen:
+    @staticmethod
+    def mixed_key(batch: StepBatch) -> tuple[int, int, bool] | None:
+        """(token bucket, sequence capacity, greedy) of the mixed-step graph that runs ``batch``: up
+        to ``MIXED_GRAPH_SEQS[-1] - 1`` sequences and ``PREFILL_GRAPH_TOKENS[-1]`` tokens, each
+        sampling its last row or none (None: the step runs eagerly)."""
+        s, t = len(batch.seq_ids), batch.num_tokens
+        if s >= MIXED_GRAPH_SEQS[-1] or t > PREFILL_GRAPH_TOKENS[-1]:
+            return None
+        rows = batch.sample_rows
+        if rows.size and not np.isin(rows, batch.paged.query_start_loc[1:] - 1).all():
+            return None
+        cap = next(c for c in MIXED_GRAPH_SEQS if c > s)
+        return next(b for b in PREFILL_GRAPH_TOKENS if b >= t), cap, batch.greedy
+
+    def _graph_due(self, graphs: dict, key: tuple) -> bool:
+        """Whether a step of ``key`` replays its graph in ``graphs`` (prefill or mixed; captured now
+        if need be): from the key's second step on. The first runs eagerly, so a one-off prompt
+        (``mgx-run generate``'s cold start) pays for no capture (two more eager runs and the capture)."""
+        if key in graphs or (graphs is self._prefill_graphs, key) in self._seen:
             return True
-        self._prefill_seen.add(key)
+        self._seen.add((graphs is self._prefill_graphs, key))
         return False
 
     def _eager_step(self, batch: StepBatch) -> _Step:
@@ -777,6 +808,25 @@ class CUDABackend(Backend):
             g = self._prefill_graphs[key] = self._capture_prefill(run_ops, batch, bucket, width, fresh=key[2])
         assert g.step.host is not None
         self._fill_prefill(g.step, batch, g.step.host)
+        g.graph.replay()
+        r = batch.sample_rows.size
+        return _to_host(tuple(t[:r] for t in g.out) if isinstance(g.out, tuple) else g.out[:r])
+
+    def _replay_mixed(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, key: tuple[int, int, bool]) -> Any:
+        """A step of several sequences on the mixed graph of ``key`` (captured, or captured again
+        wider, when a table does not fit), waited for: host logits [R, V] (or the greedy pair)."""
+        assert self._kv is not None, "the KV cache is made before the first step"
+        block = self._kv.block_size
+        pad = key[0] - batch.num_tokens  # the padding sequence's tokens, at positions 0 ..
+        needed = max(batch.paged.block_tables.shape[1], -(-pad // block), 1)
+        g = self._mixed_graphs.get(key)
+        if g is None or g.step.block_tables.shape[1] < needed:
+            self._mixed_graphs.pop(key, None)
+            g = None  # the old graph's memory goes back to the pool before the new capture
+            width = graph_table_width(needed, self._max_blocks + -(-key[0] // block))
+            g = self._mixed_graphs[key] = self._capture_mixed(run_ops, batch, key[0], key[1], width)
+        assert g.step.host is not None
+        self._fill_mixed(g.step, batch, g.step.host)
         g.graph.replay()
         r = batch.sample_rows.size
         return _to_host(tuple(t[:r] for t in g.out) if isinstance(g.out, tuple) else g.out[:r])
@@ -899,17 +949,71 @@ class CUDABackend(Backend):
 
     def _capture_prefill(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int,
                          fresh: bool) -> _Graph:  # fmt: skip
-        st = self._prefill_step(bucket, width, fresh)
-        self._fill_prefill(st, None, st.host)  # all padding: warming up writes only the scratch block
-        return self._record(run_ops, batch, st)
+        return self._record(run_ops, batch, self._prefill_step(bucket, width, fresh), self._fill_prefill)
+
+    def _mixed_step(self, bucket: int, cap: int, width: int) -> _Step:
+        """Static buffers of a mixed-step graph: ``bucket`` rows of up to ``cap`` sequences (the real
+        ones, then one that holds the padding rows, then empty ones) and tables of ``width`` blocks."""
+        assert self._kv is not None, "the KV cache is made before the first step"
+        # [token ids | positions | context lengths | query starts | block tables | sampled rows], all int32
+        packed = torch.zeros(2 * bucket + cap + (cap + 1) + cap * width + cap, dtype=torch.int32, device=self.device)
+        cut = np.cumsum([bucket, bucket, cap, cap + 1, cap * width])
+        return _Step(
+            token_ids=packed[: cut[0]],
+            positions=packed[cut[0] : cut[1]],
+            context_lens=packed[cut[1] : cut[2]],
+            query_start_loc=packed[cut[2] : cut[3]],
+            block_tables=packed[cut[3] : cut[4]].view(cap, width),
+            sample_rows=packed[cut[4] :],
+            max_query_len=bucket,
+            max_context_len=width * self._kv.block_size,
+            packed=packed,
+            host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda"),
+        )
+
+    def _fill_mixed(self, st: _Step, batch: StepBatch | None, pinned: torch.Tensor) -> None:
+        """Write a step of several sequences into a mixed graph's static buffers through ``pinned``:
+        the real sequences as they are; after them one sequence of the padding rows at positions 0 ..
+        on the scratch block; the rest empty. Sampled rows past the real ones repeat row 0. Without a
+        batch, all padding."""
+        assert st.packed is not None and self._kv is not None
+        bucket, (cap, width) = st.token_ids.shape[0], st.block_tables.shape
+        host = pinned.numpy()
+        cut = np.cumsum([bucket, bucket, cap, cap + 1, cap * width])
+        tok, pos, ctx, qsl = host[: cut[0]], host[cut[0] : cut[1]], host[cut[1] : cut[2]], host[cut[2] : cut[3]]
+        tables, rows = host[cut[3] : cut[4]].reshape(cap, width), host[cut[4] :]
+        s = 0 if batch is None else len(batch.seq_ids)
+        t = 0 if batch is None else batch.num_tokens
+        tables.fill(-1)
+        tables[s:, :] = self._kv.scratch_block
+        rows[:] = 0
+        if batch is not None:
+            paged = batch.paged
+            tok[:t], pos[:t] = batch.token_ids, batch.positions
+            ctx[:s], qsl[: s + 1] = paged.context_lens, paged.query_start_loc
+            bt = paged.block_tables
+            tables[:s, : bt.shape[1]] = bt[:, :width]
+            rows[: batch.sample_rows.size] = batch.sample_rows
+        else:
+            qsl[0] = 0
+        tok[t:] = 0
+        pos[t:] = np.arange(bucket - t)
+        ctx[s], ctx[s + 1 :] = bucket - t, 0
+        qsl[s + 1 :] = bucket
+        st.packed.copy_(pinned, non_blocking=True)
+
+    def _capture_mixed(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, cap: int,
+                       width: int) -> _Graph:  # fmt: skip
+        return self._record(run_ops, batch, self._mixed_step(bucket, cap, width), self._fill_mixed)
 
     def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int) -> _Graph:
-        st = self._static_step(bucket, width)
-        self._fill(st, None, st.host)  # capture on padding rows only: warming up writes nothing a sequence owns
-        return self._record(run_ops, batch, st)
+        return self._record(run_ops, batch, self._static_step(bucket, width), self._fill)
 
-    def _record(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, st: _Step) -> _Graph:
-        """``run_ops`` on the static step ``st``: run twice, then captured into a graph."""
+    def _record(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, st: _Step,
+                fill: Callable[[_Step, StepBatch | None, torch.Tensor], None]) -> _Graph:  # fmt: skip
+        """``run_ops`` on the static step ``st``, filled by ``fill`` with padding only (warming up
+        writes only the scratch block, nothing a sequence owns): run twice, then captured."""
+        fill(st, None, st.host)
         self._step = st
         try:
             side = torch.cuda.Stream(self.device)

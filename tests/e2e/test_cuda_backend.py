@@ -999,33 +999,42 @@ def _check_prefill_graphs(graph, backend: CUDABackend, lengths: tuple[int, ...],
     return set(backend._prefill_graphs)
 
 
-@pytest.mark.interpreted
-def test_interpreted_prefill_graph_steps_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prefill graphs' static steps on the CPU: a stand-in for the capture runs the ops on the
-    graph's padded static step at every replay (as a replay re-runs the captured kernels on the
-    static buffers), so the padding, positions, tables and dropped rows are checked against the
-    reference backend without a GPU; SDPA for fresh prompts, the paged kernel after cached tokens."""
+def _replays_rerun_the_ops(backend: CUDABackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captures become stand-ins whose replay runs the ops again on the graph's static step (as a
+    replay re-runs the captured kernels on the static buffers) and copies the result into the
+    graph's output: the static steps' padding, positions, tables and dropped rows are then checked
+    numerically without a GPU."""
     import types
 
     from mgx.runtime.backend_cuda import _Graph
 
-    graph = compiled("gqa", "dense")
-    backend = CUDABackend(graph, device="cpu", dtype="f32")
-    backend.prefill_graphs = True
+    def record(run_ops, batch, st, fill):  # noqa: ANN001, ANN202
+        fill(st, None, st.host)
 
-    def record(run_ops, batch, st):  # noqa: ANN001, ANN202
-        def run() -> torch.Tensor:
+        def run() -> list[torch.Tensor]:
             backend._step = st
             try:
-                return run_ops(batch).float()
+                out = run_ops(batch)
+                return list(out) if isinstance(out, tuple) else [out.float()]
             finally:
                 backend._step = None
                 backend._pending.clear()
 
         out = run()
-        return _Graph(types.SimpleNamespace(replay=lambda: out.copy_(run())), st, out)
+        graph = types.SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(out, run(), strict=True)])
+        return _Graph(graph, st, tuple(out) if batch.greedy else out[0])
 
     monkeypatch.setattr(backend, "_record", record)
+
+
+@pytest.mark.interpreted
+def test_interpreted_prefill_graph_steps_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill graphs' static steps on the CPU (``_replays_rerun_the_ops``) against the reference
+    backend: SDPA for fresh prompts, the paged kernel after cached tokens."""
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.prefill_graphs = True
+    _replays_rerun_the_ops(backend, monkeypatch)
     keys = _check_prefill_graphs(graph, backend, (17, 2, 32, 9), ((60, 20), (60, 25)))
     assert keys == {(32, False, True), (16, False, True), (64, False, False)}
 
@@ -1051,29 +1060,11 @@ def _prefix_hits(graph, backend) -> tuple[list[list[int]], int]:  # noqa: ANN001
 @pytest.mark.interpreted
 def test_interpreted_prefix_cache_hits_replay_prefill_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the engine: prompts after a cached prefix run on the paged prefill graphs (the
-    stand-in capture of ``test_interpreted_prefill_graph_steps_match_the_reference``, greedy) and
-    give the reference backend's tokens."""
-    import types
-
-    from mgx.runtime.backend_cuda import _Graph
-
+    stand-in capture of ``_replays_rerun_the_ops``, greedy) and give the reference backend's tokens."""
     graph = compiled("gqa", "dense")
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     backend.prefill_graphs = True
-
-    def record(run_ops, batch, st):  # noqa: ANN001, ANN202
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
-            backend._step = st
-            try:
-                return run_ops(batch)
-            finally:
-                backend._step = None
-                backend._pending.clear()
-
-        out = run()
-        return _Graph(types.SimpleNamespace(replay=lambda: [o.copy_(r) for o, r in zip(out, run())]), st, out)
-
-    monkeypatch.setattr(backend, "_record", record)
+    _replays_rerun_the_ops(backend, monkeypatch)
     want, _ = _prefix_hits(graph, "reference")
     got, cached = _prefix_hits(graph, backend)
     assert got == want and cached == 4 * 32
@@ -1093,6 +1084,74 @@ def test_gpu_prefill_graphs_match_the_reference(model: str, pipeline: str) -> No
     keys = _check_prefill_graphs(graph, CUDABackend(graph, dtype="f32", graphs=True), (17, 2, 32, 64, 80, 45, 9, 90),
                                  ((60, 20), (60, 25), (75, 30)))  # fmt: skip
     assert keys == {(b, False, True) for b in (32, 16, 64, 128)} | {(64, False, False)}
+
+
+def test_mixed_graphs_take_steps_of_sequences_that_each_sample_their_last_row_or_none() -> None:
+    key = CUDABackend.mixed_key
+    batch = _fresh_batch([1, 1, 20], starts=[30, 40, 0])  # two decodes and a prompt
+    assert key(batch) == (32, 4, False)
+    batch.greedy = True
+    assert key(batch) == (32, 4, True)
+    assert key(_fresh_batch([1] * 3 + [40], starts=[9] * 3 + [0])) == (64, 8, False)  # 4 sequences: one more pads
+    assert key(_fresh_batch([1, 30], starts=[9, 0], samples=[True, False])) == (32, 4, False)  # a chunk
+    every_row = _fresh_batch([1, 20], starts=[9, 0])
+    every_row.sample_rows = np.arange(21)
+    assert key(every_row) is None  # logits of every row of the prompt
+    assert key(_fresh_batch([1] * 255 + [2], starts=[9] * 255 + [0])) is None  # 256 sequences
+    assert key(_fresh_batch([1, 4096], starts=[9, 0])) is None  # past the largest token bucket
+
+
+def _check_mixed_graphs(graph, backend: CUDABackend) -> set:  # noqa: ANN001
+    """Steps that prefill a prompt (or a chunk of one, sampling nothing, then its rest) while the
+    sequences before it decode, then steps where all decode, on ``backend`` and the reference
+    backend: logits within ATOL at every step, the same greedy tokens. Returns the captured keys."""
+    from mgx.runtime.block_manager import BlockManager
+
+    runners = [ModelRunner(graph, b, blocks=BlockManager(128, 16)) for b in ("reference", backend)]
+    rng = np.random.default_rng(7)
+    last: list[list[int]] = [[], []]
+
+    def step(new: list[SeqChunk]) -> None:
+        outs = []
+        for r, ls in zip(runners, last, strict=True):
+            chunks = [SeqChunk(i, np.array([t])) for i, t in enumerate(ls)] + new
+            outs.append(r.step(chunks))
+        for i, (want, got) in enumerate(zip(*outs, strict=True)):
+            np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=f"sequence {i}")
+        for ls, out in zip(last, outs, strict=True):
+            ls[:] = [int(np.argmax(o[-1])) for o in out[: len(ls)]] + [int(np.argmax(o[-1])) for o in out[len(ls) :] if o.size]
+
+    step([SeqChunk(0, rng.integers(0, graph.arch.vocab_size, 9)), SeqChunk(1, rng.integers(0, graph.arch.vocab_size, 14))])
+    for i, n in enumerate((20, 11, 30, 7), start=2):
+        step([SeqChunk(i, rng.integers(0, graph.arch.vocab_size, n))])
+    prompt = rng.integers(0, graph.arch.vocab_size, 45)
+    step([SeqChunk(6, prompt[:20], sample=False)])
+    step([SeqChunk(6, prompt[20:])])
+    for _ in range(3):
+        step([])
+    return set(backend._mixed_graphs)
+
+
+@pytest.mark.interpreted
+def test_interpreted_mixed_graph_steps_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixed-step graphs' static steps on the CPU (``_replays_rerun_the_ops``): real sequences as
+    they are, a padding sequence on the scratch block, empty ones after it; a chunk that samples
+    nothing, and the rest of its prompt after it, ride with decodes."""
+    graph = compiled("gqa", "dense")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.mixed_graphs = True
+    _replays_rerun_the_ops(backend, monkeypatch)
+    # Tokens a step: 23 (2 prompts), 22, 14, 34, 12, 26 (chunk), 26: each key's second step replays.
+    assert _check_mixed_graphs(graph, backend) == {(32, 4, False), (16, 8, False), (32, 8, False)}
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_graph_steps_match_the_reference() -> None:
+    """fp32 on the GPU: ``_check_mixed_graphs`` with the mixed-step graphs switched on."""
+    graph = compiled("gqa", "dense", target="cuda")
+    backend = CUDABackend(graph, dtype="f32", graphs=True)
+    backend.mixed_graphs = True
+    assert _check_mixed_graphs(graph, backend) == {(32, 4, False), (16, 8, False), (32, 8, False)}
 
 
 @pytest.mark.gpu
