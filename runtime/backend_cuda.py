@@ -817,8 +817,8 @@ class CUDABackend(Backend):
         wider, when a table does not fit), waited for: host logits [R, V] (or the greedy pair)."""
         assert self._kv is not None, "the KV cache is made before the first step"
         block = self._kv.block_size
-        pad = key[0] - batch.num_tokens  # the padding sequence's tokens, at positions 0 ..
-        needed = max(batch.paged.block_tables.shape[1], -(-pad // block), 1)
+        # The padding sequence's rows take positions 0 .. (all of the bucket while capturing).
+        needed = max(batch.paged.block_tables.shape[1], -(-key[0] // block))
         g = self._mixed_graphs.get(key)
         if g is None or g.step.block_tables.shape[1] < needed:
             self._mixed_graphs.pop(key, None)

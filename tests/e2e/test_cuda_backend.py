@@ -1101,6 +1101,41 @@ def test_mixed_graphs_take_steps_of_sequences_that_each_sample_their_last_row_or
     assert key(_fresh_batch([1, 4096], starts=[9, 0])) is None  # past the largest token bucket
 
 
+def test_a_mixed_graph_table_spans_its_padding_and_grows_with_the_contexts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padding sequence's rows take positions 0 .. (the whole bucket while capturing): a mixed
+    graph's tables reach past the bucket's last position, and are captured again, wider, for
+    longer contexts."""
+    import types
+
+    from mgx.runtime.backend_cuda import _Graph
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
+    backend._max_blocks, backend.mixed_graphs = 300, True
+    widths: list[int] = []
+
+    def capture(run_ops, batch, bucket, cap, width):  # noqa: ANN001, ANN202
+        widths.append(width)
+        st = backend._mixed_step(bucket, cap, width)
+        backend._fill_mixed(st, None, st.host)
+        out = (torch.zeros(cap, dtype=torch.int64), torch.zeros(cap))
+        return _Graph(types.SimpleNamespace(replay=lambda: None), st, out)
+
+    monkeypatch.setattr(backend, "_capture_mixed", capture)
+    def eager(batch):  # noqa: ANN001, ANN202
+        r = batch.sample_rows.size
+        return torch.zeros(r, dtype=torch.int64), torch.zeros(r)
+
+    steps = [([15] * 200, None)] * 2 + [([1, 3000], [9, 0])] * 2 + [([1, 2999], [5000, 0])]
+    for lengths, starts in steps:
+        batch = _fresh_batch(lengths, starts)
+        batch.greedy = True
+        backend.launch(eager, batch, None)  # each key's first eagerly, then its graph
+    # 200 prompts of 15 tokens (one block each) in a 3,072-token bucket: its 192 blocks; 2 sequences,
+    # the same; then a context of 5,001 tokens (313 blocks): at most the model's 300 and the bucket's 192.
+    assert widths == [256, 256, 492]
+
+
 def _check_mixed_graphs(graph, backend: CUDABackend) -> set:  # noqa: ANN001
     """Steps that prefill a prompt (or a chunk of one, sampling nothing, then its rest) while the
     sequences before it decode, then steps where all decode, on ``backend`` and the reference
