@@ -310,8 +310,12 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
                                              for _ in range(args.profile)])  # fmt: skip
     for _ in range(2):  # warm the prefill shapes (a prefill graph is captured at its bucket's second prompt)
         run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
-    # Five fresh prompts, the median: single prefills of one build spread by up to 1.3x on the H200.
-    runs = sorted(run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)[0] for _ in range(5))
+    def prefills(e) -> list[float]:  # noqa: ANN001
+        """Five fresh prompts' prefill seconds on ``e``, sorted: single prefills of one build spread
+        by up to 1.3x on the H200, so the median counts."""
+        return sorted(run_steps(e, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)[0] for _ in range(5))
+
+    runs = prefills(engine)
     pf = runs[len(runs) // 2]
     row["prefill_s_min_median_max"] = [runs[0], pf, runs[-1]]
     if args.profile_prefill:
@@ -322,11 +326,11 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     if getattr(backend, "prefill_graphs", False):  # A/B: the same prompts launched op by op
         backend.prefill_graphs = False
         try:
-            runs = sorted(run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)[0] for _ in range(5))
+            eager = prefills(engine)[2]
         finally:
             backend.prefill_graphs = True
-        row["prefill_eager_tok_s"] = args.prefill / runs[len(runs) // 2]
-        row["prefill_eager_flops_frac"] = 2 * n_params * args.prefill / runs[len(runs) // 2] / flops
+        row["prefill_eager_tok_s"] = args.prefill / eager
+        row["prefill_eager_flops_frac"] = 2 * n_params * args.prefill / eager / flops
     if args.flips:
         ab_flips(engine, row, args, rng.integers(3, vocab_hi, args.prompt).tolist())
     add_row(row)

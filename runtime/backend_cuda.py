@@ -768,27 +768,34 @@ class CUDABackend(Backend):
         """The captured step for ``batch``'s bucket, captured (again, wider) when its table outgrew it."""
         key = (next(b for b in GRAPH_BUCKETS if b >= len(batch.seq_ids)), batch.greedy)
         needed = batch.paged.block_tables.shape[1]
-        g = self._graphs.get(key)
+        width = graph_table_width(needed, self._max_blocks)
+        return self._graph_at(self._graphs, key, needed, lambda: self._capture(run_ops, batch, key[0], width))
+
+    @staticmethod
+    def _graph_at(graphs: dict[Any, _Graph], key: Any, needed: int, capture: Callable[[], _Graph]) -> _Graph:
+        """``graphs[key]``; captured by ``capture`` when there is none yet, or again (wider) when its
+        block table is narrower than ``needed`` blocks. A launch still in flight holds its old graph
+        and slot; the capture's warm-up runs on a stream that waits for it."""
+        g = graphs.get(key)
         if g is None or g.step.block_tables.shape[1] < needed:
-            # None yet, or one captured for shorter contexts: (re)capture at this batch's width.
-            # A launch still in flight holds its old graph and slot; the capture's warm-up runs
-            # on a stream that waits for it.
-            self._graphs.pop(key, None)
+            graphs.pop(key, None)
             g = None  # the old graph's memory goes back to the pool before the new capture
-            width = graph_table_width(needed, self._max_blocks)
-            g = self._graphs[key] = self._capture(run_ops, batch, key[0], width)
+            g = graphs[key] = capture()
         return g
+
+    @staticmethod
+    def _replay_waited(g: _Graph, fill: Callable[[_Step, StepBatch | None, torch.Tensor], None], batch: StepBatch,
+                       rows: int) -> Any:  # fmt: skip
+        """``batch`` written into ``g``'s static buffers by ``fill``, the graph replayed and waited
+        for: its first ``rows`` host logits [rows, V] (or the greedy pair: ids stay integers)."""
+        assert g.step.host is not None
+        fill(g.step, batch, g.step.host)
+        g.graph.replay()
+        return _to_host(tuple(t[:rows] for t in g.out) if isinstance(g.out, tuple) else g.out[:rows])
 
     def _replay(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch) -> Any:
         """A decode step's graph, waited for: host logits [S, V] (or the greedy pair)."""
-        g = self._graph_for(run_ops, batch)
-        assert g.step.host is not None
-        self._fill(g.step, batch, g.step.host)
-        g.graph.replay()
-        s = len(batch.seq_ids)
-        if isinstance(g.out, tuple):  # the greedy pair: ids stay integers
-            return _to_host(tuple(t[:s] for t in g.out))
-        return _to_host(g.out[:s])
+        return self._replay_waited(self._graph_for(run_ops, batch), self._fill, batch, len(batch.seq_ids))
 
     def _replay_prefill(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> Any:
         """One sequence's prefill step on the graph of ``bucket`` tokens (captured, or captured again
@@ -799,18 +806,11 @@ class CUDABackend(Backend):
         block = self._kv.block_size
         start = int(batch.paged.context_lens[0]) - batch.num_tokens  # tokens cached before this step's
         needed = -(-(start + bucket) // block)
-        g = self._prefill_graphs.get(key)
-        if g is None or g.step.block_tables.shape[1] < needed:
-            self._prefill_graphs.pop(key, None)
-            g = None  # the old graph's memory goes back to the pool before the new capture
-            # A table past the model's context: the padding's positions run up to a bucket beyond it.
-            width = needed if start == 0 else graph_table_width(needed, self._max_blocks + -(-bucket // block))
-            g = self._prefill_graphs[key] = self._capture_prefill(run_ops, batch, bucket, width, fresh=key[2])
-        assert g.step.host is not None
-        self._fill_prefill(g.step, batch, g.step.host)
-        g.graph.replay()
-        r = batch.sample_rows.size
-        return _to_host(tuple(t[:r] for t in g.out) if isinstance(g.out, tuple) else g.out[:r])
+        # A table past the model's context: the padding's positions run up to a bucket beyond it.
+        width = needed if start == 0 else graph_table_width(needed, self._max_blocks + -(-bucket // block))
+        g = self._graph_at(self._prefill_graphs, key, needed,
+                           lambda: self._capture_prefill(run_ops, batch, bucket, width, fresh=key[2]))  # fmt: skip
+        return self._replay_waited(g, self._fill_prefill, batch, batch.sample_rows.size)
 
     def _replay_mixed(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, key: tuple[int, int, bool]) -> Any:
         """A step of several sequences on the mixed graph of ``key`` (captured, or captured again
@@ -819,17 +819,10 @@ class CUDABackend(Backend):
         block = self._kv.block_size
         # The padding sequence's rows take positions 0 .. (all of the bucket while capturing).
         needed = max(batch.paged.block_tables.shape[1], -(-key[0] // block))
-        g = self._mixed_graphs.get(key)
-        if g is None or g.step.block_tables.shape[1] < needed:
-            self._mixed_graphs.pop(key, None)
-            g = None  # the old graph's memory goes back to the pool before the new capture
-            width = graph_table_width(needed, self._max_blocks + -(-key[0] // block))
-            g = self._mixed_graphs[key] = self._capture_mixed(run_ops, batch, key[0], key[1], width)
-        assert g.step.host is not None
-        self._fill_mixed(g.step, batch, g.step.host)
-        g.graph.replay()
-        r = batch.sample_rows.size
-        return _to_host(tuple(t[:r] for t in g.out) if isinstance(g.out, tuple) else g.out[:r])
+        width = graph_table_width(needed, self._max_blocks + -(-key[0] // block))
+        g = self._graph_at(self._mixed_graphs, key, needed,
+                           lambda: self._capture_mixed(run_ops, batch, key[0], key[1], width))  # fmt: skip
+        return self._replay_waited(g, self._fill_mixed, batch, batch.sample_rows.size)
 
     def _launch_graph(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, fed: Any) -> _GraphResult:
         """A greedy decode step's graph, not waited for; ``fed``: device ids [S] that are its tokens."""
@@ -955,9 +948,8 @@ class CUDABackend(Backend):
         """Static buffers of a mixed-step graph: ``bucket`` rows of up to ``cap`` sequences (the real
         ones, then one that holds the padding rows, then empty ones) and tables of ``width`` blocks."""
         assert self._kv is not None, "the KV cache is made before the first step"
-        # [token ids | positions | context lengths | query starts | block tables | sampled rows], all int32
-        packed = torch.zeros(2 * bucket + cap + (cap + 1) + cap * width + cap, dtype=torch.int32, device=self.device)
-        cut = np.cumsum([bucket, bucket, cap, cap + 1, cap * width])
+        cut = _mixed_cuts(bucket, cap, width)
+        packed = torch.zeros(cut[-1] + cap, dtype=torch.int32, device=self.device)
         return _Step(
             token_ids=packed[: cut[0]],
             positions=packed[cut[0] : cut[1]],
@@ -979,7 +971,7 @@ class CUDABackend(Backend):
         assert st.packed is not None and self._kv is not None
         bucket, (cap, width) = st.token_ids.shape[0], st.block_tables.shape
         host = pinned.numpy()
-        cut = np.cumsum([bucket, bucket, cap, cap + 1, cap * width])
+        cut = _mixed_cuts(bucket, cap, width)
         tok, pos, ctx, qsl = host[: cut[0]], host[cut[0] : cut[1]], host[cut[1] : cut[2]], host[cut[2] : cut[3]]
         tables, rows = host[cut[3] : cut[4]].reshape(cap, width), host[cut[4] :]
         s = 0 if batch is None else len(batch.seq_ids)
@@ -1364,6 +1356,12 @@ def _fresh_attention(q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: Atte
             return o[0].transpose(0, 1).reshape(n, hq * d)
         out[lo:hi].view(n, hq, d).copy_(o[0].transpose(0, 1))
     return out
+
+
+def _mixed_cuts(bucket: int, cap: int, width: int) -> np.ndarray:
+    """Where each part of a mixed graph's packed int32 buffer ends: [token ids | positions | context
+    lengths | query starts | block tables], then the sampled rows (``cap``) to the end."""
+    return np.cumsum([bucket, bucket, cap, cap + 1, cap * width])
 
 
 def _to_host(out: Any) -> Any:
