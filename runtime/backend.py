@@ -128,6 +128,11 @@ class Backend(ABC):
         when this backend runs no native GPU code."""
         return None
 
+    def graph_stats(self) -> dict[str, dict[str, int]]:
+        """Steps launched by path and graphs captured by kind, for backends that replay recorded
+        steps (the CUDA backend's graphs); empty here."""
+        return {}
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes over all attention layers, in this backend's cache dtype."""
         return kv_bytes_per_block(self.graph.states, block_size, self.kv_itemsize)

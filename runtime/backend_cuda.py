@@ -72,6 +72,7 @@ import dataclasses
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -403,6 +404,10 @@ class CUDABackend(Backend):
         self._prefill_graphs: dict[tuple[int, bool, bool], _Graph] = {}
         self._mixed_graphs: dict[tuple[int, int, bool], _Graph] = {}  # (token bucket, sequences, greedy) -> step
         self._seen: set[tuple[Any, ...]] = set()  # prefill and mixed keys whose first step ran eagerly
+        # Steps launched by path (decode, prefill, mixed graphs; eager) and graphs captured by kind
+        # (decode, prefill, mixed; again when a table outgrows one): ``graph_stats``.
+        self.steps_by_path: Counter[str] = Counter()
+        self.captures: Counter[str] = Counter()
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
@@ -538,6 +543,11 @@ class CUDABackend(Backend):
         return [(kernel(op), self._weights[id(op)], self._bias[id(op)]) for op in self.graph.ops
                 if op.kind in ("linear", "lm_head")]  # fmt: skip
 
+    def graph_stats(self) -> dict[str, dict[str, int]]:
+        """Steps launched by path ("decode", "prefill", "mixed" graphs; "eager") and graphs captured
+        by kind, since the backend was made."""
+        return {"steps": dict(self.steps_by_path), "captures": dict(self.captures)}
+
     def drop_graphs(self) -> None:
         """Forget the captured decode, prefill and mixed steps, to be captured anew when next needed (after a
         change of tunings or switches; never while a launched step is in flight)."""
@@ -669,13 +679,20 @@ class CUDABackend(Backend):
         with overlapped_launches(self._overlap):
             if unwaited:
                 out: StepResult = self._launch_graph(run_ops, batch, fed)
+                self.steps_by_path["decode"] += 1
             elif graphed:
                 out = StepResult(self._replay(run_ops, batch))
-            elif prefill is not None and (graph_out := self._prefill_graph_step(run_ops, batch, prefill)) is not None:
+                self.steps_by_path["decode"] += 1
+            elif prefill is not None and (
+                graph_out := self._graph_or_none("prefill", prefill, lambda: self._replay_prefill(run_ops, batch, prefill))
+            ) is not None:
                 out = graph_out
-            elif mixed is not None:
-                out = StepResult(self._replay_mixed(run_ops, batch, mixed))
+            elif mixed is not None and (
+                graph_out := self._graph_or_none("mixed", mixed[0], lambda: self._replay_mixed(run_ops, batch, mixed))
+            ) is not None:
+                out = graph_out
             else:
+                self.steps_by_path["eager"] += 1
                 self._step = self._eager_step(batch)
                 try:
                     out = StepResult(_to_host(run_ops(batch)))
@@ -685,19 +702,22 @@ class CUDABackend(Backend):
         self._last_launch = out
         return out
 
-    def _prefill_graph_step(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int) -> StepResult | None:
-        """``_replay_prefill``'s result, or None (the step then runs eagerly) where capturing the graph
-        ran out of device memory: prefill graphs are then off for good, with one warning."""
+    def _graph_or_none(self, kind: str, tokens: int, replay: Callable[[], Any]) -> StepResult | None:
+        """``replay()``'s result (a prefill or mixed graph's step), or None (the step then runs
+        eagerly) where capturing the graph ran out of device memory: graphs of that kind are then
+        off for good, with one warning."""
         try:
-            return StepResult(self._replay_prefill(run_ops, batch, bucket))
+            out = StepResult(replay())
         except torch.OutOfMemoryError as e:
-            self.prefill_graphs = False
-            self._prefill_graphs.clear()
+            setattr(self, f"{kind}_graphs", False)
+            getattr(self, f"_{kind}_graphs").clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            warnings.warn(f"MGX: capturing a prefill graph of {bucket} tokens ran out of device memory ({e}); "
-                          "prefill steps run op by op from now on", RuntimeWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(f"MGX: capturing a {kind} graph of {tokens} tokens ran out of device memory ({e}); "
+                          f"{kind} steps run op by op from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
             return None
+        self.steps_by_path[kind] += 1
+        return out
 
     @staticmethod
     def prefill_bucket(batch: StepBatch) -> int | None:
@@ -769,18 +789,20 @@ class CUDABackend(Backend):
         key = (next(b for b in GRAPH_BUCKETS if b >= len(batch.seq_ids)), batch.greedy)
         needed = batch.paged.block_tables.shape[1]
         width = graph_table_width(needed, self._max_blocks)
-        return self._graph_at(self._graphs, key, needed, lambda: self._capture(run_ops, batch, key[0], width))
+        return self._graph_at("decode", key, needed, lambda: self._capture(run_ops, batch, key[0], width))
 
-    @staticmethod
-    def _graph_at(graphs: dict[Any, _Graph], key: Any, needed: int, capture: Callable[[], _Graph]) -> _Graph:
-        """``graphs[key]``; captured by ``capture`` when there is none yet, or again (wider) when its
-        block table is narrower than ``needed`` blocks. A launch still in flight holds its old graph
-        and slot; the capture's warm-up runs on a stream that waits for it."""
+    def _graph_at(self, kind: str, key: Any, needed: int, capture: Callable[[], _Graph]) -> _Graph:
+        """The ``kind`` graph (decode, prefill, mixed) of ``key``; captured by ``capture`` when there is
+        none yet, or again (wider) when its block table is narrower than ``needed`` blocks. A launch
+        still in flight holds its old graph and slot; the capture's warm-up runs on a stream that
+        waits for it."""
+        graphs = self._graphs if kind == "decode" else getattr(self, f"_{kind}_graphs")
         g = graphs.get(key)
         if g is None or g.step.block_tables.shape[1] < needed:
             graphs.pop(key, None)
             g = None  # the old graph's memory goes back to the pool before the new capture
             g = graphs[key] = capture()
+            self.captures[kind] += 1
         return g
 
     @staticmethod
@@ -808,7 +830,7 @@ class CUDABackend(Backend):
         needed = -(-(start + bucket) // block)
         # A table past the model's context: the padding's positions run up to a bucket beyond it.
         width = needed if start == 0 else graph_table_width(needed, self._max_blocks + -(-bucket // block))
-        g = self._graph_at(self._prefill_graphs, key, needed,
+        g = self._graph_at("prefill", key, needed,
                            lambda: self._capture_prefill(run_ops, batch, bucket, width, fresh=key[2]))  # fmt: skip
         return self._replay_waited(g, self._fill_prefill, batch, batch.sample_rows.size)
 
@@ -820,7 +842,7 @@ class CUDABackend(Backend):
         # The padding sequence's rows take positions 0 .. (all of the bucket while capturing).
         needed = max(batch.paged.block_tables.shape[1], -(-key[0] // block))
         width = graph_table_width(needed, self._max_blocks + -(-key[0] // block))
-        g = self._graph_at(self._mixed_graphs, key, needed,
+        g = self._graph_at("mixed", key, needed,
                            lambda: self._capture_mixed(run_ops, batch, key[0], key[1], width))  # fmt: skip
         return self._replay_waited(g, self._fill_mixed, batch, batch.sample_rows.size)
 

@@ -75,6 +75,7 @@ def run_bench(engine: Engine, workload: Workload, *, warmup: bool = True) -> dic
         engine.generate(todo[0][1][:8], max_tokens=2, temperature=0.0, ignore_eos=True)
     engine.reset_prefix_cache()
     engine.metrics.reset()
+    graphs_before = engine.runner.backend.graph_stats()
     finished: list[RequestMetrics] = []
     start = time.perf_counter()
     pending = list(todo)
@@ -99,6 +100,10 @@ def run_bench(engine: Engine, workload: Workload, *, warmup: bool = True) -> dic
         }
 
     plan = engine.cache_plan
+    graphs = {
+        part: {k: v - graphs_before.get(part, {}).get(k, 0) for k, v in counts.items()}
+        for part, counts in engine.runner.backend.graph_stats().items()
+    }
     return {
         "workload": asdict(workload)
         | {"request_rate": workload.request_rate if math.isfinite(workload.request_rate) else "inf"},
@@ -128,6 +133,7 @@ def run_bench(engine: Engine, workload: Workload, *, warmup: bool = True) -> dic
         "cached_prompt_tokens": counters.cached_prompt_tokens,
         "preemptions": counters.preemptions,
         "steps": counters.steps,
+        "graphs": graphs,  # steps by path and captures by kind during the run (CUDA backend)
     }
 
 
@@ -151,6 +157,10 @@ def format_report(r: dict) -> str:
         ("scheduler", f"{r['steps']} steps, {r['preemptions']} preemptions, max {e['max_num_seqs']} seqs, "
                       f"{e['max_tokens_per_step']} tokens/step"),
     ]  # fmt: skip
+    if r.get("graphs"):
+        steps, caps = r["graphs"]["steps"], r["graphs"]["captures"]
+        rows.append(("graphs", "steps " + ", ".join(f"{k} {v}" for k, v in sorted(steps.items()))
+                     + "; captured " + (", ".join(f"{k} {v}" for k, v in sorted(caps.items())) or "none")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -936,37 +936,48 @@ def test_lone_sequence_prefills_replay_their_bucket_graph_and_other_steps_run_ea
     both.greedy = True
     ids, _ = backend.launch(run_ops, both, None).result()
     assert ids.tolist() == (both.token_ids[both.sample_rows] + 1).tolist() and eager[-1] == 50
+    # _capture_prefill stands in for the capture; _graph_at counts the five
+    assert backend.graph_stats() == {"steps": {"eager": 5, "prefill": 7}, "captures": {"prefill": 5}}
     backend.drop_graphs()
     assert not backend._prefill_graphs
 
 
-def test_a_prefill_graph_out_of_memory_runs_the_step_eagerly_and_switches_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["prefill", "mixed"])
+def test_a_graph_capture_out_of_memory_runs_the_step_eagerly_and_switches_that_kind_off(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import types
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
-    backend.prefill_graphs = True
+    backend._max_blocks, backend.prefill_graphs, backend.mixed_graphs = 300, True, True
 
     def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(backend, "_capture_prefill", capture)
+    monkeypatch.setattr(backend, f"_capture_{kind}", capture)
     ran: list[int] = []
 
     def run_ops(batch):  # noqa: ANN001, ANN202
         ran.append(batch.num_tokens)
-        return torch.from_numpy(batch.token_ids[batch.sample_rows] + 1), torch.zeros(1)
+        rows = batch.sample_rows
+        return torch.from_numpy(batch.token_ids[rows] + 1), torch.zeros(rows.size)
 
     for n in (20, 30, 25):
-        batch = _fresh_batch([n])
+        batch = _fresh_batch([n]) if kind == "prefill" else _fresh_batch([1, n], starts=[9, 0])
         batch.greedy = True
-        if n == 30:  # the bucket's second prompt: its capture fails
-            with pytest.warns(RuntimeWarning, match="prefill graph of 32 tokens ran out of device memory"):
+        if n == 30:  # the bucket's second step: its capture fails
+            with pytest.warns(RuntimeWarning, match=f"{kind} graph of 32 tokens ran out of device memory"):
                 ids, _ = backend.launch(run_ops, batch, None).result()
         else:
             ids, _ = backend.launch(run_ops, batch, None).result()
-        assert ids.tolist() == [batch.token_ids[-1] + 1]
-    assert ran == [20, 30, 25] and not backend.prefill_graphs and not backend._prefill_graphs
+        assert ids.tolist() == (batch.token_ids[batch.sample_rows] + 1).tolist()
+    extra = 0 if kind == "prefill" else 1
+    assert ran == [20 + extra, 30 + extra, 25 + extra]
+    assert not getattr(backend, f"{kind}_graphs") and not getattr(backend, f"_{kind}_graphs")
+    other = "mixed" if kind == "prefill" else "prefill"
+    assert getattr(backend, f"{other}_graphs")  # the other kind stays on
+    assert backend.graph_stats() == {"steps": {"eager": 3}, "captures": {}}
 
 
 def _check_prefill_graphs(graph, backend: CUDABackend, lengths: tuple[int, ...],  # noqa: ANN001

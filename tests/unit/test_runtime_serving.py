@@ -334,8 +334,24 @@ def test_mgx_run_bench(contents, tmp_path: Path) -> None:
     assert report["requests"] == 12 and report["output_tokens"] >= 24
     assert report["prefix_hit_rate"] > 0 and 0 < report["peak_kv_use"] <= 1
     assert set(report["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+    assert report["graphs"] == {} and "graphs" not in result.stdout  # the CPU backend replays none
     bad = CliRunner().invoke(main, ["bench", str(path), "--kv-memory", "lots"])
     assert bad.exit_code == 1 and "not a memory size" in bad.stderr
+
+
+def test_bench_reports_the_graph_steps_and_captures_of_its_run_only(contents, monkeypatch) -> None:  # noqa: ANN001
+    """``run_bench`` reports what a replaying backend's ``graph_stats`` counted during the run
+    (after the warm-up), and the table names it."""
+    from mgx.runtime.bench import Workload, format_report, run_bench
+
+    engine = Engine.from_contents(contents)
+    calls = iter([{"steps": {"eager": 2}, "captures": {}},
+                  {"steps": {"eager": 10, "decode": 5}, "captures": {"decode": 1}}])  # fmt: skip
+    monkeypatch.setattr(engine.runner.backend, "graph_stats", lambda: next(calls))
+    report = run_bench(engine, Workload(num_prompts=2, prompt_len=(8, 8), output_len=(2, 2)))
+    assert report["graphs"] == {"steps": {"eager": 8, "decode": 5}, "captures": {"decode": 1}}
+    line = next(x for x in format_report(report).splitlines() if x.startswith("graphs"))
+    assert line.split(None, 1)[1] == "steps decode 5, eager 8; captured decode 1"
 
 
 def test_generate_prints_the_kv_capacity(contents, tmp_path: Path) -> None:
