@@ -50,11 +50,13 @@ sequence's own last block past its end (written again by its next tokens) or in 
 Fresh prompts attend through SDPA, the others through the paged prefill kernel.
 Launched op by op, a 2,048-token prefill of the 1B shape took 19-20 ms of host time on the H200's
 host against 7.2 ms of GPU work (24th session). Steps of several sequences (prefill rows with
-decode rows) run eagerly, or with ``MGX_CUDA_MIXED_GRAPHS=1`` (off by default: not yet run on a
-GPU) as graphs per token bucket and sequence capacity (``MIXED_GRAPH_SEQS``): the real sequences
-as they are, one more holding the padding rows on the scratch block, the rest empty; every sequence
-samples its last row or none. ``MGX_CUDA_GRAPHS=0`` turns graphs off, ``MGX_CUDA_PREFILL_GRAPHS=0``
-the prefill ones.
+decode rows) run as graphs per token bucket and sequence capacity (``MIXED_GRAPH_SEQS``), also from
+a key's second step on: the real sequences as they are, one more holding the padding rows on the
+scratch block, the rest empty; every sequence samples its last row or none. Under a Poisson load on
+the 1B shape they took the median time per output token from 10.2-10.8 ms to 3.7 ms (25th session,
+README). A capture that runs out of device memory turns its kind off with one warning.
+``MGX_CUDA_GRAPHS=0`` turns graphs off, ``MGX_CUDA_PREFILL_GRAPHS=0`` the prefill ones,
+``MGX_CUDA_MIXED_GRAPHS=0`` the mixed ones.
 
 Steps launched ahead: a greedy decode step's ``launch`` replays its graph and returns; the picks
 follow into a pinned slot (read by ``result()``) and stay on the device, where the engine's next
@@ -140,7 +142,7 @@ NORM_IN_SCHEMES = frozenset({"int4"})
 # steps of 128 to 512 and of 256 to 4,096, so that padding adds less than half to prompts past 256
 # tokens and less than a third past 768.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, *range(768, 4097, 256))
-# Sequence capacities of the mixed-step graphs (MGX_CUDA_MIXED_GRAPHS=1): a step of s sequences
+# Sequence capacities of the mixed-step graphs (MGX_CUDA_MIXED_GRAPHS=0: off): a step of s sequences
 # takes the smallest that holds s + 1 (one sequence holds the padding tokens).
 MIXED_GRAPH_SEQS = (4, 8, 16, 32, 64, 128, 256)
 GRAPH_MIN_TABLE_BLOCKS = 64  # the narrowest block table a decode graph is captured with
@@ -341,8 +343,8 @@ class CUDABackend(Backend):
         # One sequence's prefill alone in a step: a graph per token bucket (MGX_CUDA_PREFILL_GRAPHS=0: eager).
         self.prefill_graphs = self.use_graphs and os.environ.get("MGX_CUDA_PREFILL_GRAPHS", "1") != "0"
         # Several sequences' prefill and decode rows in one step: graphs per token bucket and
-        # sequence capacity. Off by default: not yet run on a GPU (MGX_CUDA_MIXED_GRAPHS=1: on).
-        self.mixed_graphs = self.use_graphs and os.environ.get("MGX_CUDA_MIXED_GRAPHS", "0") == "1"
+        # sequence capacity (MGX_CUDA_MIXED_GRAPHS=0: eager).
+        self.mixed_graphs = self.use_graphs and os.environ.get("MGX_CUDA_MIXED_GRAPHS", "1") != "0"
         self._last_launch: StepResult | None = None  # whose device picks are intact
         self._fuse = self._find_fusions()
         # Tensors in a layout the kernels do not read (cpu_tile16) are unpacked and uploaded by
