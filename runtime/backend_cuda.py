@@ -410,6 +410,7 @@ class CUDABackend(Backend):
         # (decode, prefill, mixed; again when a table outgrows one): ``graph_stats``.
         self.steps_by_path: Counter[str] = Counter()
         self.captures: Counter[str] = Counter()
+        self.capture_s: Counter[str] = Counter()  # host seconds spent capturing (warm-up runs included)
         self._pool: Any = None
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
@@ -546,9 +547,9 @@ class CUDABackend(Backend):
                 if op.kind in ("linear", "lm_head")]  # fmt: skip
 
     def graph_stats(self) -> dict[str, dict[str, int]]:
-        """Steps launched by path ("decode", "prefill", "mixed" graphs; "eager") and graphs captured
-        by kind, since the backend was made."""
-        return {"steps": dict(self.steps_by_path), "captures": dict(self.captures)}
+        """Steps launched by path ("decode", "prefill", "mixed" graphs; "eager"), graphs captured by
+        kind and the host seconds those captures took, since the backend was made."""
+        return {"steps": dict(self.steps_by_path), "captures": dict(self.captures), "capture_s": dict(self.capture_s)}
 
     def drop_graphs(self) -> None:
         """Forget the captured decode, prefill and mixed steps, to be captured anew when next needed (after a
@@ -803,8 +804,10 @@ class CUDABackend(Backend):
         if g is None or g.step.block_tables.shape[1] < needed:
             graphs.pop(key, None)
             g = None  # the old graph's memory goes back to the pool before the new capture
+            t0 = time.perf_counter()
             g = graphs[key] = capture()
             self.captures[kind] += 1
+            self.capture_s[kind] += time.perf_counter() - t0
         return g
 
     @staticmethod

@@ -159,8 +159,9 @@ def format_report(r: dict) -> str:
     ]  # fmt: skip
     if r.get("graphs"):
         steps, caps = r["graphs"]["steps"], r["graphs"]["captures"]
-        rows.append(("graphs", "steps " + ", ".join(f"{k} {v}" for k, v in sorted(steps.items()))
-                     + "; captured " + (", ".join(f"{k} {v}" for k, v in sorted(caps.items())) or "none")))
+        took = r["graphs"].get("capture_s", {})
+        captured = ", ".join(f"{k} {v} in {took.get(k, 0.0):.2f} s" for k, v in sorted(caps.items()) if v) or "none"
+        rows.append(("graphs", "steps " + ", ".join(f"{k} {v}" for k, v in sorted(steps.items())) + "; captured " + captured))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -937,7 +937,9 @@ def test_lone_sequence_prefills_replay_their_bucket_graph_and_other_steps_run_ea
     ids, _ = backend.launch(run_ops, both, None).result()
     assert ids.tolist() == (both.token_ids[both.sample_rows] + 1).tolist() and eager[-1] == 50
     # _capture_prefill stands in for the capture; _graph_at counts the five
-    assert backend.graph_stats() == {"steps": {"eager": 5, "prefill": 7}, "captures": {"prefill": 5}}
+    stats = backend.graph_stats()
+    assert stats["steps"] == {"eager": 5, "prefill": 7} and stats["captures"] == {"prefill": 5}
+    assert set(stats["capture_s"]) == {"prefill"} and stats["capture_s"]["prefill"] >= 0
     backend.drop_graphs()
     assert not backend._prefill_graphs
 
@@ -977,7 +979,7 @@ def test_a_graph_capture_out_of_memory_runs_the_step_eagerly_and_switches_that_k
     assert not getattr(backend, f"{kind}_graphs") and not getattr(backend, f"_{kind}_graphs")
     other = "mixed" if kind == "prefill" else "prefill"
     assert getattr(backend, f"{other}_graphs")  # the other kind stays on
-    assert backend.graph_stats() == {"steps": {"eager": 3}, "captures": {}}
+    assert backend.graph_stats() == {"steps": {"eager": 3}, "captures": {}, "capture_s": {}}
 
 
 def _check_prefill_graphs(graph, backend: CUDABackend, lengths: tuple[int, ...],  # noqa: ANN001

@@ -345,13 +345,15 @@ def test_bench_reports_the_graph_steps_and_captures_of_its_run_only(contents, mo
     from mgx.runtime.bench import Workload, format_report, run_bench
 
     engine = Engine.from_contents(contents)
-    calls = iter([{"steps": {"eager": 2}, "captures": {}},
-                  {"steps": {"eager": 10, "decode": 5}, "captures": {"decode": 1}}])  # fmt: skip
+    calls = iter([{"steps": {"eager": 2, "prefill": 1}, "captures": {"prefill": 1}, "capture_s": {"prefill": 0.5}},
+                  {"steps": {"eager": 10, "decode": 5, "prefill": 1}, "captures": {"decode": 1, "prefill": 1},
+                   "capture_s": {"decode": 0.75, "prefill": 0.5}}])  # fmt: skip
     monkeypatch.setattr(engine.runner.backend, "graph_stats", lambda: next(calls))
     report = run_bench(engine, Workload(num_prompts=2, prompt_len=(8, 8), output_len=(2, 2)))
-    assert report["graphs"] == {"steps": {"eager": 8, "decode": 5}, "captures": {"decode": 1}}
+    assert report["graphs"] == {"steps": {"eager": 8, "decode": 5, "prefill": 0},
+                                "captures": {"decode": 1, "prefill": 0}, "capture_s": {"decode": 0.75, "prefill": 0.0}}
     line = next(x for x in format_report(report).splitlines() if x.startswith("graphs"))
-    assert line.split(None, 1)[1] == "steps decode 5, eager 8; captured decode 1"
+    assert line.split(None, 1)[1] == "steps decode 5, eager 8, prefill 0; captured decode 1 in 0.75 s"
 
 
 def test_generate_prints_the_kv_capacity(contents, tmp_path: Path) -> None:
