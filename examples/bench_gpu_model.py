@@ -13,7 +13,10 @@ written as a ``.mgx`` file and loaded by ``Engine(path, backend="cuda")``. Measu
 - aggregate decode at batch 32, 64, 128 (128-token prompts, 64 decode steps timed once every
   sequence decodes);
 - prefill of a 2,048-token prompt: tokens/s and model FLOPs as a fraction of the measured bf16
-  matrix rate.
+  matrix rate;
+- with ``--serve 8,16,32,inf``: a serving load (``mgx-run bench``'s Poisson workload) at each rate,
+  steps of several sequences replayed as mixed graphs and launched op by op: requests/s, time to
+  first token and per output token, graph steps and captures.
 
 ``--autotune 1,32,...`` runs the autotune pass on the build GPU for those row counts and stores its
 choices (its time is reported); ``--cold-start`` then times ``mgx-run generate`` from process start to
@@ -339,6 +342,39 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         torch.cuda.empty_cache()
 
 
+def bench_serving(path: Path, scheme: str, args) -> None:  # noqa: ANN001
+    """``--serve``: a server's load through ``run_bench`` (``mgx-run bench``'s workload) on one engine,
+    its steps of several sequences replayed as mixed graphs or launched op by op, at each rate: random
+    prompts of 32-1,024 tokens, 32-256 output tokens, max 64 sequences and 512 tokens a step. Each
+    side first runs a warm-up pass at the highest rate (kernels compiled, graphs captured)."""
+    from mgx.runtime import Engine, EngineConfig
+    from mgx.runtime.bench import Workload, format_report, run_bench
+
+    engine = Engine(path, backend="cuda", config=EngineConfig(max_num_seqs=64, max_tokens_per_step=512,
+                                                              kv_memory=args.kv_memory))  # fmt: skip
+    backend = engine.runner.backend
+    prompt, output = ((8, 40), (2, 4)) if SMOKE else ((32, 1024), (32, 256))
+
+    def workload(rate: float) -> Workload:
+        return Workload(num_prompts=args.serve_prompts, prompt_len=prompt, output_len=output, request_rate=rate)
+
+    finite = [r for r in args.serve if r != float("inf")]
+    plan = [("warm-up", mixed, max(finite, default=32.0)) for mixed in (True, False)]
+    plan += [(f"{rate:g} req/s", mixed, rate) for rate in args.serve for mixed in (False, True)]
+    for label, mixed, rate in plan:
+        backend.mixed_graphs = mixed and backend.use_graphs
+        r = run_bench(engine, workload(rate))
+        log(f"  serving {label}, mixed steps {'as graphs' if mixed else 'op by op'}:\n{format_report(r)}")
+        if label != "warm-up":
+            add_row({"engine": f"mgx {scheme} serving", "request_rate": rate, "mixed_graphs": mixed,
+                     "requests_per_s": r["requests_per_s"], "output_tok_s": r["output_tokens_per_s"],
+                     "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "graphs": r["graphs"]})  # fmt: skip
+    backend.mixed_graphs = backend.use_graphs
+    del engine
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN001
     """A/B of the batch-1 graph with each decode fusion switched the other way (the same weights,
     recaptured), then on native kernels built with each ``--nvcc-flip`` flag, then the default
@@ -630,12 +666,16 @@ def main() -> None:
                              "(repeatable; with =: --nvcc-flip=-DMGX_IMMA_UNROLL=2)")  # fmt: skip
     parser.add_argument("--no-flips", dest="flips", action="store_false",
                         help="skip the batch-1 graph's A/B flips and --nvcc-flip rebuilds (a shorter run)")
+    parser.add_argument("--serve", default="", help="request rates (req/s; inf: all at once) of a serving load, "
+                                                    "mixed steps as graphs and op by op, e.g. 8,16,32,inf ('' none)")
+    parser.add_argument("--serve-prompts", type=int, default=160, help="requests of each --serve pass")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     args.autotune = [int(r) for r in args.autotune.split(",") if r]
+    args.serve = [float(r) for r in args.serve.split(",") if r]
     if SMOKE:
         args.shape, args.prompt, args.new, args.batches, args.hf_batches = "tiny", 16, 4, [2], [1, 2]
         args.batch_new, args.prefill, args.kv_memory, args.batch_prompt = 3, 32, "64MiB", 16
@@ -664,6 +704,14 @@ def main() -> None:
 
                 traceback.print_exc()
                 add_row({"engine": f"mgx {scheme}", "error": f"{type(e).__name__}: {e}"})
+            if args.serve:
+                try:
+                    bench_serving(built[scheme], scheme, args)
+                except Exception as e:  # noqa: BLE001 - as above
+                    import traceback
+
+                    traceback.print_exc()
+                    add_row({"engine": f"mgx {scheme} serving", "error": f"{type(e).__name__}: {e}"})
             if args.cold_start and i == 0:
                 cold = built
             else:
