@@ -128,9 +128,9 @@ class Backend(ABC):
         when this backend runs no native GPU code."""
         return None
 
-    def graph_stats(self) -> dict[str, dict[str, int]]:
-        """Steps launched by path and graphs captured by kind, for backends that replay recorded
-        steps (the CUDA backend's graphs); empty here."""
+    def graph_stats(self) -> dict[str, dict[str, float]]:
+        """Steps launched by path, graphs captured by kind and their host seconds, for backends that
+        replay recorded steps (the CUDA backend's graphs); empty here."""
         return {}
 
     def kv_bytes_per_block(self, block_size: int) -> int:

@@ -52,9 +52,10 @@ Launched op by op, a 2,048-token prefill of the 1B shape took 19-20 ms of host t
 host against 7.2 ms of GPU work (24th session). Steps of several sequences (prefill rows with
 decode rows) run as graphs per token bucket and sequence capacity (``MIXED_GRAPH_SEQS``), also from
 a key's second step on: the real sequences as they are, one more holding the padding rows on the
-scratch block, the rest empty; every sequence samples its last row or none. Under a Poisson load on
-the 1B shape they took the median time per output token from 10.2-10.8 ms to 3.7 ms (25th session,
-README). A capture that runs out of device memory turns its kind off with one warning.
+scratch block, the rest empty; every sequence samples its last row or none. Under 32 requests/s of
+the 1B shape they took the median time per output token from 11.5 ms to 1.68 ms (H200, 57th run,
+``bench_gpu_model.py --serve``). A capture that runs out of device memory turns its kind off, with
+one warning.
 ``MGX_CUDA_GRAPHS=0`` turns graphs off, ``MGX_CUDA_PREFILL_GRAPHS=0`` the prefill ones,
 ``MGX_CUDA_MIXED_GRAPHS=0`` the mixed ones.
 
@@ -546,7 +547,7 @@ class CUDABackend(Backend):
         return [(kernel(op), self._weights[id(op)], self._bias[id(op)]) for op in self.graph.ops
                 if op.kind in ("linear", "lm_head")]  # fmt: skip
 
-    def graph_stats(self) -> dict[str, dict[str, int]]:
+    def graph_stats(self) -> dict[str, dict[str, float]]:
         """Steps launched by path ("decode", "prefill", "mixed" graphs; "eager"), graphs captured by
         kind and the host seconds those captures took, since the backend was made."""
         return {"steps": dict(self.steps_by_path), "captures": dict(self.captures), "capture_s": dict(self.capture_s)}

@@ -1194,11 +1194,14 @@ def test_interpreted_mixed_graph_steps_match_the_reference(monkeypatch: pytest.M
 
 
 @pytest.mark.gpu
-def test_gpu_mixed_graph_steps_match_the_reference() -> None:
-    """fp32 on the GPU: ``_check_mixed_graphs`` with the mixed-step graphs switched on."""
-    graph = compiled("gqa", "dense", target="cuda")
+@pytest.mark.parametrize(("model", "pipeline"), [("gqa", "dense"), ("gqa", "int4-tiled"), ("gqa", "w8a16-tiled"),
+                                                 ("window-partial-rotary", "dense")])  # fmt: skip
+def test_gpu_mixed_graph_steps_match_the_reference(model: str, pipeline: str) -> None:
+    """fp32 on the GPU: ``_check_mixed_graphs`` with the mixed-step graphs on (the default), for
+    dense and quantized weights (their many-row linears dequantize, then cuBLAS) and a sliding window."""
+    graph = compiled(model, pipeline, target="cuda")
     backend = CUDABackend(graph, dtype="f32", graphs=True)
-    backend.mixed_graphs = True
+    assert backend.mixed_graphs
     assert _check_mixed_graphs(graph, backend) == {(32, 4, False), (16, 8, False), (32, 8, False)}
 
 
