@@ -1181,11 +1181,13 @@ def _check_mixed_graphs(graph, backend: CUDABackend) -> set:  # noqa: ANN001
 
 
 @pytest.mark.interpreted
-def test_interpreted_mixed_graph_steps_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("pipeline", "target"), [("dense", "cpu"), ("int4-tiled", "cuda")])
+def test_interpreted_mixed_graph_steps_match_the_reference(pipeline: str, target: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mixed-step graphs' static steps on the CPU (``_replays_rerun_the_ops``): real sequences as
     they are, a padding sequence on the scratch block, empty ones after it; a chunk that samples
-    nothing, and the rest of its prompt after it, ride with decodes."""
-    graph = compiled("gqa", "dense")
+    nothing, and the rest of its prompt after it, ride with decodes. INT4 in the GPU's layout: its
+    many-row linears dequantize into the backend's one buffer, then multiply."""
+    graph = compiled("gqa", pipeline, target=target)
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     backend.mixed_graphs = True
     _replays_rerun_the_ops(backend, monkeypatch)
