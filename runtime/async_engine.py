@@ -85,6 +85,11 @@ class EngineLoop:
         with self._lock:
             return self.engine.metrics.snapshot()
 
+    def graph_stats(self) -> dict[str, dict[str, float]]:
+        """The backend's steps by path and graph captures (``Backend.graph_stats``), between steps."""
+        with self._lock:
+            return self.engine.runner.backend.graph_stats()
+
     @property
     def failure(self) -> BaseException | None:
         """What stopped the loop, when an engine step raised (every request then fails at once)."""

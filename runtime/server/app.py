@@ -130,7 +130,8 @@ class Server:
 
     async def prometheus(self, request: Request) -> Response:
         snap = await anyio.to_thread.run_sync(self.loop.metrics)
-        text = prometheus.render(self.metrics, snap, self._extra(snap))
+        graphs = await anyio.to_thread.run_sync(self.loop.graph_stats)
+        text = prometheus.render(self.metrics, snap, self._extra(snap), graphs)
         return Response(text, media_type=prometheus.CONTENT_TYPE)
 
     async def dashboard(self, request: Request) -> Response:

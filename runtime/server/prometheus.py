@@ -95,8 +95,19 @@ class ServerMetrics:
                     hist.observe(value)
 
 
-def render(server: ServerMetrics, engine: dict[str, float], extra: dict[str, float]) -> str:
-    """The Prometheus text page: server counters and histograms, then every engine metric."""
+# The backend's graph_stats parts: (family, label, help); the CUDA backend's, empty elsewhere.
+GRAPH_FAMILIES = {
+    "steps": ("mgx_backend_steps_total", "path",
+              "Steps by how they ran: replayed decode, prefill or mixed CUDA graph, or eager (op by op)."),
+    "captures": ("mgx_cuda_graph_captures_total", "kind", "CUDA graphs captured (again when a block table outgrew one)."),
+    "capture_s": ("mgx_cuda_graph_capture_seconds_total", "kind", "Host seconds spent capturing CUDA graphs."),
+}  # fmt: skip
+
+
+def render(server: ServerMetrics, engine: dict[str, float], extra: dict[str, float],
+           graphs: dict[str, dict[str, float]] | None = None) -> str:  # fmt: skip
+    """The Prometheus text page: server counters and histograms, every engine metric, then the
+    backend's steps by path and graph captures (``graphs``: ``Backend.graph_stats()``)."""
     lines: list[str] = []
 
     def family(name: str, kind: str, help_: str, samples: list[str]) -> None:
@@ -123,6 +134,10 @@ def render(server: ServerMetrics, engine: dict[str, float], extra: dict[str, flo
     for key, value in engine.items():
         name, kind, help_ = ENGINE_METRICS.get(key, (f"mgx_{key}", "gauge", _help(key)))
         family(name, kind, help_, [f"{name} {_num(value)}"])
+    for part, counts in (graphs or {}).items():
+        if part in GRAPH_FAMILIES and counts:
+            name, label, help_ = GRAPH_FAMILIES[part]
+            family(name, "counter", help_, [f'{name}{{{label}="{k}"}} {_num(v)}' for k, v in sorted(counts.items())])
     return "\n".join(lines) + "\n"
 
 

@@ -287,6 +287,21 @@ def test_prometheus_metrics(server, http) -> None:
     assert "# TYPE mgx_engine_requests_finished_total counter" in text
     for line in text.splitlines():  # every sample line is "name{labels} value"
         assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
+    assert "mgx_backend_steps_total" not in text  # this backend replays no graphs
+
+
+def test_prometheus_metrics_carry_the_backends_graph_steps_and_captures(server, http, monkeypatch) -> None:  # noqa: ANN001
+    """A replaying backend's ``graph_stats`` (the CUDA backend's) become labelled counters."""
+    stats = {"steps": {"decode": 40, "mixed": 3, "eager": 2}, "captures": {"decode": 1, "mixed": 2},
+             "capture_s": {"decode": 0.25, "mixed": 0.125}}  # fmt: skip
+    monkeypatch.setattr(server.engine.runner.backend, "graph_stats", lambda: stats)
+    text = http.get("/metrics").text
+    m = parse_prometheus(text)
+    assert m['mgx_backend_steps_total{path="decode"}'] == 40 and m['mgx_backend_steps_total{path="eager"}'] == 2
+    assert m['mgx_cuda_graph_captures_total{kind="mixed"}'] == 2
+    assert m['mgx_cuda_graph_capture_seconds_total{kind="decode"}'] == 0.25
+    for name in ("mgx_backend_steps_total", "mgx_cuda_graph_captures_total", "mgx_cuda_graph_capture_seconds_total"):
+        assert f"# TYPE {name} counter" in text and text.count(f"# TYPE {name} ") == 1
 
 
 def test_dashboard_page_and_data(http) -> None:
