@@ -751,8 +751,11 @@ class CUDABackend(Backend):
         if s >= MIXED_GRAPH_SEQS[-1] or t > PREFILL_GRAPH_TOKENS[-1]:
             return None
         rows = batch.sample_rows
-        if rows.size and not np.isin(rows, batch.paged.query_start_loc[1:] - 1).all():
-            return None
+        if rows.size:  # every sampled row is a sequence's last (np.isin took ~50-100 us here)
+            last = np.zeros(t, dtype=bool)
+            last[batch.paged.query_start_loc[1:] - 1] = True
+            if not last[rows].all():
+                return None
         cap = next(c for c in MIXED_GRAPH_SEQS if c > s)
         return next(b for b in PREFILL_GRAPH_TOKENS if b >= t), cap, batch.greedy
 
