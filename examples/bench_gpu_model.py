@@ -483,7 +483,7 @@ def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:
         return graph_ms_recaptured(engine, prompt)
     finally:
         setattr(obj, attr, was)
-        backend._graphs.pop((1, True), None)
+        backend._decode_graphs.pop((1, True), None)
 
 
 def graph_ms_other_kernels(engine, flag: str, prompt: list[int]) -> float | None:  # noqa: ANN001
@@ -506,12 +506,12 @@ def graph_ms_other_kernels(engine, flag: str, prompt: list[int]) -> float | None
         return graph_ms_recaptured(engine, prompt)
     finally:
         backend.cuda_kernels = stored
-        backend._graphs.pop((1, True), None)
+        backend._decode_graphs.pop((1, True), None)
 
 
 def graph_ms_recaptured(engine, prompt: list[int]) -> float | None:  # noqa: ANN001
     """``replay_ms`` of the batch-1 graph captured anew (8 decode steps after ``prompt``)."""
-    engine.runner.backend._graphs.pop((1, True), None)
+    engine.runner.backend._decode_graphs.pop((1, True), None)
     run_steps(engine, [prompt], 8)
     return replay_ms(engine, 1)
 

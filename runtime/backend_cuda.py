@@ -341,6 +341,8 @@ class CUDABackend(Backend):
         # Greedy decode steps replay graphs without waiting for their picks (``launch``), so the
         # engine launches the next one ahead; MGX_CUDA_AHEAD=0 makes it wait for each step.
         self.overlaps_steps = self.use_graphs and os.environ.get("MGX_CUDA_AHEAD", "1") != "0"
+        # Decode-only steps: a graph per batch bucket (off for good once a capture runs out of memory).
+        self.decode_graphs = self.use_graphs
         # One sequence's prefill alone in a step: a graph per token bucket (MGX_CUDA_PREFILL_GRAPHS=0: eager).
         self.prefill_graphs = self.use_graphs and os.environ.get("MGX_CUDA_PREFILL_GRAPHS", "1") != "0"
         # Several sequences' prefill and decode rows in one step: graphs per token bucket and
@@ -402,7 +404,7 @@ class CUDABackend(Backend):
         self._sdpa_modes = list(SDPA_MODES) if os.environ.get("MGX_CUDA_SDPA", "1") != "0" else []
         self._sdpa_proven = False  # a fresh-prompt SDPA call has succeeded
         self._step: _Step | None = None
-        self._graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
+        self._decode_graphs: dict[tuple[int, bool], _Graph] = {}  # (batch bucket, greedy) -> captured step
         # (token bucket, greedy, nothing cached before) -> captured prefill step
         self._prefill_graphs: dict[tuple[int, bool, bool], _Graph] = {}
         self._mixed_graphs: dict[tuple[int, int, bool], _Graph] = {}  # (token bucket, sequences, greedy) -> step
@@ -555,7 +557,7 @@ class CUDABackend(Backend):
     def drop_graphs(self) -> None:
         """Forget the captured decode, prefill and mixed steps, to be captured anew when next needed (after a
         change of tunings or switches; never while a launched step is in flight)."""
-        self._graphs.clear()
+        self._decode_graphs.clear()
         self._prefill_graphs.clear()
         self._mixed_graphs.clear()
 
@@ -563,7 +565,7 @@ class CUDABackend(Backend):
         """Milliseconds per replay of the captured decode step of ``bucket`` rows (the greedy one where
         both are), ``replays`` back to back after one unclocked; None where none is captured. The
         step's GPU time alone, without the host's share of a step."""
-        g = self._graphs.get((bucket, True)) or self._graphs.get((bucket, False))
+        g = self._decode_graphs.get((bucket, True)) or self._decode_graphs.get((bucket, False))
         if g is None:
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -665,7 +667,7 @@ class CUDABackend(Backend):
         assert paged is not None, "the runner attaches the paged view before running ops"
         s = len(batch.seq_ids)
         decode = batch.num_tokens == s and batch.sample_rows.size == s and np.array_equal(batch.sample_rows, np.arange(s))
-        graphed = self.use_graphs and decode and s <= GRAPH_BUCKETS[-1]
+        graphed = self.decode_graphs and decode and s <= GRAPH_BUCKETS[-1]
         unwaited = graphed and batch.greedy and self.overlaps_steps
         prefill = self.prefill_bucket(batch) if self.prefill_graphs and not decode else None
         if prefill is not None and not self._graph_due(self._prefill_graphs, self._prefill_key(batch, prefill)):
@@ -681,20 +683,19 @@ class CUDABackend(Backend):
                 batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
         self._last_launch = None
         with overlapped_launches(self._overlap):
-            if unwaited:
-                out: StepResult = self._launch_graph(run_ops, batch, fed)
-                self.steps_by_path["decode"] += 1
-            elif graphed:
-                out = StepResult(self._replay(run_ops, batch))
-                self.steps_by_path["decode"] += 1
-            elif prefill is not None and (
-                graph_out := self._graph_or_none("prefill", prefill, lambda: self._replay_prefill(run_ops, batch, prefill))
-            ) is not None:
-                out = graph_out
-            elif mixed is not None and (
-                graph_out := self._graph_or_none("mixed", mixed[0], lambda: self._replay_mixed(run_ops, batch, mixed))
-            ) is not None:
-                out = graph_out
+            graph_out: StepResult | None = None
+            if graphed:
+                graph_out = self._graph_or_none(
+                    "decode", s, lambda: self._launch_graph(run_ops, batch, fed) if unwaited else StepResult(self._replay(run_ops, batch))
+                )
+                if graph_out is None and fed is not None:  # eager after all: it needs the picks on the host
+                    batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
+            elif prefill is not None:
+                graph_out = self._graph_or_none("prefill", prefill, lambda: StepResult(self._replay_prefill(run_ops, batch, prefill)))
+            elif mixed is not None:
+                graph_out = self._graph_or_none("mixed", mixed[0], lambda: StepResult(self._replay_mixed(run_ops, batch, mixed)))
+            if graph_out is not None:
+                out: StepResult = graph_out
             else:
                 self.steps_by_path["eager"] += 1
                 self._step = self._eager_step(batch)
@@ -706,18 +707,19 @@ class CUDABackend(Backend):
         self._last_launch = out
         return out
 
-    def _graph_or_none(self, kind: str, tokens: int, replay: Callable[[], Any]) -> StepResult | None:
-        """``replay()``'s result (a prefill or mixed graph's step), or None (the step then runs
-        eagerly) where capturing the graph ran out of device memory: graphs of that kind are then
-        off for good, with one warning."""
+    def _graph_or_none(self, kind: str, rows: int, step: Callable[[], StepResult]) -> StepResult | None:
+        """``step()`` (a decode, prefill or mixed graph's step), or None (the step then runs eagerly)
+        where capturing the graph ran out of device memory: graphs of that kind are then off for
+        good, with one warning. ``rows``: the step's sequences (decode) or tokens, for the warning."""
         try:
-            out = StepResult(replay())
+            out = step()
         except torch.OutOfMemoryError as e:
             setattr(self, f"{kind}_graphs", False)
             getattr(self, f"_{kind}_graphs").clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            warnings.warn(f"MGX: capturing a {kind} graph of {tokens} tokens ran out of device memory ({e}); "
+            what = f"{rows} sequences" if kind == "decode" else f"{rows} tokens"
+            warnings.warn(f"MGX: capturing a {kind} graph of {what} ran out of device memory ({e}); "
                           f"{kind} steps run op by op from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
             return None
         self.steps_by_path[kind] += 1
@@ -803,7 +805,7 @@ class CUDABackend(Backend):
         none yet, or again (wider) when its block table is narrower than ``needed`` blocks. A launch
         still in flight holds its old graph and slot; the capture's warm-up runs on a stream that
         waits for it."""
-        graphs = self._graphs if kind == "decode" else getattr(self, f"_{kind}_graphs")
+        graphs = getattr(self, f"_{kind}_graphs")
         g = graphs.get(key)
         if g is None or g.step.block_tables.shape[1] < needed:
             graphs.pop(key, None)

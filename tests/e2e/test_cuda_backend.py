@@ -387,7 +387,7 @@ def test_gpu_graph_recaptures_when_contexts_outgrow_its_block_table() -> None:
         np.testing.assert_allclose(outs[1], outs[0], atol=ATOL, rtol=0)
         last = [int(np.argmax(o[-1])) for o in outs]
         assert last[0] == last[1]
-        widths.add(runners[1].backend._graphs[(1, False)].step.block_tables.shape[1])
+        widths.add(runners[1].backend._decode_graphs[(1, False)].step.block_tables.shape[1])
     assert widths == {64, graph.arch.max_position}  # one block per token: 64 blocks, then the whole context
 
 
@@ -412,8 +412,8 @@ def test_gpu_graph_buckets_pad_with_the_scratch_block() -> None:
             outs.append(np.concatenate(logits))
         np.testing.assert_allclose(outs[1], outs[0], atol=ATOL, rtol=0)
         assert last[eager] == last[replay]
-    assert set(replay.backend._graphs) == {(b, False) for b in (1, 2, 4, 8)}
-    assert not eager.backend._graphs
+    assert set(replay.backend._decode_graphs) == {(b, False) for b in (1, 2, 4, 8)}
+    assert not eager.backend._decode_graphs
     scratch = replay.backend._kv.scratch_block
     owned = {b for s in range(5) for b in replay.blocks.table(s)}
     assert scratch not in owned and scratch == replay.blocks.num_blocks
@@ -683,7 +683,7 @@ def test_gpu_greedy_head_in_graphs_matches_eager() -> None:
         runner = ModelRunner(graph, CUDABackend(graph, dtype="f32", graphs=graphs))
         runs.append([greedy_tokens(runner, p, 6) for p in prompts])
         if graphs:
-            assert (1, True) in runner.backend._graphs
+            assert (1, True) in runner.backend._decode_graphs
     assert runs[0] == runs[1]
 
 
@@ -763,7 +763,7 @@ def test_replay_captures_again_only_when_a_table_outgrows_the_graph(monkeypatch:
         batch = StepBatch.packed(list(range(s)), np.arange(s), [1] * s, [n - 1 for n in lengths], [True] * s)
         batch.paged = PagedStep.build(batch, [list(range(n)) for n in lengths], 1)
         backend._replay(None, batch)
-        st = backend._graphs[(1 if s == 1 else 2, False)].step
+        st = backend._decode_graphs[(1 if s == 1 else 2, False)].step
         np.testing.assert_array_equal(st.block_tables[0, : lengths[0]].numpy(), np.arange(lengths[0]))
     # bucket 2: 64 blocks, then 128 (for 100), then 300 (the whole context); bucket 1: 128, then 256.
     assert captured == [(2, 64), (1, 128), (2, 128), (1, 256), (2, 300)]
@@ -782,7 +782,7 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
-    backend._max_blocks, backend.use_graphs, backend.overlaps_steps = 64, True, True
+    backend._max_blocks, backend.decode_graphs, backend.overlaps_steps = 64, True, True
 
     def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
         packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
@@ -818,8 +818,54 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
     late = backend.launch(None, late_batch, None, tokens_from=ahead)  # not the last launch: via the host
     assert late_batch.token_ids.tolist() == [7, 11] and late.result()[0].tolist() == [8, 12]
     other.discard()
-    g = backend._graphs[(2, True)]
+    g = backend._decode_graphs[(2, True)]
     assert len(g.free) == 2 and g.free[0] is not g.free[1]  # two launches were in flight at most
+
+
+def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_fed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode capture that runs out of device memory: the step runs eagerly, on the tokens of the
+    launch it was to be fed by (read on the host), decode graphs go off with one warning, and later
+    decode steps run eagerly without trying again."""
+    import types
+
+    from mgx.runtime.batch import PagedStep, StepBatch
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
+    backend._max_blocks, backend.decode_graphs, backend.overlaps_steps = 64, True, True
+    tries: list[int] = []
+
+    def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
+        tries.append(bucket)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(backend, "_capture", capture)
+
+    def run_ops(batch):  # noqa: ANN001, ANN202
+        return torch.from_numpy(batch.token_ids + 1), torch.zeros(len(batch.seq_ids))
+
+    def decode(tokens: list[int], positions: list[int]) -> StepBatch:
+        s = len(tokens)
+        batch = StepBatch.packed(list(range(s)), np.array(tokens), [1] * s, positions, [True] * s)
+        batch.paged = PagedStep.build(batch, [[i] for i in range(s)], 16)
+        batch.greedy = True
+        return batch
+
+    from mgx.runtime.backend import StepResult
+
+    class Launched(StepResult):  # a graph launch's picks, still on the device
+        def device_ids(self) -> torch.Tensor:
+            return torch.tensor([6, 10])
+
+    first = Launched((np.array([6, 10]), np.zeros(2)))
+    backend._last_launch = first
+    fed = decode([0, 0], [4, 8])
+    with pytest.warns(RuntimeWarning, match="decode graph of 2 sequences ran out of device memory"):
+        out = backend.launch(run_ops, fed, None, tokens_from=first)
+    assert fed.token_ids.tolist() == [6, 10] and out.result()[0].tolist() == [7, 11]
+    assert not backend.decode_graphs and not backend._decode_graphs and tries == [2]
+    assert backend.launch(run_ops, decode([7, 11], [5, 9]), None).result()[0].tolist() == [8, 12]
+    assert tries == [2] and backend.graph_stats()["steps"] == {"eager": 2}
 
 
 def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: list[bool] | None = None,

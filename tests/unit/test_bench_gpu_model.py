@@ -56,7 +56,7 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
             return sm >= 90
 
     stored = Kernels("sm_90a", 3, True)
-    backend = SimpleNamespace(cuda_kernels=stored, _sm=90, _graphs={(1, True): "graph"})
+    backend = SimpleNamespace(cuda_kernels=stored, _sm=90, _decode_graphs={(1, True): "graph"})
     engine = SimpleNamespace(runner=SimpleNamespace(backend=backend))
     built, seen = [], []
     monkeypatch.setattr(bench, "DEVICE", "cuda")
@@ -73,7 +73,7 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
     assert built == [("sm_90a", ("-DMGX_IMMA_UNROLL=2",))]
     (other,) = seen
     assert other is not stored and (other.arch, other.device, other.overlap) == ("sm_90a", 3, True)
-    assert backend.cuda_kernels is stored and (1, True) not in backend._graphs
+    assert backend.cuda_kernels is stored and (1, True) not in backend._decode_graphs
 
     def fails(engine, prompt):  # noqa: ANN001, ANN202
         raise RuntimeError("capture failed")
