@@ -778,7 +778,6 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
     import types
 
     from mgx.runtime.backend_cuda import _Graph, _Step
-    from mgx.runtime.batch import PagedStep, StepBatch
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
@@ -800,21 +799,14 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
 
     monkeypatch.setattr(backend, "_capture", capture)
 
-    def decode(tokens: list[int], positions: list[int]) -> StepBatch:
-        s = len(tokens)
-        batch = StepBatch.packed(list(range(s)), np.array(tokens), [1] * s, positions, [True] * s)
-        batch.paged = PagedStep.build(batch, [[i] for i in range(s)], 16)
-        batch.greedy = True
-        return batch
-
-    first = backend.launch(None, decode([5, 9], [3, 7]), None)
-    ahead_batch = decode([0, 0], [4, 8])
+    first = backend.launch(None, _decode_batch([5, 9], [3, 7]), None)
+    ahead_batch = _decode_batch([0, 0], [4, 8])
     ahead = backend.launch(None, ahead_batch, None, tokens_from=first)
     assert ahead_batch.token_ids.tolist() == [0, 0]  # the host never saw the picks it was fed
     assert [a.tolist() for a in first.result()] == [[6, 10], [3.0, 7.0]]
     assert [a.tolist() for a in ahead.result()] == [[7, 11], [4.0, 8.0]]
-    other = backend.launch(None, decode([1, 1], [5, 9]), None)
-    late_batch = decode([0, 0], [5, 9])
+    other = backend.launch(None, _decode_batch([1, 1], [5, 9]), None)
+    late_batch = _decode_batch([0, 0], [5, 9])
     late = backend.launch(None, late_batch, None, tokens_from=ahead)  # not the last launch: via the host
     assert late_batch.token_ids.tolist() == [7, 11] and late.result()[0].tolist() == [8, 12]
     other.discard()
@@ -827,8 +819,6 @@ def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_
     launch it was to be fed by (read on the host), decode graphs go off with one warning, and later
     decode steps run eagerly without trying again."""
     import types
-
-    from mgx.runtime.batch import PagedStep, StepBatch
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
@@ -844,13 +834,6 @@ def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_
     def run_ops(batch):  # noqa: ANN001, ANN202
         return torch.from_numpy(batch.token_ids + 1), torch.zeros(len(batch.seq_ids))
 
-    def decode(tokens: list[int], positions: list[int]) -> StepBatch:
-        s = len(tokens)
-        batch = StepBatch.packed(list(range(s)), np.array(tokens), [1] * s, positions, [True] * s)
-        batch.paged = PagedStep.build(batch, [[i] for i in range(s)], 16)
-        batch.greedy = True
-        return batch
-
     from mgx.runtime.backend import StepResult
 
     class Launched(StepResult):  # a graph launch's picks, still on the device
@@ -859,13 +842,24 @@ def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_
 
     first = Launched((np.array([6, 10]), np.zeros(2)))
     backend._last_launch = first
-    fed = decode([0, 0], [4, 8])
+    fed = _decode_batch([0, 0], [4, 8])
     with pytest.warns(RuntimeWarning, match="decode graph of 2 sequences ran out of device memory"):
         out = backend.launch(run_ops, fed, None, tokens_from=first)
     assert fed.token_ids.tolist() == [6, 10] and out.result()[0].tolist() == [7, 11]
     assert not backend.decode_graphs and not backend._decode_graphs and tries == [2]
-    assert backend.launch(run_ops, decode([7, 11], [5, 9]), None).result()[0].tolist() == [8, 12]
+    assert backend.launch(run_ops, _decode_batch([7, 11], [5, 9]), None).result()[0].tolist() == [8, 12]
     assert tries == [2] and backend.graph_stats()["steps"] == {"eager": 2}
+
+
+def _decode_batch(tokens: list[int], positions: list[int]):  # noqa: ANN202
+    """A greedy decode step of ``len(tokens)`` sequences, sequence i on block i, paged view attached."""
+    from mgx.runtime.batch import PagedStep, StepBatch
+
+    s = len(tokens)
+    batch = StepBatch.packed(list(range(s)), np.array(tokens), [1] * s, positions, [True] * s)
+    batch.paged = PagedStep.build(batch, [[i] for i in range(s)], 16)
+    batch.greedy = True
+    return batch
 
 
 def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: list[bool] | None = None,
