@@ -716,6 +716,8 @@ class CUDABackend(Backend):
         except torch.OutOfMemoryError as e:
             setattr(self, f"{kind}_graphs", False)
             getattr(self, f"_{kind}_graphs").clear()
+            if kind == "decode":  # nothing returns before its output now: the engine stops launching ahead
+                self.overlaps_steps = False
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             what = f"{rows} sequences" if kind == "decode" else f"{rows} tokens"

@@ -847,6 +847,7 @@ def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_
         out = backend.launch(run_ops, fed, None, tokens_from=first)
     assert fed.token_ids.tolist() == [6, 10] and out.result()[0].tolist() == [7, 11]
     assert not backend.decode_graphs and not backend._decode_graphs and tries == [2]
+    assert not backend.overlaps_steps  # the engine waits for each step from now on
     assert backend.launch(run_ops, _decode_batch([7, 11], [5, 9]), None).result()[0].tolist() == [8, 12]
     assert tries == [2] and backend.graph_stats()["steps"] == {"eager": 2}
 
