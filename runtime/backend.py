@@ -128,6 +128,11 @@ class Backend(ABC):
         when this backend runs no native GPU code."""
         return None
 
+    def warm_batch_sizes(self, max_num_seqs: int) -> list[int]:
+        """Batch sizes whose decode steps this backend records on first use (``Engine.warm_up`` runs
+        them before serving); none here."""
+        return []
+
     def graph_stats(self) -> dict[str, dict[str, float]]:
         """Steps launched by path, graphs captured by kind and their host seconds, for backends that
         replay recorded steps (the CUDA backend's graphs); empty here."""

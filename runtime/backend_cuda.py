@@ -549,6 +549,14 @@ class CUDABackend(Backend):
         return [(kernel(op), self._weights[id(op)], self._bias[id(op)]) for op in self.graph.ops
                 if op.kind in ("linear", "lm_head")]  # fmt: skip
 
+    def warm_batch_sizes(self, max_num_seqs: int) -> list[int]:
+        """One batch size per decode-graph bucket a step of up to ``max_num_seqs`` sequences meets:
+        the buckets below it, then ``max_num_seqs`` itself (its bucket; the largest past it)."""
+        if not self.decode_graphs:
+            return []
+        top = min(max_num_seqs, GRAPH_BUCKETS[-1])
+        return [b for b in GRAPH_BUCKETS if b < top] + [top]
+
     def graph_stats(self) -> dict[str, dict[str, float]]:
         """Steps launched by path ("decode", "prefill", "mixed" graphs; "eager"), graphs captured by
         kind and the host seconds those captures took, since the backend was made."""

@@ -436,6 +436,12 @@ def bench(
     show_default=True,
 )
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@click.option(
+    "--warm-up",
+    is_flag=True,
+    help="Before taking requests, run throwaway ones at each batch size the backend records steps "
+    "for (cuda: the decode graphs up to --max-num-seqs), so no request waits for those captures.",
+)
 @_backend_options
 @_user_errors
 def serve(
@@ -453,6 +459,7 @@ def serve(
     shutdown_timeout: float,
     log_level: str,
     access_log: bool,
+    warm_up: bool,
     backend: str,
     threads: int | None,
 ) -> None:
@@ -487,6 +494,9 @@ def serve(
     for note in (engine.tuning_note, engine.kernels_note):
         if note:
             click.echo(note, err=True)
+    if warm_up:
+        sizes, seconds = engine.warm_up()
+        click.echo(f"warm-up: {sizes} batch sizes in {seconds:.1f} s", err=True)
     click.echo(f"serving {names[0]!r} on http://{host}:{port} (dashboard: /dashboard)", err=True)
     run_server(
         engine,

@@ -222,6 +222,29 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def warm_up(self) -> tuple[int, float]:
+        """Run throwaway greedy requests (one-token prompts, two tokens out) at each batch size the
+        backend records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph
+        buckets up to ``max_num_seqs``), so that no served request waits for those captures and
+        their kernels' compiles. Then the prefix cache and the metrics start empty. The engine must
+        be idle. Returns (batch sizes run, seconds)."""
+        if self.has_unfinished():
+            raise EngineError("warm_up needs an idle engine")
+        t0 = time.perf_counter()
+        sizes = self.runner.backend.warm_batch_sizes(self.config.max_num_seqs)
+        arch = self.graph.arch
+        special = {*arch.eos_token_ids, arch.bos_token_id, arch.pad_token_id}
+        token = next(t for t in range(arch.vocab_size) if t not in special)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for n in sizes:
+            for _ in range(n):
+                self.add_request([token], params)
+            while self.has_unfinished():
+                self.step()
+        self.reset_prefix_cache()
+        self.metrics.reset()
+        return len(sizes), time.perf_counter() - t0
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses; returns how many."""
         return self.blocks.reset_prefix_cache()

@@ -852,6 +852,16 @@ def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_
     assert tries == [2] and backend.graph_stats()["steps"] == {"eager": 2}
 
 
+def test_warm_batch_sizes_meet_each_decode_bucket_up_to_the_largest_batch() -> None:
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    assert backend.warm_batch_sizes(64) == []  # no graphs on this device
+    backend.decode_graphs = True
+    assert backend.warm_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert backend.warm_batch_sizes(50) == [1, 2, 4, 8, 16, 32, 48, 50]  # 50 sequences take bucket 64
+    assert backend.warm_batch_sizes(1) == [1]
+    assert backend.warm_batch_sizes(1000) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256]
+
+
 def _decode_batch(tokens: list[int], positions: list[int]):  # noqa: ANN202
     """A greedy decode step of ``len(tokens)`` sequences, sequence i on block i, paged view attached."""
     from mgx.runtime.batch import PagedStep, StepBatch

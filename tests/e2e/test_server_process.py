@@ -125,7 +125,7 @@ def test_sigterm_past_the_timeout_aborts_streams_and_still_exits_0(artifact: Pat
 def test_serve_cli_help_and_errors(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
-    for option in ("--host", "--port", "--api-key", "--max-pending", "--shutdown-timeout", "/dashboard"):
+    for option in ("--host", "--port", "--api-key", "--max-pending", "--shutdown-timeout", "--warm-up", "/dashboard"):
         assert option in result.output
     missing = CliRunner().invoke(main, ["serve", str(tmp_path / "missing.mgx")])
     assert missing.exit_code == 1 and "error: no such model file" in missing.stderr

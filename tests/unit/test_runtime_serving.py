@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from mgx.formats.artifact import write_artifact
 from mgx.runtime import LLM, AsyncEngine, Engine, EngineConfig, SamplingParams
 from mgx.runtime.cli import main
+from mgx.runtime.errors import EngineError
 from mgx.runtime.request import StopStrings
 
 from _tiny_graph import tiny_contents
@@ -354,6 +355,29 @@ def test_bench_reports_the_graph_steps_and_captures_of_its_run_only(contents, mo
                                 "captures": {"decode": 1, "prefill": 0}, "capture_s": {"decode": 0.75, "prefill": 0.0}}
     line = next(x for x in format_report(report).splitlines() if x.startswith("graphs"))
     assert line.split(None, 1)[1] == "steps decode 5, eager 8, prefill 0; captured decode 1 in 0.75 s"
+
+
+def test_warm_up_runs_each_batch_size_the_backend_records_and_leaves_the_engine_as_new(contents, monkeypatch) -> None:  # noqa: ANN001
+    engine = Engine.from_contents(contents, config=EngineConfig(max_num_seqs=8))
+    backend = engine.runner.backend
+    assert backend.warm_batch_sizes(8) == [] and engine.warm_up()[0] == 0  # the reference backend records none
+    monkeypatch.setattr(backend, "warm_batch_sizes", lambda n: [1, 3, n])
+    seen: list[int] = []
+    execute = backend.execute
+
+    def spy(run_ops, batch, kv):  # noqa: ANN001, ANN202
+        seen.append(len(batch.seq_ids))
+        return execute(run_ops, batch, kv)
+
+    monkeypatch.setattr(backend, "execute", spy)
+    sizes, seconds = engine.warm_up()
+    assert sizes == 3 and seconds >= 0
+    assert seen == [1, 1, 3, 3, 8, 8]  # each size's prompts in one step, then its decode step
+    assert_no_leaks(engine)
+    assert engine.metrics.counters.steps == 0 and engine.metrics.snapshot()["requests_finished_total"] == 0
+    engine.add_request([5, 6], SamplingParams(max_tokens=1))
+    with pytest.raises(EngineError, match="idle engine"):
+        engine.warm_up()
 
 
 def test_generate_prints_the_kv_capacity(contents, tmp_path: Path) -> None:
