@@ -60,6 +60,14 @@ def _engine_config(kv_memory: str | None, **kw: Any) -> Any:
         raise EngineError(str(e)) from None
 
 
+_warm_up_option = click.option(
+    "--warm-up",
+    is_flag=True,
+    help="First run throwaway greedy requests at each batch size the backend records steps for (cuda: "
+    "the decode graphs up to --max-num-seqs), so that no request waits for those captures.",
+)
+
+
 def _scheduler_options(fn: F) -> F:
     """The KV cache and scheduler options of the commands that serve many requests (bench, serve)."""
     options = [
@@ -342,6 +350,7 @@ def tune(model: str, out: str | None, prompt_len: int, rounds: int, min_gain: fl
     type=click.Path(dir_okay=False),
     help="Also write the report as JSON here ('-': stdout only).",
 )
+@_warm_up_option
 @_backend_options
 @_user_errors
 def bench(
@@ -358,6 +367,7 @@ def bench(
     max_tokens_per_step: int,
     no_prefix_cache: bool,
     json_path: str | None,
+    warm_up: bool,
     backend: str,
     threads: int | None,
 ) -> None:
@@ -385,6 +395,9 @@ def bench(
     for note in (engine.tuning_note, engine.kernels_note):
         if note:
             click.echo(note, err=True)
+    if warm_up:
+        sizes, seconds = engine.warm_up()
+        click.echo(f"warm-up: {sizes} batch sizes in {seconds:.1f} s", err=True)
     report = run_bench(engine, workload)
     text = json.dumps(report, indent=2)
     if json_path == "-":
@@ -436,12 +449,7 @@ def bench(
     show_default=True,
 )
 @click.option("--access-log", is_flag=True, help="Log every HTTP request.")
-@click.option(
-    "--warm-up",
-    is_flag=True,
-    help="Before taking requests, run throwaway ones at each batch size the backend records steps "
-    "for (cuda: the decode graphs up to --max-num-seqs), so no request waits for those captures.",
-)
+@_warm_up_option
 @_backend_options
 @_user_errors
 def serve(

@@ -226,8 +226,9 @@ class Engine:
         """Run throwaway greedy requests (one-token prompts, two tokens out) at each batch size the
         backend records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph
         buckets up to ``max_num_seqs``), so that no served request waits for those captures and
-        their kernels' compiles. Then the prefix cache and the metrics start empty. The engine must
-        be idle. Returns (batch sizes run, seconds)."""
+        their kernels' compiles (greedy steps: sampling ones have graphs of their own). Then the
+        prefix cache and the metrics start empty. The engine must be idle. Returns (batch sizes
+        run, seconds)."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine")
         t0 = time.perf_counter()

@@ -327,10 +327,12 @@ def test_mgx_run_bench(contents, tmp_path: Path) -> None:
     path = tmp_path / "tiny.mgx"
     write_artifact(path, contents)
     args = ["bench", str(path), "--num-prompts", "12", "--prompt-len", "40-64", "--output-len", "2-6",
-            "--shared-prefix", "0.5", "--kv-memory", "256KiB", "--max-num-seqs", "4", "--json", str(tmp_path / "b.json")]  # fmt: skip
+            "--shared-prefix", "0.5", "--kv-memory", "256KiB", "--max-num-seqs", "4", "--json", str(tmp_path / "b.json"),
+            "--warm-up"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "tokens fit" in result.stderr and "req/s" in result.stdout and "ttft ms" in result.stdout
+    assert "warm-up: 0 batch sizes" in result.stderr  # the CPU backend records no steps
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["requests"] == 12 and report["output_tokens"] >= 24
     assert report["prefix_hit_rate"] > 0 and 0 < report["peak_kv_use"] <= 1
