@@ -368,7 +368,8 @@ def bench_serving(path: Path, scheme: str, args) -> None:  # noqa: ANN001
         if label != "warm-up":
             add_row({"engine": f"mgx {scheme} serving", "request_rate": rate, "mixed_graphs": mixed,
                      "requests_per_s": r["requests_per_s"], "output_tok_s": r["output_tokens_per_s"],
-                     "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "graphs": r["graphs"]})  # fmt: skip
+                     "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "step_ms": r["step_ms"],
+                     "graphs": r["graphs"]})  # fmt: skip
     del engine
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

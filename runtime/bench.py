@@ -127,6 +127,10 @@ def run_bench(engine: Engine, workload: Workload, *, warmup: bool = True) -> dic
         "ttft_ms": pct("ttft"),
         "tpot_ms": pct("tpot"),
         "e2e_ms": pct("e2e_latency"),
+        # host wall time of a step, over the engine's window of steps (the last 1,000), and the slowest
+        # of the run: a graph capture or a kernel compile shows up there
+        "step_ms": {f"p{q}": v * 1e3 for q, v in engine.metrics.latency_percentiles()["step"].items()}
+        | {"max": engine.metrics.slowest_step_s * 1e3},
         "peak_kv_blocks": engine.metrics.peak_kv_blocks_used,
         "peak_kv_use": engine.metrics.peak_kv_blocks_used / plan.num_blocks,
         "prefix_hit_rate": engine.metrics.prefix_hit_rate,
@@ -147,7 +151,7 @@ def format_report(r: dict) -> str:
         ("throughput", f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
                        f"{r['total_tokens_per_s']:.1f} total tok/s"),
     ]  # fmt: skip
-    for name in ("ttft", "tpot", "e2e"):
+    for name in ("ttft", "tpot", "e2e", "step"):
         p = r[f"{name}_ms"]
         rows.append((f"{name} ms", "  ".join(f"{k} {v:.1f}" for k, v in p.items())))
     e = r["engine"]

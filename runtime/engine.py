@@ -352,6 +352,7 @@ class Engine:
             generated,
             len(plan.preempted),
             kv_used,
+            seconds,
         )
 
     def _forget(self, req: Request) -> None:

@@ -112,6 +112,8 @@ class EngineMetrics:
         self._steps: deque[tuple[float, int, int, int]] = deque(
             maxlen=window
         )  # (end, tokens, seqs, generated)
+        self._step_seconds: deque[float] = deque(maxlen=window)  # host wall time of each step
+        self.slowest_step_s = 0.0  # since the last reset: a capture or a compile shows up here
         self._rate_window_s = rate_window_s
 
     # -- fed by the engine -----------------------------------------------------------------------
@@ -124,9 +126,18 @@ class EngineMetrics:
         self.counters.cached_prompt_tokens += cached_tokens
 
     def on_step(
-        self, end: float, num_tokens: int, num_seqs: int, generated: int, preempted: int, kv_used: int
+        self,
+        end: float,
+        num_tokens: int,
+        num_seqs: int,
+        generated: int,
+        preempted: int,
+        kv_used: int,
+        seconds: float = 0.0,
     ) -> None:
         c = self.counters
+        self._step_seconds.append(seconds)
+        self.slowest_step_s = max(self.slowest_step_s, seconds)
         c.steps += 1
         c.computed_tokens += num_tokens
         c.generated_tokens += generated
@@ -148,6 +159,8 @@ class EngineMetrics:
         self.started = time.perf_counter()
         self._requests.clear()
         self._steps.clear()
+        self._step_seconds.clear()
+        self.slowest_step_s = 0.0
 
     # -- read ------------------------------------------------------------------------------------
 
@@ -170,11 +183,13 @@ class EngineMetrics:
         return generated / max(now - since, 1e-9)
 
     def latency_percentiles(self) -> dict[str, dict[int, float]]:
-        """P50/P90/P99 (seconds) of queue time, TTFT, TPOT and end-to-end latency over the window."""
+        """P50/P90/P99 (seconds) of queue time, TTFT, TPOT and end-to-end latency over the window
+        of finished requests, and of the steps' host wall time over the window of steps."""
         out = {}
         for name in ("queue_time", "ttft", "tpot", "e2e_latency"):
             values = [v for r in self._requests if (v := getattr(r, name)) is not None]
             out[name] = {q: percentile(values, q) for q in PERCENTILES}
+        out["step"] = {q: percentile(list(self._step_seconds), q) for q in PERCENTILES}
         return out
 
     def snapshot(self) -> dict[str, float]:
@@ -186,6 +201,7 @@ class EngineMetrics:
         out["kv_blocks_peak_used"] = float(self.peak_kv_blocks_used)
         out["prefix_cache_hit_rate"] = self.prefix_hit_rate
         out["generation_tokens_per_s"] = self.tokens_per_s()
+        out["slowest_step_seconds"] = self.slowest_step_s
         steps = list(self._steps)
         out["batch_token_occupancy"] = (
             sum(s[1] for s in steps) / (len(steps) * self.max_tokens_per_step) if steps else 0.0

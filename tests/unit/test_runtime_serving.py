@@ -318,6 +318,7 @@ def test_metrics_snapshot(contents, workload) -> None:
     assert 0 < snap["kv_blocks_peak_used"] <= snap["kv_blocks_total"] == engine.blocks.num_blocks
     assert snap["ttft_seconds_p50"] <= snap["ttft_seconds_p90"] <= snap["ttft_seconds_p99"]
     assert snap["tpot_seconds_p50"] > 0 and snap["generation_tokens_per_s"] > 0
+    assert 0 < snap["step_seconds_p50"] <= snap["step_seconds_p99"] <= snap["slowest_step_seconds"]
     m = engine.metrics.finished_requests[0]
     assert m.queue_time >= 0 and m.ttft >= m.queue_time and m.e2e_latency >= m.ttft
     assert all(isinstance(v, float) for v in snap.values())
@@ -337,6 +338,8 @@ def test_mgx_run_bench(contents, tmp_path: Path) -> None:
     assert report["requests"] == 12 and report["output_tokens"] >= 24
     assert report["prefix_hit_rate"] > 0 and 0 < report["peak_kv_use"] <= 1
     assert set(report["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+    assert 0 < report["step_ms"]["p50"] <= report["step_ms"]["p99"] <= report["step_ms"]["max"]
+    assert "step ms" in result.stdout
     assert report["graphs"] == {} and "graphs" not in result.stdout  # the CPU backend replays none
     bad = CliRunner().invoke(main, ["bench", str(path), "--kv-memory", "lots"])
     assert bad.exit_code == 1 and "not a memory size" in bad.stderr
