@@ -68,6 +68,12 @@ _warm_up_option = click.option(
 )
 
 
+def _warm_up(engine: Any) -> None:
+    """``--warm-up``: ``Engine.warm_up``, and a line on stderr of what it ran."""
+    sizes, seconds = engine.warm_up()
+    click.echo(f"warm-up: {sizes} batch sizes in {seconds:.1f} s", err=True)
+
+
 def _scheduler_options(fn: F) -> F:
     """The KV cache and scheduler options of the commands that serve many requests (bench, serve)."""
     options = [
@@ -396,8 +402,7 @@ def bench(
         if note:
             click.echo(note, err=True)
     if warm_up:
-        sizes, seconds = engine.warm_up()
-        click.echo(f"warm-up: {sizes} batch sizes in {seconds:.1f} s", err=True)
+        _warm_up(engine)
     report = run_bench(engine, workload)
     text = json.dumps(report, indent=2)
     if json_path == "-":
@@ -503,8 +508,7 @@ def serve(
         if note:
             click.echo(note, err=True)
     if warm_up:
-        sizes, seconds = engine.warm_up()
-        click.echo(f"warm-up: {sizes} batch sizes in {seconds:.1f} s", err=True)
+        _warm_up(engine)
     click.echo(f"serving {names[0]!r} on http://{host}:{port} (dashboard: /dashboard)", err=True)
     run_server(
         engine,

@@ -109,10 +109,9 @@ class EngineMetrics:
         self.started = time.perf_counter()
         self._gauges = gauges or Gauges
         self._requests: deque[RequestMetrics] = deque(maxlen=window)
-        self._steps: deque[tuple[float, int, int, int]] = deque(
+        self._steps: deque[tuple[float, int, int, int, float]] = deque(
             maxlen=window
-        )  # (end, tokens, seqs, generated)
-        self._step_seconds: deque[float] = deque(maxlen=window)  # host wall time of each step
+        )  # (end, tokens, seqs, generated, host wall seconds)
         self.slowest_step_s = 0.0  # since the last reset: a capture or a compile shows up here
         self._rate_window_s = rate_window_s
 
@@ -136,14 +135,13 @@ class EngineMetrics:
         seconds: float = 0.0,
     ) -> None:
         c = self.counters
-        self._step_seconds.append(seconds)
         self.slowest_step_s = max(self.slowest_step_s, seconds)
         c.steps += 1
         c.computed_tokens += num_tokens
         c.generated_tokens += generated
         c.preemptions += preempted
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, kv_used)
-        self._steps.append((end, num_tokens, num_seqs, generated))
+        self._steps.append((end, num_tokens, num_seqs, generated, seconds))
 
     def on_finished(self, metrics: RequestMetrics, aborted: bool = False) -> None:
         if aborted:
@@ -159,7 +157,6 @@ class EngineMetrics:
         self.started = time.perf_counter()
         self._requests.clear()
         self._steps.clear()
-        self._step_seconds.clear()
         self.slowest_step_s = 0.0
 
     # -- read ------------------------------------------------------------------------------------
@@ -189,7 +186,7 @@ class EngineMetrics:
         for name in ("queue_time", "ttft", "tpot", "e2e_latency"):
             values = [v for r in self._requests if (v := getattr(r, name)) is not None]
             out[name] = {q: percentile(values, q) for q in PERCENTILES}
-        out["step"] = {q: percentile(list(self._step_seconds), q) for q in PERCENTILES}
+        out["step"] = {q: percentile([st[4] for st in self._steps], q) for q in PERCENTILES}
         return out
 
     def snapshot(self) -> dict[str, float]:

@@ -129,8 +129,7 @@ class Server:
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
-        snap = await anyio.to_thread.run_sync(self.loop.metrics)
-        graphs = await anyio.to_thread.run_sync(self.loop.graph_stats)
+        snap, graphs = await anyio.to_thread.run_sync(lambda: (self.loop.metrics(), self.loop.graph_stats()))
         text = prometheus.render(self.metrics, snap, self._extra(snap), graphs)
         return Response(text, media_type=prometheus.CONTENT_TYPE)
 
