@@ -16,7 +16,9 @@ written as a ``.mgx`` file and loaded by ``Engine(path, backend="cuda")``. Measu
   matrix rate;
 - with ``--serve 8,16,32,inf``: a serving load (``mgx-run bench``'s Poisson workload) at each rate,
   steps of several sequences replayed as mixed graphs and launched op by op: requests/s, time to
-  first token and per output token, graph steps and captures.
+  first token and per output token, graph steps and captures; with ``--serve-cold RATE``, also
+  ``mgx-run bench`` at RATE in new processes with Triton's cache empty, without and with
+  ``--warm-up``: process wall time, the warm-up's seconds, and the load's TTFT tail and slowest step.
 
 ``--autotune 1,32,...`` runs the autotune pass on the build GPU for those row counts and stores its
 choices (its time is reported); ``--cold-start`` then times ``mgx-run generate`` from process start to
@@ -375,6 +377,40 @@ def bench_serving(path: Path, scheme: str, args) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
+def bench_serve_cold(path: Path, scheme: str, args, work: Path) -> None:  # noqa: ANN001
+    """``--serve-cold``: ``mgx-run bench`` at one rate in a new process, Triton's cache empty, without
+    and with ``--warm-up``, so that the load pays (or not) for the decode graphs' captures and their
+    kernels' compiles: process wall time, the warm-up's seconds, TTFT and step time tails."""
+    import re
+    import subprocess
+
+    prompt, output = ("8-40", "2-4") if SMOKE else ("32-1024", "32-256")
+    for warm in (False, True):
+        report = work / f"serve-cold-{warm}.json"
+        env = dict(os.environ, TRITON_CACHE_DIR=str(work / f"triton-cache-serve-{warm}"), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-c", "from mgx.runtime.cli import main; main()", "bench", str(path),
+               "--backend", "cuda", "--num-prompts", str(args.serve_prompts), "--prompt-len", prompt,
+               "--output-len", output, "--request-rate", f"{args.serve_cold:g}", "--max-num-seqs", "64",
+               "--max-tokens-per-step", "512", "--kv-memory", args.kv_memory, "--json", str(report)]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd + (["--warm-up"] if warm else []), capture_output=True, text=True, env=env,
+                              timeout=900)  # fmt: skip
+        wall = time.perf_counter() - t0
+        row = {"engine": f"mgx {scheme} serving cold", "request_rate": args.serve_cold, "warm_up": warm,
+               "process_s": wall}  # fmt: skip
+        if proc.returncode != 0:
+            add_row(row | {"error": f"mgx-run bench failed ({proc.returncode}): {proc.stderr[-1500:]}"})
+            continue
+        took = re.search(r"warm-up: (\d+) batch sizes in ([\d.]+) s", proc.stderr)
+        if took:
+            row |= {"warm_up_sizes": int(took.group(1)), "warm_up_s": float(took.group(2))}
+        r = json.loads(report.read_text())
+        row |= {k: r.get(k) for k in ("requests_per_s", "ttft_ms", "tpot_ms", "step_ms", "graphs")}
+        log(f"  serving cold at {args.serve_cold:g} req/s, warm-up {warm}: {wall:.1f} s in all, "
+            f"{row.get('warm_up_s', 0):.1f} s warm-up, TTFT {r.get('ttft_ms')}, step ms {r.get('step_ms')}")  # fmt: skip
+        add_row(row)
+
+
 def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN001
     """A/B of the batch-1 graph with each decode fusion switched the other way (the same weights,
     recaptured), then on native kernels built with each ``--nvcc-flip`` flag, then the default
@@ -669,6 +705,9 @@ def main() -> None:
     parser.add_argument("--serve", default="", help="request rates (req/s; inf: all at once) of a serving load, "
                                                     "mixed steps as graphs and op by op, e.g. 8,16,32,inf ('' none)")
     parser.add_argument("--serve-prompts", type=int, default=160, help="requests of each --serve pass")
+    parser.add_argument("--serve-cold", type=float, default=0.0,
+                        help="also run mgx-run bench at this rate in new processes, Triton's cache empty, "
+                             "without and with --warm-up (0: no)")  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -712,6 +751,11 @@ def main() -> None:
 
                     traceback.print_exc()
                     add_row({"engine": f"mgx {scheme} serving", "error": f"{type(e).__name__}: {e}"})
+            if args.serve_cold:
+                try:
+                    bench_serve_cold(built[scheme], scheme, args, Path(tmp))
+                except Exception as e:  # noqa: BLE001 - as above
+                    add_row({"engine": f"mgx {scheme} serving cold", "error": f"{type(e).__name__}: {e}"})
             if args.cold_start and i == 0:
                 cold = built
             else:
