@@ -162,6 +162,11 @@ _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _RESERVE_BYTES = 2 << 30
 
 
+def _aligned_ints(n: int) -> int:
+    """int32 slots ``n`` values take where the next part must start 16 bytes in."""
+    return -(-n // 4) * 4
+
+
 def graph_table_width(needed: int, max_blocks: int) -> int:
     """Block-table columns of a decode graph for a batch whose longest table has ``needed`` blocks:
     the next power of two from ``GRAPH_MIN_TABLE_BLOCKS`` up, at most the model's whole context.
@@ -782,20 +787,24 @@ class CUDABackend(Backend):
 
     def _eager_step(self, batch: StepBatch) -> _Step:
         paged = batch.paged
-        ints = np.concatenate(
-            [batch.positions.astype(np.int32), paged.context_lens, paged.query_start_loc, paged.block_tables.ravel()]
-        )
+        t, s = batch.num_tokens, len(batch.seq_ids)
+        # Each part starts 16 bytes in: Triton specializes a kernel on whether its pointers are
+        # 16-byte aligned, so parts packed back to back made a new variant (a compile of ~0.3-1 s on
+        # the H200's host) whenever the step's counts moved an offset (26th session: 49 compiles of
+        # the K/V-write kernel in 480 requests).
+        cut = np.cumsum([_aligned_ints(t), _aligned_ints(s), _aligned_ints(s + 1)])
+        ints = np.zeros(cut[2] + paged.block_tables.size, dtype=np.int32)
+        ints[:t], ints[cut[0] : cut[0] + s] = batch.positions, paged.context_lens
+        ints[cut[1] : cut[1] + s + 1], ints[cut[2] :] = paged.query_start_loc, paged.block_tables.ravel()
         dev = torch.from_numpy(ints).to(self.device, non_blocking=True)
         longs = torch.from_numpy(np.concatenate([batch.token_ids, batch.sample_rows])).to(self.device, non_blocking=True)
-        t, s = batch.num_tokens, len(batch.seq_ids)
-        cut = np.cumsum([t, s, s + 1])
         qlens = np.diff(paged.query_start_loc)
         fresh = s <= SDPA_MAX_SEQS and qlens.size and qlens.max() > 1 and np.array_equal(paged.context_lens, qlens)
         return _Step(
             token_ids=longs[:t],
-            positions=dev[: cut[0]],
-            context_lens=dev[cut[0] : cut[1]],
-            query_start_loc=dev[cut[1] : cut[2]],
+            positions=dev[:t],
+            context_lens=dev[cut[0] : cut[0] + s],
+            query_start_loc=dev[cut[1] : cut[1] + s + 1],
             block_tables=dev[cut[2] :].view(paged.block_tables.shape),
             sample_rows=longs[t:],
             max_query_len=int(qlens.max()) if qlens.size else 0,
@@ -903,13 +912,14 @@ class CUDABackend(Backend):
         max_context = min(self.graph.arch.max_position, width * self._kv.block_size)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
-        # [token ids | positions | context lengths | block tables], all int32
-        packed = torch.zeros(bucket * (3 + width), dtype=torch.int32, device=self.device)
+        # [token ids | positions | context lengths | block tables], all int32, each 16 bytes in
+        a = _aligned_ints(bucket)
+        packed = torch.zeros(3 * a + bucket * width, dtype=torch.int32, device=self.device)
         return _Step(
             token_ids=packed[:bucket],
-            positions=packed[bucket : 2 * bucket],
-            context_lens=packed[2 * bucket : 3 * bucket],
-            block_tables=packed[3 * bucket :].view(bucket, width),
+            positions=packed[a : a + bucket],
+            context_lens=packed[2 * a : 2 * a + bucket],
+            block_tables=packed[3 * a :].view(bucket, width),
             query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=self.device),
             sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
             max_query_len=1,
@@ -926,9 +936,9 @@ class CUDABackend(Backend):
         bucket = st.token_ids.shape[0]
         s = 0 if batch is None else len(batch.seq_ids)
         width = st.block_tables.shape[1]
-        host = pinned.numpy()
-        tok, pos, ctx = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket : 3 * bucket]
-        tables = host[3 * bucket :].reshape(bucket, width)
+        host, a = pinned.numpy(), _aligned_ints(bucket)
+        tok, pos, ctx = host[:bucket], host[a : a + bucket], host[2 * a : 2 * a + bucket]
+        tables = host[3 * a :].reshape(bucket, width)
         # The table is as wide as the graph's contexts (``graph_table_width``), not the model's.
         tables.fill(-1)
         tables[s:, 0] = self._kv.scratch_block
@@ -945,15 +955,17 @@ class CUDABackend(Backend):
         """Static buffers of a prefill graph: one sequence's ``bucket`` rows (its new tokens, then
         padding) and a block table of ``width`` blocks; ``fresh``: nothing cached before them (SDPA)."""
         assert self._kv is not None, "the KV cache is made before the first step"
-        # [token ids | positions | context length | block table | sampled row], all int32
-        packed = torch.zeros(2 * bucket + width + 2, dtype=torch.int32, device=self.device)
+        # [token ids | positions | context length | block table | sampled row], all int32, the
+        # parts the kernels read 16 bytes in (buckets are multiples of 16)
+        at = _prefill_cuts(bucket, width)
+        packed = torch.zeros(at[-1] + 1, dtype=torch.int32, device=self.device)
         return _Step(
             token_ids=packed[:bucket],
             positions=packed[bucket : 2 * bucket],
-            context_lens=packed[2 * bucket : 2 * bucket + 1],
-            block_tables=packed[2 * bucket + 1 : 2 * bucket + 1 + width].view(1, width),
+            context_lens=packed[at[0] : at[0] + 1],
+            block_tables=packed[at[1] : at[1] + width].view(1, width),
             query_start_loc=torch.tensor([0, bucket], dtype=torch.int32, device=self.device),
-            sample_rows=packed[2 * bucket + 1 + width :],
+            sample_rows=packed[at[2] :],
             max_query_len=bucket,
             max_context_len=width * self._kv.block_size,
             packed=packed,
@@ -968,8 +980,8 @@ class CUDABackend(Backend):
         last block writes), its last row sampled. Without a batch, all padding at positions 0 ..."""
         assert st.packed is not None and self._kv is not None
         bucket, width = st.token_ids.shape[0], st.block_tables.shape[1]
-        host = pinned.numpy()
-        tok, pos, table = host[:bucket], host[bucket : 2 * bucket], host[2 * bucket + 1 : 2 * bucket + 1 + width]
+        host, at = pinned.numpy(), _prefill_cuts(bucket, width)
+        tok, pos, table = host[:bucket], host[bucket : 2 * bucket], host[at[1] : at[1] + width]
         n = 0 if batch is None else batch.num_tokens
         start = 0 if batch is None else int(batch.paged.context_lens[0]) - n
         used = -(-(start + n) // self._kv.block_size)
@@ -978,7 +990,7 @@ class CUDABackend(Backend):
             table[:used] = batch.paged.block_tables[0, :used]
         tok[n:] = 0
         pos[:] = np.arange(start, start + bucket)
-        host[2 * bucket] = start + bucket
+        host[at[0]] = start + bucket
         table[used:] = self._kv.scratch_block
         host[-1] = max(n - 1, 0)  # with no row sampled, this one's logits are computed and dropped
         st.packed.copy_(pinned, non_blocking=True)
@@ -997,7 +1009,7 @@ class CUDABackend(Backend):
             token_ids=packed[: cut[0]],
             positions=packed[cut[0] : cut[1]],
             context_lens=packed[cut[1] : cut[2]],
-            query_start_loc=packed[cut[2] : cut[3]],
+            query_start_loc=packed[cut[2] : cut[2] + cap + 1],
             block_tables=packed[cut[3] : cut[4]].view(cap, width),
             sample_rows=packed[cut[4] :],
             max_query_len=bucket,
@@ -1015,7 +1027,7 @@ class CUDABackend(Backend):
         bucket, (cap, width) = st.token_ids.shape[0], st.block_tables.shape
         host = pinned.numpy()
         cut = _mixed_cuts(bucket, cap, width)
-        tok, pos, ctx, qsl = host[: cut[0]], host[cut[0] : cut[1]], host[cut[1] : cut[2]], host[cut[2] : cut[3]]
+        tok, pos, ctx, qsl = host[: cut[0]], host[cut[0] : cut[1]], host[cut[1] : cut[2]], host[cut[2] : cut[2] + cap + 1]
         tables, rows = host[cut[3] : cut[4]].reshape(cap, width), host[cut[4] :]
         s = 0 if batch is None else len(batch.seq_ids)
         t = 0 if batch is None else batch.num_tokens
@@ -1403,8 +1415,16 @@ def _fresh_attention(q: Array, k: Array, v: Array, qsl: tuple[int, ...], a: Atte
 
 def _mixed_cuts(bucket: int, cap: int, width: int) -> np.ndarray:
     """Where each part of a mixed graph's packed int32 buffer ends: [token ids | positions | context
-    lengths | query starts | block tables], then the sampled rows (``cap``) to the end."""
-    return np.cumsum([bucket, bucket, cap, cap + 1, cap * width])
+    lengths | query starts (``cap`` + 1, then 3 unused) | block tables], then the sampled rows
+    (``cap``) to the end; buckets and capacities are multiples of 4, so every part starts 16 bytes in."""
+    return np.cumsum([bucket, bucket, cap, cap + 4, cap * width])
+
+
+def _prefill_cuts(bucket: int, width: int) -> tuple[int, int, int]:
+    """Where a prefill graph's context length, block table and sampled row start in its packed
+    int32 buffer (after ``bucket`` token ids and ``bucket`` positions), each 16 bytes in."""
+    table = 2 * bucket + 4
+    return 2 * bucket, table, table + _aligned_ints(width)
 
 
 def _to_host(out: Any) -> Any:

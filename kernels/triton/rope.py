@@ -63,7 +63,7 @@ def _rotate(x_ptr, row, heads, scale_cos, scale_sin, partner, sign, rot,
     return tl.where(rot[None, :], turned, x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # per-step counts (_common.py says why)
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr,
     num_seqs, stride_q, stride_k, stride_v, stride_bt, attention_scaling,
@@ -150,7 +150,7 @@ def _launch(q, k, v, positions, inv_freq, k_cache, v_cache, block_table, query_s
         num_seqs, q.stride(0) if rope else 0, k.stride(0), v.stride(0) if write_kv else 0,
         block_table.stride(0) if write_kv else 0, float(attention_scaling),
         HQ=hq, HK=hk, D=d, ROT=rotary_dim if rope else 0, PAGE=page, ROPE=rope, WRITE_KV=write_kv,
-        BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d), BLOCK_S=next_pow2(num_seqs),
+        BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d), BLOCK_S=max(16, next_pow2(num_seqs)),  # few variants (_common.py)
         num_warps=4,
     )  # fmt: skip
 

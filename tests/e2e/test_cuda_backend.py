@@ -889,6 +889,44 @@ def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: l
     return batch
 
 
+def test_every_part_of_a_steps_packed_metadata_starts_16_bytes_in() -> None:
+    """Triton specializes kernels on whether a pointer is 16-byte aligned, so a part that moved with
+    the step's counts compiled new variants mid-load: the eager step's parts, and the decode,
+    prefill and mixed graphs' static ones, each start at a multiple of 16 bytes (and hold the
+    batch's values)."""
+    import types
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
+
+    def offsets(st) -> list[int]:  # noqa: ANN001
+        base = st.token_ids.data_ptr() if st.packed is not None else st.positions.data_ptr()
+        parts = (st.positions, st.context_lens, st.query_start_loc, st.block_tables)
+        return [(p.data_ptr() - base) % 16 for p in parts if st.packed is None or p.untyped_storage().data_ptr()
+                == st.packed.untyped_storage().data_ptr()]  # fmt: skip
+
+    for lengths, starts in (([1, 1, 5], [30, 41, 0]), ([3], [0]), ([1] * 6 + [2], [9] * 6 + [70])):
+        batch = _fresh_batch(lengths, starts)
+        st = backend._eager_step(batch)
+        assert offsets(st) == [0, 0, 0, 0]
+        np.testing.assert_array_equal(st.positions.numpy(), batch.positions)
+        np.testing.assert_array_equal(st.context_lens.numpy(), batch.paged.context_lens)
+        np.testing.assert_array_equal(st.query_start_loc.numpy(), batch.paged.query_start_loc)
+        np.testing.assert_array_equal(st.block_tables.numpy(), batch.paged.block_tables)
+    mixed = backend._mixed_step(32, 4, 65)
+    batch = _fresh_batch([1, 1, 5], [30, 41, 0])
+    backend._fill_mixed(mixed, batch, mixed.host)
+    assert offsets(mixed) == [0, 0, 0, 0]
+    np.testing.assert_array_equal(mixed.query_start_loc.numpy(), [0, 1, 2, 7, 32])
+    np.testing.assert_array_equal(mixed.context_lens.numpy(), [31, 42, 5, 25])
+    np.testing.assert_array_equal(mixed.block_tables.numpy()[:3, :3], [[0, 1, -1], [100, 101, 102], [200, -1, -1]])
+    prefill = backend._prefill_step(32, 7, fresh=False)
+    backend._fill_prefill(prefill, _fresh_batch([20], [40]), prefill.host)
+    assert offsets(prefill) == [0, 0, 0]  # its query starts are a tensor of their own
+    assert prefill.context_lens.tolist() == [72] and prefill.sample_rows.tolist() == [19]
+    np.testing.assert_array_equal(prefill.block_tables.numpy(), [[0, 1, 2, 3, 999, 999, 999]])
+
+
 def test_prefill_graphs_take_one_sequence_in_the_smallest_bucket_that_holds_it() -> None:
     from mgx.runtime.backend_cuda import PREFILL_GRAPH_TOKENS
 
