@@ -912,21 +912,13 @@ class CUDABackend(Backend):
         max_context = min(self.graph.arch.max_position, width * self._kv.block_size)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         hk = max((a.num_kv_heads for a in self._attn.values()), default=1)
-        # [token ids | positions | context lengths | block tables], all int32, each 16 bytes in
-        a = _aligned_ints(bucket)
-        packed = torch.zeros(3 * a + bucket * width, dtype=torch.int32, device=self.device)
         return _Step(
-            token_ids=packed[:bucket],
-            positions=packed[a : a + bucket],
-            context_lens=packed[2 * a : 2 * a + bucket],
-            block_tables=packed[3 * a :].view(bucket, width),
+            **_decode_buffers(bucket, width, self.device),
             query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=self.device),
             sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
             max_query_len=1,
             max_context_len=max_context,
             decode_splits=decode_splits(bucket, hk, max_context, sms, self._decode_block_n, self._decode_min_tiles),
-            packed=packed,
-            host=torch.zeros(packed.shape, dtype=torch.int32, pin_memory=True),
         )
 
     def _fill(self, st: _Step, batch: StepBatch | None, pinned: torch.Tensor) -> None:
@@ -1418,6 +1410,16 @@ def _mixed_cuts(bucket: int, cap: int, width: int) -> np.ndarray:
     lengths | query starts (``cap`` + 1, then 3 unused) | block tables], then the sampled rows
     (``cap``) to the end; buckets and capacities are multiples of 4, so every part starts 16 bytes in."""
     return np.cumsum([bucket, bucket, cap, cap + 4, cap * width])
+
+
+def _decode_buffers(bucket: int, width: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A decode graph's packed int32 buffer, [token ids | positions | context lengths | block tables]
+    (each part 16 bytes in), the ``_Step`` fields that view it, and its host twin (pinned on a GPU)."""
+    a = _aligned_ints(bucket)
+    packed = torch.zeros(3 * a + bucket * width, dtype=torch.int32, device=device)
+    return {"token_ids": packed[:bucket], "positions": packed[a : a + bucket], "context_lens": packed[2 * a : 2 * a + bucket],
+            "block_tables": packed[3 * a :].view(bucket, width), "packed": packed,
+            "host": torch.zeros(packed.shape, dtype=torch.int32, pin_memory=packed.is_cuda)}  # fmt: skip
 
 
 def _prefill_cuts(bucket: int, width: int) -> tuple[int, int, int]:

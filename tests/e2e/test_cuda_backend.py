@@ -740,7 +740,7 @@ def test_replay_captures_again_only_when_a_table_outgrows_the_graph(monkeypatch:
     captured at the width its first batch needs and again, wider, only when a batch needs more."""
     import types
 
-    from mgx.runtime.backend_cuda import _Graph, _Step
+    from mgx.runtime.backend_cuda import _decode_buffers, _Graph, _Step
     from mgx.runtime.batch import PagedStep, StepBatch
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
@@ -750,11 +750,9 @@ def test_replay_captures_again_only_when_a_table_outgrows_the_graph(monkeypatch:
 
     def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
         captured.append((bucket, width))
-        packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
-        st = _Step(token_ids=packed[:bucket], positions=packed[bucket : 2 * bucket],
-                   context_lens=packed[2 * bucket : 3 * bucket], block_tables=packed[3 * bucket :].view(bucket, width),
+        st = _Step(**_decode_buffers(bucket, width, "cpu"),
                    query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), sample_rows=torch.arange(bucket),
-                   max_query_len=1, max_context_len=width, packed=packed, host=torch.zeros_like(packed))  # fmt: skip
+                   max_query_len=1, max_context_len=width)  # fmt: skip
         return _Graph(types.SimpleNamespace(replay=lambda: None), st, torch.zeros(bucket, 4))
 
     monkeypatch.setattr(backend, "_capture", capture)
@@ -777,18 +775,16 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
     launch's pinned slot goes back to its graph once its picks are read or discarded."""
     import types
 
-    from mgx.runtime.backend_cuda import _Graph, _Step
+    from mgx.runtime.backend_cuda import _decode_buffers, _Graph, _Step
 
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
     backend._max_blocks, backend.decode_graphs, backend.overlaps_steps = 64, True, True
 
     def capture(run_ops, batch, bucket, width):  # noqa: ANN001, ANN202
-        packed = torch.zeros(bucket * (3 + width), dtype=torch.int32)
-        st = _Step(token_ids=packed[:bucket], positions=packed[bucket : 2 * bucket],
-                   context_lens=packed[2 * bucket : 3 * bucket], block_tables=packed[3 * bucket :].view(bucket, width),
+        st = _Step(**_decode_buffers(bucket, width, "cpu"),
                    query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), sample_rows=torch.arange(bucket),
-                   max_query_len=1, max_context_len=width, packed=packed, host=torch.zeros_like(packed))  # fmt: skip
+                   max_query_len=1, max_context_len=width)  # fmt: skip
         ids, top = torch.zeros(bucket, dtype=torch.int64), torch.zeros(bucket)
 
         def replay() -> None:
@@ -896,6 +892,8 @@ def test_every_part_of_a_steps_packed_metadata_starts_16_bytes_in() -> None:
     batch's values)."""
     import types
 
+    from mgx.runtime.backend_cuda import _decode_buffers
+
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     backend._kv = types.SimpleNamespace(scratch_block=999, block_size=16)
 
@@ -920,6 +918,9 @@ def test_every_part_of_a_steps_packed_metadata_starts_16_bytes_in() -> None:
     np.testing.assert_array_equal(mixed.query_start_loc.numpy(), [0, 1, 2, 7, 32])
     np.testing.assert_array_equal(mixed.context_lens.numpy(), [31, 42, 5, 25])
     np.testing.assert_array_equal(mixed.block_tables.numpy()[:3, :3], [[0, 1, -1], [100, 101, 102], [200, -1, -1]])
+    for bucket in (1, 2, 48):  # a decode graph's
+        d = _decode_buffers(bucket, 7, "cpu")
+        assert [(d[k].data_ptr() - d["packed"].data_ptr()) % 16 for k in ("positions", "context_lens", "block_tables")] == [0] * 3
     prefill = backend._prefill_step(32, 7, fresh=False)
     backend._fill_prefill(prefill, _fresh_batch([20], [40]), prefill.host)
     assert offsets(prefill) == [0, 0, 0]  # its query starts are a tensor of their own
