@@ -94,7 +94,7 @@ def _decode_kv(q, k, v, valid, scale_log2, m, denom, acc, DOT_PREC: tl.constexpr
     return m_new, denom, acc
 
 
-@triton.jit(do_not_specialize=["bt_cols", "stride_bt", "num_splits"])  # per-step counts (_common.py says why)
+@triton.jit(do_not_specialize_on_alignment=["bt_cols", "stride_bt", "num_splits"])  # per-step counts (_common.py says why)
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, cnt_ptr,
     k_ptr, v_ptr, inv_ptr, stride_k, stride_v, attention_scaling,
@@ -238,7 +238,7 @@ def _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, first, dst_ptr, d, num_split
              mask=(r < ROWS)[:, None] & (d < D)[None, :])  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # a per-step count (_common.py says why)
+@triton.jit(do_not_specialize_on_alignment=["num_splits"])  # a per-step count (_common.py says why)
 def _decode_merge_kernel(
     part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o, num_splits,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, OVERLAP: tl.constexpr,
@@ -251,7 +251,7 @@ def _decode_merge_kernel(
                 BLOCK_P, BLOCK_D, "")  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # a per-step count (_common.py says why)
+@triton.jit(do_not_specialize_on_alignment=["stride_bt"])  # a per-step count (_common.py says why)
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, pos_ptr, out_ptr,
     stride_q, stride_o, stride_bt, scale_log2, window,

@@ -39,7 +39,7 @@ from .linear import (
 __all__ = ["lm_head_argmax", "lm_head_argmax_ref", "merge_tile_argmax"]
 
 
-@triton.jit(do_not_specialize=["M", "num_tiles"])  # per-step counts (_common.py says why)
+@triton.jit(do_not_specialize_on_alignment=["M", "num_tiles"])  # per-step counts (_common.py says why)
 def _lm_head_tile_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, part_v_ptr, part_i_ptr,
     M, N, K, stride_xm, stride_w, stride_s, stride_m, num_tiles,
@@ -66,7 +66,7 @@ def _lm_head_tile_kernel(
     tl.store(part_i_ptr + dst, idx, mask=m_mask)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])  # a per-step count (_common.py says why)
+@triton.jit(do_not_specialize_on_alignment=["num_tiles"])  # a per-step count (_common.py says why)
 def _argmax_merge_kernel(part_v_ptr, part_i_ptr, ids_ptr, vals_ptr, num_tiles, BLOCK_T: tl.constexpr,
                          OVERLAP: tl.constexpr):  # fmt: skip
     overlap_start(OVERLAP)
