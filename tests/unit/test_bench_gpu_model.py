@@ -84,3 +84,41 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
     assert backend.cuda_kernels is stored
     backend.cuda_kernels = None
     assert bench.graph_ms_other_kernels(engine, "-DX=1", [1]) is None  # no native kernels: nothing to flip
+
+
+def test_serve_cold_runs_mgx_run_bench_in_new_processes_without_and_with_warm_up(bench, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """``--serve-cold``: one ``mgx-run bench`` process each way, Triton's cache its own and empty, the
+    --serve workload at the given rate; a row each with the warm-up's seconds read from its stderr
+    line and the report's figures, or the failure's stderr."""
+    import json
+    from types import SimpleNamespace
+
+    calls, rows = [], []
+    report = {"requests_per_s": 7.8, "ttft_ms": {"p99": 9.5}, "tpot_ms": {"p50": 1.2}, "step_ms": {"max": 30.0},
+              "graphs": {"captures": {"decode": 2}}}  # fmt: skip
+
+    failing = []
+
+    def run(cmd, capture_output, text, env, timeout):  # noqa: ANN001, ANN202
+        calls.append((cmd, env["TRITON_CACHE_DIR"]))
+        warm = "--warm-up" in cmd
+        if failing:
+            return SimpleNamespace(returncode=1, stderr="Traceback ...\nEngineError: out of memory")
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(report))
+        return SimpleNamespace(returncode=0, stderr="warm-up: 8 batch sizes in 11.0 s\n" if warm else "")
+
+    monkeypatch.setattr("subprocess.run", run)
+    monkeypatch.setattr(bench, "add_row", rows.append)
+    args = SimpleNamespace(serve_prompts=160, serve_cold=8.0, kv_memory="16GiB")
+    bench.bench_serve_cold(Path("m.mgx"), "bf16", args, tmp_path)
+    (plain, plain_cache), (warm, warm_cache) = calls
+    assert plain_cache != warm_cache and "--warm-up" not in plain and warm[-1] == "--warm-up"
+    for flag, value in (("--request-rate", "8"), ("--num-prompts", "160"), ("--max-num-seqs", "64"),
+                        ("--backend", "cuda"), ("--kv-memory", "16GiB")):  # fmt: skip
+        assert plain[plain.index(flag) + 1] == value
+    assert rows[0] == {"engine": "mgx bf16 serving cold", "request_rate": 8.0, "warm_up": False,
+                       "process_s": rows[0]["process_s"], **report}  # fmt: skip
+    assert rows[1] == rows[0] | {"warm_up": True, "process_s": rows[1]["process_s"], "warm_up_sizes": 8, "warm_up_s": 11.0}
+    failing.append(True)
+    bench.bench_serve_cold(Path("m.mgx"), "bf16", args, tmp_path)
+    assert [r["warm_up"] for r in rows[2:]] == [False, True] and all("out of memory" in r["error"] for r in rows[2:])
