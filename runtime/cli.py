@@ -63,8 +63,8 @@ def _engine_config(kv_memory: str | None, **kw: Any) -> Any:
 _warm_up_option = click.option(
     "--warm-up",
     is_flag=True,
-    help="First run throwaway greedy requests at each batch size the backend records steps for (cuda: "
-    "the decode graphs up to --max-num-seqs), so that no request waits for those captures.",
+    help="First run throwaway greedy and sampling requests at each batch size the backend records steps "
+    "for (cuda: the decode graphs up to --max-num-seqs), so that no request waits for those captures.",
 )
 
 

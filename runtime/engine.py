@@ -223,12 +223,12 @@ class Engine:
         return bool(self._requests)
 
     def warm_up(self) -> tuple[int, float]:
-        """Run throwaway greedy requests (one-token prompts, two tokens out) at each batch size the
-        backend records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph
-        buckets up to ``max_num_seqs``), so that no served request waits for those captures and
-        their kernels' compiles (greedy steps: sampling ones have graphs of their own). Then the
-        prefix cache and the metrics start empty. The engine must be idle. Returns (batch sizes
-        run, seconds)."""
+        """Run throwaway requests (one-token prompts, two tokens out) at each batch size the backend
+        records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph buckets up
+        to ``max_num_seqs``), greedy ones and then sampling ones (their steps have graphs of their
+        own: logits out instead of the fused argmax), so that no served request waits for those
+        captures and their kernels' compiles. Then the prefix cache and the metrics start empty. The
+        engine must be idle. Returns (batch sizes run, seconds)."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine")
         t0 = time.perf_counter()
@@ -236,12 +236,13 @@ class Engine:
         arch = self.graph.arch
         special = {*arch.eos_token_ids, arch.bos_token_id, arch.pad_token_id}
         token = next(t for t in range(arch.vocab_size) if t not in special)
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        for n in sizes:
-            for _ in range(n):
-                self.add_request([token], params)
-            while self.has_unfinished():
-                self.step()
+        for temperature in (0.0, 1.0) if sizes else ():
+            params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, seed=0)
+            for n in sizes:
+                for _ in range(n):
+                    self.add_request([token], params)
+                while self.has_unfinished():
+                    self.step()
         self.reset_prefix_cache()
         self.metrics.reset()
         return len(sizes), time.perf_counter() - t0

@@ -367,17 +367,24 @@ def test_warm_up_runs_each_batch_size_the_backend_records_and_leaves_the_engine_
     backend = engine.runner.backend
     assert backend.warm_batch_sizes(8) == [] and engine.warm_up()[0] == 0  # the reference backend records none
     monkeypatch.setattr(backend, "warm_batch_sizes", lambda n: [1, 3, n])
-    seen: list[int] = []
-    execute = backend.execute
+    seen: list[tuple[str, int]] = []
+    runner = engine.runner
 
-    def spy(run_ops, batch, kv):  # noqa: ANN001, ANN202
-        seen.append(len(batch.seq_ids))
-        return execute(run_ops, batch, kv)
+    def spy(name: str):  # noqa: ANN202
+        real = getattr(runner, name)
 
-    monkeypatch.setattr(backend, "execute", spy)
+        def run(seq_ids, *a):  # noqa: ANN001, ANN202
+            seen.append((name, len(seq_ids)))
+            return real(seq_ids, *a)
+
+        return run
+
+    for name in ("launch_greedy_packed", "step_packed"):  # the greedy path (fused argmax) and the sampling one
+        monkeypatch.setattr(runner, name, spy(name))
     sizes, seconds = engine.warm_up()
     assert sizes == 3 and seconds >= 0
-    assert seen == [1, 1, 3, 3, 8, 8]  # each size's prompts in one step, then its decode step
+    # each size's prompts in one step, then its decode step: greedy, then sampling (graphs of their own)
+    assert seen == [(path, n) for path in ("launch_greedy_packed", "step_packed") for n in (1, 1, 3, 3, 8, 8)]
     assert_no_leaks(engine)
     assert engine.metrics.counters.steps == 0 and engine.metrics.snapshot()["requests_finished_total"] == 0
     engine.add_request([5, 6], SamplingParams(max_tokens=1))
