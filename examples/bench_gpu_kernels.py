@@ -316,6 +316,25 @@ def _native_gemv_row(x, w, label: str, case: str, nbytes: int, copy_gbps: float,
         if cublas_ms is not None:
             row["x_vs_cublas_bf16"] = cublas_ms / ms
         print(f"      -> {100 * row['frac_copy_bw']:.1f}% of copy bandwidth", flush=True)
+        if cg.staged_applies(kernels, x, w, kind):
+            _staged_rows(x, w, kind, name, case, nbytes, copy_gbps, kernels, silu_mul, got)
+
+
+def _staged_rows(x, w, kind: str, name: str, case: str, nbytes: int, copy_gbps: float, kernels,  # noqa: ANN001
+                 silu_mul: bool, want: torch.Tensor) -> None:  # fmt: skip
+    """``kind``'s staged twin (x staged once for every block, ``cg.stage_x``): the stage kernel and the
+    GEMV in one graph, and the GEMV alone on a staged record (what a producer that stages its output
+    would leave); each checked to give the kind's bits."""
+    from mgx.kernels.cuda import gemv as cg
+
+    rec = cg.stage_x(x, w.scheme, kernels=kernels)
+    same = torch.equal(cg.gemv_staged(rec, w, kernels=kernels, silu_mul=silu_mul, kind=kind).float(), want)
+    both = bench(lambda: cg.gemv_staged(cg.stage_x(x, w.scheme, kernels=kernels, out=rec), w, kernels=kernels,
+                                        silu_mul=silu_mul, kind=kind))  # fmt: skip
+    alone = bench(lambda: cg.gemv_staged(rec, w, kernels=kernels, silu_mul=silu_mul, kind=kind))
+    for variant, ms in (("stage + staged GEMV", both), ("staged GEMV alone", alone)):
+        row = record("gemv", case, f"{name} {variant}", ms, nbytes, same_bits=same)
+        row["frac_copy_bw"] = row["GB/s"] / copy_gbps
 
 
 def _gate_up_case(x, w, label: str, configs, copy_gbps: float, kernels=None) -> None:  # noqa: ANN001

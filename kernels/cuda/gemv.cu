@@ -1003,10 +1003,48 @@ __device__ __forceinline__ ImmaCache<W>& imma_cache() {
   return cache;
 }
 
+// ---- x staged once for every block (kStaged) ----------------------------------------------------------
+//
+// Every imma block stages x again for each of its output groups (about 50 of an int4 step's ~190 SASS
+// instructions on sm_90a: the largest |x|, the FFMAs, the byte permutes, the buffer and the sum X).
+// imma_stage_rows does it once for a GEMV, a warp a 128-column step, exactly as a GEMV warp would
+// (imma_stage_x / imma4_stage_x, the same buffer and the same reads of it), and writes what each lane
+// of a GEMV warp then holds: ImmaStaged = [steps][32 lanes] uint4 B words, then [steps] float2 (the
+// step's factor, sum X). A kStaged GEMV loads those (one LDG.128 and one LDG.64 a lane and step).
+__device__ __forceinline__ float2 staged_fs(const uint4* __restrict__ rec, int steps, int s) {
+  float2 v;
+  asm volatile("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y)
+               : "l"(reinterpret_cast<const float2*>(rec + steps * 32) + s));
+  return v;
+}
+
+constexpr int kStageWarps = 4;  // warps a block of imma_stage_rows (a step each)
+
+template <bool kInt4>
+__device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict__ x, int k) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int steps = k >> 7, s = blockIdx.x * kStageWarps + warp;
+  uint8_t* buf = imma_buffer<kStageWarps>(warp);
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones, as gemv_imma
+  __syncwarp();
+  mgx_pdl_wait();  // x may be the kernel before's output
+  if (s >= steps) return;
+  float sum_x = 0.0f;
+  const float factor = kInt4 ? imma4_stage_x(buf, x_oct<false>(x, s * 16 + (lane >> 1)), lane, sum_x)
+                             : imma_stage_x(buf, x_quad<false>(x, s * 32 + lane), lane);
+  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);  // as gemv_imma's lane (g, t)
+  const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
+  rec[s * 32 + lane] = make_uint4(b0.x, b0.y, b1.x, b1.y);
+  if (lane == 0) reinterpret_cast<float2*>(rec + steps * 32)[s] = make_float2(factor, sum_x);
+}
+
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
 // W: warps a block (kImmaWarps; kinds imma_w4 and imma_w16: 4 and 16), which split each group's steps.
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false>
+// kStaged: x is not the row but its steps as imma_stage_rows staged them (ImmaStaged): each lane loads
+// its B words and the step's factor and sum X instead of staging x itself (the same values, so the
+// same bits as the kernel without it).
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
@@ -1030,7 +1068,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   struct Pass {
     uint4 lo[kW * kU], hi[kW * kU];  // step u's words of rows lo and hi at kW u ..: W8A16 bytes 16 t .. and
                                      // 64 + 16 t .., int4 bytes 16 t .. (columns 32 t ..)
-    uint4 xv[kU];                    // W8A16: .x, .y (columns 4 l ..); int4: columns 8 (l / 2) ..
+    uint4 xv[kU];                    // W8A16: .x, .y (columns 4 l ..); int4: columns 8 (l / 2) ..; kStaged: B words
+    float2 fs[kStaged ? kU : 1];     // kStaged: the step's factor and sum X
     float s_lo[kInt4 ? kU : 1], s_hi[kInt4 ? kU : 1];  // int4: the step's scales and zeros
     uint32_t z_lo[kInt4 ? kU : 1], z_hi[kInt4 ? kU : 1];
   };
@@ -1079,7 +1118,10 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
       const bool in = s < steps && at.x < groups && !reuse(at.x, s);
-      if constexpr (kInt4) {
+      if constexpr (kStaged) {
+        p.xv[u] = in ? x_oct<false>(x, s * 32 + lane) : make_uint4(0, 0, 0, 0);
+        p.fs[u] = in ? staged_fs(x, steps, s) : make_float2(0.0f, 0.0f);
+      } else if constexpr (kInt4) {
         p.xv[u] = in ? x_oct<kNorm>(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
       } else {
         const uint2 q = in ? x_quad<kNorm>(x, s * 32 + lane) : make_uint2(0, 0);
@@ -1096,7 +1138,11 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       if (s >= steps) break;
       float sum_x = 0.0f, factor;
       uint4 bw;  // the lane's B words of both halves
-      if (reuse(at.x, s)) {
+      if constexpr (kStaged) {
+        bw = p.xv[u];
+        factor = p.fs[u].x;
+        sum_x = p.fs[u].y;
+      } else if (reuse(at.x, s)) {
         bw = imma_cache<W>().b[s / W][warp][lane];
         const float2 fs = imma_cache<W>().fs[s / W][warp];
         factor = fs.x;
@@ -1227,7 +1273,7 @@ __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x
 }
 
 // kArgmax: the entries of the greedy LM head (imma_finish; no SiLU product).
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
                                                 const NormIn* norm) {
@@ -1235,13 +1281,15 @@ __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4*
   if constexpr (kArgmax) {
     gemv_imma<false, false, kNorm, kMulti, W, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, 0, norm);
   } else if (silu_f > 0) {
-    gemv_imma<false, true, kNorm, kMulti, W>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_imma<false, true, kNorm, kMulti, W, false, kStaged>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0,
+                                                             silu_f, norm);
   } else {
-    gemv_imma<false, false, kNorm, kMulti, W>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, silu_f, norm);
+    gemv_imma<false, false, kNorm, kMulti, W, false, kStaged>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0,
+                                                              silu_f, norm);
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
@@ -1250,11 +1298,11 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
     gemv_imma<true, false, kNorm, kMulti, W, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
                                                 0, norm);
   } else if (silu_f > 0) {
-    gemv_imma<true, true, kNorm, kMulti, W>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
-                                         norm);
+    gemv_imma<true, true, kNorm, kMulti, W, false, kStaged>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
+                                                            group_shift, silu_f, norm);
   } else {
-    gemv_imma<true, false, kNorm, kMulti, W>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift, silu_f,
-                                          norm);
+    gemv_imma<true, false, kNorm, kMulti, W, false, kStaged>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
+                                                             group_shift, silu_f, norm);
   }
 }
 
@@ -1391,3 +1439,37 @@ MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma16_argmax, 16 * 32, gemv_w8a16_imma, (, fals
                  MGX_W8A16_ARGS)
 MGX_ARGMAX_ENTRY(mgx_gemv_w8a16_imma4_multi_argmax, 4 * 32, gemv_w8a16_imma, (, true, 4, true), MGX_W8A16_PARAMS,
                  MGX_W8A16_ARGS)
+
+// x staged once (kStaged; kinds imma_staged, imma_w4_staged, imma_w16_staged in gemv.py): NAME(rec, x, k)
+// writes x [K]'s ImmaStaged record (K % 128 == 0; rec 16-byte aligned, K / 128 * 520 bytes) on
+// ceil(K / 128 / kStageWarps) blocks of kStageWarps warps; the staged GEMVs take the record where the
+// others take x, with their kinds' parameters, grids and blocks, and give those kinds' bits. No
+// prologue and no greedy-head entries.
+#define MGX_STAGE_ENTRY(NAME, INT4)                                                                          \
+  extern "C" __global__ void __launch_bounds__(mgx_gemv::kStageWarps * 32)                                  \
+      MGX_ENTRY(NAME)(uint4* rec, const __nv_bfloat16* x, int k) {                                          \
+    mgx_gemv::imma_stage_rows<INT4>(rec, reinterpret_cast<const uint4*>(x), k);                             \
+  }
+MGX_STAGE_ENTRY(mgx_imma_stage_int4, true)
+MGX_STAGE_ENTRY(mgx_imma_stage_w8a16, false)
+
+// At most 64 registers a thread, as the kinds' own entries take (more would lose a block an SM: the
+// record's registers took imma to 74 and imma16 to 72 unbounded).
+#define MGX_STAGED_ENTRY(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                              \
+  extern "C" __global__ void __launch_bounds__(THREADS, 65536 / (64 * (THREADS)))                          \
+      MGX_ENTRY(NAME)(__nv_bfloat16* out, const uint4* rec, MGX_UNPAREN PARAMS) {                           \
+    mgx_gemv::FN<false MGX_UNPAREN FLAGS>(out, rec, MGX_UNPAREN ARGS, nullptr);                             \
+  }
+
+MGX_STAGED_ENTRY(mgx_gemv_int4_imma_staged_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
+                 (, false, mgx_gemv::kImmaWarps, false, true), MGX_INT4_PARAMS, MGX_INT4_ARGS)
+MGX_STAGED_ENTRY(mgx_gemv_int4_imma4_staged_bf16, 4 * 32, gemv_int4_imma, (, false, 4, false, true), MGX_INT4_PARAMS,
+                 MGX_INT4_ARGS)
+MGX_STAGED_ENTRY(mgx_gemv_int4_imma16_staged_bf16, 16 * 32, gemv_int4_imma, (, false, 16, false, true), MGX_INT4_PARAMS,
+                 MGX_INT4_ARGS)
+MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma_staged_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
+                 (, false, mgx_gemv::kImmaWarps, false, true), MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma4_staged_bf16, 4 * 32, gemv_w8a16_imma, (, false, 4, false, true), MGX_W8A16_PARAMS,
+                 MGX_W8A16_ARGS)
+MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, true),
+                 MGX_W8A16_PARAMS, MGX_W8A16_ARGS)

@@ -42,8 +42,8 @@ from mgx.kernels.triton.lm_head import merge_tile_argmax
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
-           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native"]  # fmt: skip
+           "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
+           "relative_error", "run_native", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -95,6 +95,17 @@ LABELS = {  # how the engine's kernel note names them
     ("imma4_multi", "w8a16"): "w8a16 integer tensor-core GEMV on 4 warps a block over several groups",
     ("imma4_multi", "int4"): "int4 integer tensor-core GEMV on 4 warps a block over several groups",
 }
+# x staged once for every block (gemv.cu: imma_stage_rows and the kStaged entries; 26th session, an
+# experiment not yet run on a GPU and taken by no model): ``stage_x`` writes a row's record, and
+# ``gemv_staged`` runs a kind's twin that loads each step's B words, factor and sum X from it instead
+# of staging x in every block (about 190 -> 140 SASS instructions an int4 step on sm_90a). The same
+# bits as the kind itself.
+STAGED_KINDS = ("imma", "imma_w4", "imma_w16")
+_STAGED = {(_ENTRY_KIND[kind], scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(
+    f"_bf16_v{KERNEL_ABI}", f"_staged_bf16_v{KERNEL_ABI}") for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}  # fmt: skip
+STAGED_ENTRIES = {(kind, scheme): _STAGED[_ENTRY_KIND[kind], scheme] for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}
+STAGE_ENTRIES = {"int4": f"mgx_imma_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_imma_stage_w8a16_v{KERNEL_ABI}"}
+STAGE_WARPS = 4  # kStageWarps in gemv.cu: warps (steps) a block of the stage kernel
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
 IMMA_THREADS = 256  # kImmaWarps * 32 in gemv.cu (kinds imma and imma_persistent)
@@ -336,6 +347,52 @@ def gemv_argmax(
     part = torch.empty(2 * groups, dtype=torch.float32, device=x.device)
     _launch(x, w, bias, kernels, kind, part, False, None, ARGMAX_ENTRIES)
     return merge_tile_argmax(part[:groups].view(1, groups), part[groups:].view(torch.int32).view(1, groups))
+
+
+def staged_bytes(k: int) -> int:
+    """Bytes of a row of K columns staged by ``stage_x``: per 128-column step, 32 lanes' 16 bytes of B
+    words, then per step the factor and sum X (two fp32)."""
+    return (k // MMA_COLUMNS) * (32 * 16 + 8)
+
+
+def staged_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, kind: str) -> bool:
+    """Whether ``stage_x`` and ``gemv_staged`` of ``kind`` run x @ W^T here: ``kind`` has a staged
+    twin among the loaded kernels, with the stage entry of the scheme, and takes the product itself."""
+    return (kind in STAGED_KINDS and w.scheme in STAGE_ENTRIES and kernels is not None
+            and kernels.has(STAGED_ENTRIES[kind, w.scheme]) and kernels.has(STAGE_ENTRIES[w.scheme])
+            and gemv_applies(kernels, x, w, kind=kind))  # fmt: skip
+
+
+def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] bf16 (K % 128 == 0) staged for ``gemv_staged`` on ``scheme``'s weights: a uint8 record of
+    ``staged_bytes(K)``, on torch's current stream (captured into CUDA graphs like the GEMV)."""
+    k = x.shape[1]
+    rec = torch.empty(staged_bytes(k), dtype=torch.uint8, device=x.device) if out is None else out
+    steps = k // MMA_COLUMNS
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    args = [ctypes.c_void_p(rec.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_int(k)]
+    kernels.module.launch(STAGE_ENTRIES[scheme], (-(-steps // STAGE_WARPS),), (32 * STAGE_WARPS,), args, stream,
+                          shared_bytes=0, overlap=kernels.overlap)  # fmt: skip
+    return rec
+
+
+def gemv_staged(
+    rec: torch.Tensor,
+    w: GpuWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    kernels: CudaKernels,
+    kind: str,
+    silu_mul: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``gemv`` of ``kind`` on the row that ``stage_x`` staged into ``rec`` (for W's scheme): the same
+    result, to the bit. The caller checks ``staged_applies`` first."""
+    if silu_mul and w.n % 2:
+        raise ValueError(f"fused gate/up width {w.n} is odd")
+    out = torch.empty((1, w.n // 2 if silu_mul else w.n), dtype=torch.bfloat16, device=rec.device) if out is None else out
+    _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED)
+    return out
 
 
 def _launch(

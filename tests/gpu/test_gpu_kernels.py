@@ -243,6 +243,39 @@ def test_native_greedy_lm_head_picks_the_reference_token(native, n: int, k: int,
     assert ids.tolist() == [0] and vals.tolist() == [float("-inf")]
 
 
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (6144, 4096), (4098, 2176), (40, 256)])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
+@pytest.mark.parametrize("scheme", ["w8a16", "int4"])
+def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: bool, kind: str, scheme: str) -> None:  # noqa: ANN001
+    """x staged once (``stage_x``) and the kind's staged twin (``gemv_staged``) give the kind's own
+    result to the bit (the same staging code, then the same sums), on rows with outliers; captured
+    together in a CUDA graph they follow a new x on replay; a NaN in x makes every output NaN. K = 2176
+    and 256: a stage block with fewer steps than warps."""
+    from mgx.kernels.cuda import gemv as cg
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + 5)
+    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
+    x = torch.randn(1, k, device="cuda", generator=gen)
+    x[0, torch.randint(0, k, (4,), device="cuda", generator=gen)] = torch.tensor([900.0, -300.0, 40.0, -2e3], device="cuda")
+    x = x.to(torch.bfloat16)
+    assert cg.staged_applies(native, x, w, kind)
+    rec = cg.stage_x(x, scheme, kernels=native)
+    assert rec.numel() == cg.staged_bytes(k)
+    assert torch.equal(cg.gemv_staged(rec, w, kernels=native, silu_mul=silu, kind=kind),
+                       cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind))  # fmt: skip
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cg.gemv_staged(cg.stage_x(x, scheme, kernels=native, out=rec), w, kernels=native, silu_mul=silu, kind=kind)
+    x.copy_(torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, cg.gemv(x, w, kernels=native, silu_mul=silu, kind=kind))
+    x[0, k // 3] = float("nan")
+    assert torch.isnan(cg.gemv_staged(cg.stage_x(x, scheme, kernels=native), w, kernels=native, silu_mul=silu,
+                                      kind=kind)).all()  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize("k", [4096, 8192])

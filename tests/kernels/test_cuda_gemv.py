@@ -95,6 +95,24 @@ def test_greedy_lm_head_entries_are_the_imma_kinds_without_a_prologue() -> None:
     assert not cg.gemv_applies(every, x, w, kind="mma", argmax=True)
 
 
+def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None:
+    """``gemv_staged``'s entries: one per staged kind (imma, imma_w4, imma_w16) and scheme, named after
+    the kind's own entry, same ABI version; ``staged_applies`` needs both that entry and the scheme's
+    stage entry, a staged kind, and what ``gemv_applies`` needs (a CUDA row: so never on the CPU). A
+    record holds 520 bytes a 128-column step (the kernels: tests/gpu)."""
+    assert set(cg.STAGED_ENTRIES) == {(k, s) for k in ("imma", "imma_w4", "imma_w16") for s in ("int4", "w8a16")}
+    for (kind, scheme), name in cg.STAGED_ENTRIES.items():
+        assert name == cg.entry_for(kind, scheme).replace("_bf16_v", "_staged_bf16_v")
+    assert all(name.endswith(f"_v{cg.KERNEL_ABI}") for name in cg.STAGE_ENTRIES.values())
+    assert cg.staged_bytes(4096) == 32 * 520 and cg.staged_bytes(14336) == 112 * 520
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    w = make_weight("int4", 64, 256, group_size=128)
+    every = FakeKernels(*cg.ENTRIES.values(), *cg.STAGED_ENTRIES.values(), *cg.STAGE_ENTRIES.values())
+    assert not cg.staged_applies(every, x, w, "imma")  # a CPU row
+    assert not cg.staged_applies(None, x, w, "imma") and not cg.staged_applies(every, x, w, "imma_persistent")
+    assert not cg.staged_applies(every, x, make_weight("none", 64, 256), "imma")
+
+
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);

@@ -51,7 +51,9 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
     are counted with ``imma``, and so are the greedy LM head's ``_argmax`` entries), and each has a
     main loop with its weight loads inside: int4 64 MMAs (4 steps of 16), W8A16 48 (2 steps of 24: four
     MMAs for each 8 columns' codes and two for the sum of x), ``imma`` 8 integer MMAs (two passes of
-    one step, four a step: two 64-column halves, int4: low and high nibbles, for each of the two sets of 8 rows)."""
+    one step, four a step: two 64-column halves, int4: low and high nibbles, for each of the two sets of 8 rows).
+    The staged twins of ``imma``, ``imma4`` and ``imma16`` are counted with them, within 64 registers,
+    and the stage kernels (a step a warp) have no loop."""
     done = _run("--native", "sm_90a", "--match", "mma")
     assert done.returncode == 0, done.stderr[-2000:]
     found = {}
@@ -65,10 +67,16 @@ def test_native_tensor_core_gemvs_fit_two_blocks_an_sm_without_spilling() -> Non
                                        for kind in ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
                                        for norm in ("", "_norm")} | {
         f"mgx_gemv_{scheme}_{kind}_argmax" for scheme in ("int4", "w8a16")
-        for kind in ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")}  # fmt: skip
+        for kind in ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")} | {
+        f"mgx_gemv_{scheme}_{kind}_staged_bf16" for scheme in ("int4", "w8a16") for kind in ("imma", "imma4", "imma16")} | {
+        f"mgx_imma_stage_{scheme}" for scheme in ("int4", "w8a16")}  # fmt: skip
     for name, (regs, stack, loops) in found.items():
         assert stack == 0, name
+        if name.startswith("mgx_imma_stage_"):  # a step a warp: no loop
+            assert loops == "none", name
+            continue
         assert regs <= (128 if "_pipe_" in name or "_imma" in name else 255), name
+        assert "_staged_" not in name or regs <= 64, name  # the kinds' own occupancy (their launch bounds)
         if "_imma" in name:
             assert re.search(r"\d+ \(IMMA 8, LDG \d+\)", loops), name
             continue
