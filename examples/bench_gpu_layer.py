@@ -18,6 +18,13 @@ in the backend; ``--self-merge-max 16,64`` times each limit (whether self-mergin
 
     python examples/bench_gpu_layer.py --context 3000 --table-blocks 256 --parts all,attention --self-merge-max 16,64
 
+``--staged qkv,gate_up`` times the chains again with those projections' x staged once
+(``gemv.stage_x``, a kernel of its own before the GEMV) and run on their kinds' staged twins
+(``gemv.gemv_staged``), then with the records staged before the graph and only the twins in it (what
+a norm kernel that wrote the record itself would leave; the values are stale, the time is not):
+
+    python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up
+
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
 
@@ -90,9 +97,27 @@ class Chain:
                          "gate_up": torch.randn(1, FFN, device=dev).to(bf16),
                          "down": torch.randn(1, HIDDEN, device=dev).to(bf16)}  # fmt: skip
         self.x = {"res": torch.randn(1, HIDDEN, device=dev).to(bf16), "d": self.stand_in["down"]}
+        self.staged: set[str] = set()  # projections whose x is staged once (--staged)
+        self.stage_in_graph = True  # False: their records are staged before the graph (stale, for timing)
+        self.records: dict[str, object] = {}
+
+    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False):  # noqa: ANN001, ANN202
+        """One projection, as --staged says: the kind itself, or x staged once and its staged twin."""
+        from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x, staged_bytes
+
+        if name not in self.staged:
+            return gemv(x, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
+        import torch
+
+        rec = self.records.get(name)
+        if rec is None:
+            rec = self.records[name] = torch.empty(staged_bytes(x.shape[1]), dtype=torch.uint8, device=x.device)
+            stage_x(x, w[name].scheme, kernels=kernels, out=rec)
+        if self.stage_in_graph:
+            stage_x(x, w[name].scheme, kernels=kernels, out=rec)
+        return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
 
     def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
-        from mgx.kernels.cuda.gemv import gemv
         from mgx.kernels.cuda.rmsnorm import rms_norm
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
@@ -102,7 +127,7 @@ class Chain:
         x = self.x["d"]
         if norms:
             x, res = rms_norm(x, w["g1"], 1e-5, kernels=kernels, residual=res)
-        qkv = gemv(x, w["qkv"], kernels=kernels, kind=kinds["qkv"]) if gemvs else self.stand_in["qkv"]
+        qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"]) if gemvs else self.stand_in["qkv"]
         a = self.stand_in["attention"]
         if attend:
             q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
@@ -110,12 +135,12 @@ class Chain:
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
                                        counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
-        o = gemv(a, w["o"], kernels=kernels, kind=kinds["o"]) if gemvs else self.stand_in["down"]
+        o = self._gemv("o", a, w, kernels, kinds["o"]) if gemvs else self.stand_in["down"]
         x2 = o
         if norms:
             x2, res = rms_norm(o, w["g2"], 1e-5, kernels=kernels, residual=res)
-        h = gemv(x2, w["gate_up"], kernels=kernels, kind=kinds["gate_up"], silu_mul=True) if gemvs else self.stand_in["gate_up"]
-        self.x["d"] = gemv(h, w["down"], kernels=kernels, kind=kinds["down"]) if gemvs else self.stand_in["down"]
+        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True) if gemvs else self.stand_in["gate_up"]
+        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
         self.x["res"] = res
 
     def step(self, kernels, kinds: dict[str, str], part: str) -> Callable[[], None]:  # noqa: ANN001
@@ -178,12 +203,19 @@ def main(argv: list[str] | None = None) -> int:
                     "limits to time (default: the backend's SELF_MERGE_MAX_SPLITS)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which chains, of {', '.join(PARTS)}")
     ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable; with =: --nvcc-flag=-D...)")
+    ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
+                    "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
         kinds = parse_kinds(args.kinds or DEFAULT_KINDS[args.scheme])
     except ValueError as e:
         ap.error(str(e))
+    staged = [p for p in args.staged.split(",") if p]
+    from mgx.kernels.cuda.gemv import STAGED_KINDS
+
+    if bad := [p for p in staged if p not in kinds or kinds[p] not in STAGED_KINDS]:
+        ap.error(f"--staged: {', '.join(bad)} not a projection on one of {', '.join(STAGED_KINDS)}")
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
@@ -206,10 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     for limit in limits:
         chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
         merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
+        variants = [("", set(), True)]
+        if staged:
+            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True),
+                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False)]  # fmt: skip
         for label, kernels in builds.items():
-            for part in parts:
-                ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
-                print(f"  {label}{merge}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
+            for how, chain.staged, chain.stage_in_graph in variants:
+                chain.records.clear()
+                for part in parts:
+                    ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
+                    print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
     return 0
 
 

@@ -49,3 +49,20 @@ def test_gpu_long_context_chain_times_each_merge_limit(capsys) -> None:  # noqa:
     assert "32 attention pieces" in out
     lines = [line for line in out.splitlines() if line.startswith("  ")]
     assert len(lines) == 2 and "[merge kernel, limit 8]: attention" in lines[0] and "[self-merge, limit 64]: attention" in lines[1]
+
+
+def test_gpu_staged_chains_run_in_the_graph_and_before_it(capsys) -> None:  # noqa: ANN001
+    """``--staged qkv,gate_up``: the plain chains, then with those projections' x staged in the graph,
+    then staged before it; each captured, replayed and reported."""
+    from mgx.kernels.cuda import build
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--scheme", "int4", "--parts", "all,gemvs", "--staged", "qkv,gate_up", "--replays", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(lines) == 6
+    assert sum("[qkv+gate_up staged]" in line for line in lines) == 2
+    assert sum("[qkv+gate_up staged before the graph]" in line for line in lines) == 2

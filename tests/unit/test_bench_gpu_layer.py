@@ -34,14 +34,17 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
     for argv, says in ((["--parts", "all,lm_head"], "lm_head not one of"),
                        (["--kinds", "qkv=imma"], "no kind for down, gate_up, o"),
                        (["--context", "1100"], "not within the table's 1024 tokens"),
-                       (["--self-merge-max", "16,all"], "'16,all' is not a comma-separated list")):  # fmt: skip
+                       (["--self-merge-max", "16,all"], "'16,all' is not a comma-separated list"),
+                       (["--staged", "qkv,lm_head"], "lm_head not a projection on one of"),
+                       (["--kinds", "qkv=triton,o=imma,gate_up=imma_w4,down=imma_w16", "--staged", "qkv,o"],
+                        "--staged: qkv not a projection on one of imma, imma_w4, imma_w16")):  # fmt: skip
         with pytest.raises(SystemExit) as stop:
             bench.main(argv)
         assert stop.value.code == 2 and says in capsys.readouterr().err
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     # A flag's leading dash goes after "=" (argparse would take "-D..." alone for an option).
-    for argv in ([], ["--nvcc-flag=-DMGX_IMMA_UNROLL=2"],
+    for argv in ([], ["--nvcc-flag=-DMGX_IMMA_UNROLL=2"], ["--staged", "qkv,gate_up"],
                  ["--context", "3000", "--table-blocks", "256", "--self-merge-max", "16,64"]):  # fmt: skip
         with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
             bench.main(argv)
