@@ -20,8 +20,9 @@ in the backend; ``--self-merge-max 16,64`` times each limit (whether self-mergin
 
 ``--staged qkv,gate_up`` times the chains again with those projections' x staged once
 (``gemv.stage_x``, a kernel of its own before the GEMV) and run on their kinds' staged twins
-(``gemv.gemv_staged``), then with the records staged before the graph and only the twins in it (what
-a norm kernel that wrote the record itself would leave; the values are stale, the time is not):
+(``gemv.gemv_staged``), then with the records staged before the graph and only the twins in it (the
+values are stale, the time is not), then with the norms before QKV and gate/up writing their records
+(``gemv.norm_stage``: one kernel for the norm and the staging):
 
     python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up
 
@@ -68,6 +69,7 @@ class Chain:
         if context > table_blocks * page:
             raise ValueError(f"--context {context} is past the table's {table_blocks * page} tokens")
         dev, bf16 = "cuda", torch.bfloat16
+        self.scheme = scheme
         group = {"group_size": 128} if scheme == "int4" else {}
         qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 
@@ -99,14 +101,30 @@ class Chain:
         self.x = {"res": torch.randn(1, HIDDEN, device=dev).to(bf16), "d": self.stand_in["down"]}
         self.staged: set[str] = set()  # projections whose x is staged once (--staged)
         self.stage_in_graph = True  # False: their records are staged before the graph (stale, for timing)
+        self.norm_stages = False  # the norms before QKV and gate/up write the records (gemv.norm_stage)
         self.records: dict[str, object] = {}
+        self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
 
-    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False):  # noqa: ANN001, ANN202
-        """One projection, as --staged says: the kind itself, or x staged once and its staged twin."""
+    def _norm(self, name: str, x, res, g, kernels):  # noqa: ANN001, ANN202
+        """The add + RMSNorm before projection ``name``: (its x, the new residual, its record or None)."""
+        from mgx.kernels.cuda.gemv import NormPrologue, norm_stage
+        from mgx.kernels.cuda.rmsnorm import rms_norm
+
+        if not (self.norm_stages and name in self.staged):
+            return (*rms_norm(x, g, 1e-5, kernels=kernels, residual=res), None)
+        total = self.totals[0] if res.data_ptr() != self.totals[0].data_ptr() else self.totals[1]
+        out, rec = norm_stage(res, NormPrologue(x, g, 1e-5, total), self.scheme, kernels=kernels)
+        return out, total, rec
+
+    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False, rec=None):  # noqa: ANN001, ANN202
+        """One projection, as --staged says: the kind itself, or x staged once (``rec``: by the norm)
+        and its staged twin."""
         from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x, staged_bytes
 
         if name not in self.staged:
             return gemv(x, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
+        if rec is not None:
+            return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
         import torch
 
         rec = self.records.get(name)
@@ -118,16 +136,15 @@ class Chain:
         return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
 
     def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
-        from mgx.kernels.cuda.rmsnorm import rms_norm
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
         gemvs, norms = part in ("all", "gemvs"), part in ("all", "others", "norms")
         attend = part in ("all", "others", "attention")
         res = self.x["res"]
-        x = self.x["d"]
+        x, rec = self.x["d"], None
         if norms:
-            x, res = rms_norm(x, w["g1"], 1e-5, kernels=kernels, residual=res)
-        qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"]) if gemvs else self.stand_in["qkv"]
+            x, res, rec = self._norm("qkv", x, res, w["g1"], kernels)
+        qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"], rec=rec) if gemvs else self.stand_in["qkv"]
         a = self.stand_in["attention"]
         if attend:
             q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
@@ -136,10 +153,10 @@ class Chain:
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
                                        counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
         o = self._gemv("o", a, w, kernels, kinds["o"]) if gemvs else self.stand_in["down"]
-        x2 = o
+        x2, rec = o, None
         if norms:
-            x2, res = rms_norm(o, w["g2"], 1e-5, kernels=kernels, residual=res)
-        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True) if gemvs else self.stand_in["gate_up"]
+            x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
+        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if gemvs else self.stand_in["gate_up"]
         self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
         self.x["res"] = res
 
@@ -238,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     for limit in limits:
         chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
         merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
-        variants = [("", set(), True)]
+        variants = [("", set(), True, False)]
         if staged:
-            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True),
-                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False)]  # fmt: skip
+            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False),
+                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
+            if {"qkv", "gate_up"} & set(staged):
+                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
         for label, kernels in builds.items():
-            for how, chain.staged, chain.stage_in_graph in variants:
+            for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
                 for part in parts:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)

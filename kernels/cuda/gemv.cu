@@ -1038,6 +1038,31 @@ __device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict
   if (lane == 0) reinterpret_cast<float2*>(rec + steps * 32)[s] = make_float2(factor, sum_x);
 }
 
+// The RMSNorm before a staged GEMV, writing its record too: one block normalizes the row
+// (norm_prologue: rms_norm(res + delta) * g, res + delta to res_out) into shared memory, writes it to
+// `out`, and its warps stage the steps w, w + warps, ... from there as imma_stage_rows does from
+// global memory (so `rec` is stage_x(out)'s, to the bit). Replaces the norm's kernel and the stage's.
+template <bool kInt4>
+__device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restrict__ rec, const NormIn& in, int k) {
+  extern __shared__ uint4 xs[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int steps = k >> 7, warps = blockDim.x >> 5;
+  uint8_t* buf = imma_buffer<kMaxThreads / 32>(warp);
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones
+  mgx_pdl_wait();
+  norm_prologue(xs, in, k);  // ends with a block barrier: xs is complete
+  for (int j = threadIdx.x; j < (k >> 3); j += blockDim.x) reinterpret_cast<uint4*>(out)[j] = xs[j];
+  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
+  for (int s = warp; s < steps; s += warps) {
+    float sum_x = 0.0f;
+    const float factor = kInt4 ? imma4_stage_x(buf, x_oct<true>(xs, s * 16 + (lane >> 1)), lane, sum_x)
+                               : imma_stage_x(buf, x_quad<true>(xs, s * 32 + lane), lane);
+    const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
+    rec[s * 32 + lane] = make_uint4(b0.x, b0.y, b1.x, b1.y);
+    if (lane == 0) reinterpret_cast<float2*>(rec + steps * 32)[s] = make_float2(factor, sum_x);
+  }
+}
+
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
 // W: warps a block (kImmaWarps; kinds imma_w4 and imma_w16: 4 and 16), which split each group's steps.
@@ -1473,3 +1498,16 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma4_staged_bf16, 4 * 32, gemv_w8a16_imma, (, f
                  MGX_W8A16_ARGS)
 MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, true),
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
+
+// The RMSNorm that also stages its output for the staged GEMVs (norm_stage_row): NAME(out, res_out, res,
+// delta, g, eps, rec, k) on one block of up to kMaxThreads threads with 2K bytes of dynamic shared
+// memory (K % 128 == 0, K <= MAX_NORM_K in gemv.py; delta null: none, and then res_out unused).
+#define MGX_NORM_STAGE_ENTRY(NAME, INT4)                                                                     \
+  extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)                                       \
+      MGX_ENTRY(NAME)(__nv_bfloat16* out, __nv_bfloat16* res_out, const __nv_bfloat16* res,                 \
+                      const __nv_bfloat16* delta, const __nv_bfloat16* g, float eps, uint4* rec, int k) {   \
+    const mgx_gemv::NormIn in{res, delta, g, res_out, eps};                                                  \
+    mgx_gemv::norm_stage_row<INT4>(out, rec, in, k);                                                         \
+  }
+MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
+MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)

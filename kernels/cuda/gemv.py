@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -106,6 +106,8 @@ _STAGED = {(_ENTRY_KIND[kind], scheme): ENTRIES[_ENTRY_KIND[kind], scheme].repla
 STAGED_ENTRIES = {(kind, scheme): _STAGED[_ENTRY_KIND[kind], scheme] for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}
 STAGE_ENTRIES = {"int4": f"mgx_imma_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_imma_stage_w8a16_v{KERNEL_ABI}"}
 STAGE_WARPS = 4  # kStageWarps in gemv.cu: warps (steps) a block of the stage kernel
+# The RMSNorm that also writes the record (``norm_stage``: one kernel instead of the norm's and the stage's).
+NORM_STAGE_ENTRIES = {"int4": f"mgx_norm_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_norm_stage_w8a16_v{KERNEL_ABI}"}
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
 MMA_THREADS = 256  # kMmaWarps * 32 in gemv.cu
 IMMA_THREADS = 256  # kImmaWarps * 32 in gemv.cu (kinds imma and imma_persistent)
@@ -374,6 +376,37 @@ def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Te
     kernels.module.launch(STAGE_ENTRIES[scheme], (-(-steps // STAGE_WARPS),), (32 * STAGE_WARPS,), args, stream,
                           shared_bytes=0, overlap=kernels.overlap)  # fmt: skip
     return rec
+
+
+def norm_stage_applies(kernels: CudaKernels | None, x: torch.Tensor, norm: NormPrologue, scheme: str) -> bool:
+    """Whether ``norm_stage`` takes the row x [1, K] with ``norm``'s operands for ``scheme``'s staged GEMVs."""
+    return (scheme in NORM_STAGE_ENTRIES and kernels is not None and kernels.has(NORM_STAGE_ENTRIES[scheme])
+            and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.is_cuda
+            and x.device.index == kernels.device and x.shape[1] % MMA_COLUMNS == 0 and x.is_contiguous()
+            and x.data_ptr() % 16 == 0 and norm.applies(x))  # fmt: skip
+
+
+def norm_stage(
+    x: torch.Tensor, norm: NormPrologue, scheme: str, *, kernels: CudaKernels, out: torch.Tensor | None = None,
+    rec: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x + norm.delta) * norm.weight of the row x [1, K] (``NormPrologue``'s roundings; x +
+    delta to ``norm.total``) and its record for ``gemv_staged`` on ``scheme``'s weights, in one kernel:
+    (the normalized row [1, K] bf16, the record, which is ``stage_x`` of that row to the bit). The
+    caller checks ``norm_stage_applies`` first."""
+    k = x.shape[1]
+    out = torch.empty_like(x) if out is None else out
+    rec = torch.empty(staged_bytes(k), dtype=torch.uint8, device=x.device) if rec is None else rec
+
+    def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+        return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+    args = [ptr(out), ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps), ptr(rec),
+            ctypes.c_int(k)]  # fmt: skip
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    kernels.module.launch(NORM_STAGE_ENTRIES[scheme], (1,), (MAX_THREADS,), args, stream, shared_bytes=2 * k,
+                          overlap=kernels.overlap)  # fmt: skip
+    return out, rec
 
 
 def gemv_staged(

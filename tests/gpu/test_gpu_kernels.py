@@ -276,6 +276,33 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
                                       kind=kind)).all()  # fmt: skip
 
 
+@pytest.mark.parametrize("scheme", ["w8a16", "int4"])
+@pytest.mark.parametrize(("k", "with_delta"), [(4096, True), (4096, False), (2176, True), (256, True)])
+def test_native_norm_stage_writes_the_norm_and_the_record_stage_x_would(native, scheme: str, k: int, with_delta: bool) -> None:  # noqa: ANN001
+    """``norm_stage``: one kernel for the RMSNorm (of res + delta, which it also writes) and the record
+    of its output: the row within one bf16 rounding of the reference, res + delta exact, the record
+    ``stage_x`` of the row to the bit, and the staged GEMV on it the kind's result on the row."""
+    from mgx.kernels.cuda import gemv as cg
+
+    gen = torch.Generator(device="cuda").manual_seed(k + 17)
+    res = (3 * torch.randn(1, k, device="cuda", generator=gen)).to(torch.bfloat16)
+    res[0, 7] = 500.0
+    delta = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    total = torch.empty_like(res)
+    norm = cg.NormPrologue(delta, g, 1e-5, total) if with_delta else cg.NormPrologue(None, g, 1e-5)
+    assert cg.norm_stage_applies(native, res, norm, scheme)
+    out, rec = cg.norm_stage(res, norm, scheme, kernels=native)
+    summed = (res.float() + delta.float()).to(torch.bfloat16) if with_delta else res
+    if with_delta:
+        assert torch.equal(total, summed)
+    assert rel_err(out, trms.rms_norm_ref(summed, g, 1e-5)) < 4e-3
+    assert torch.equal(rec, cg.stage_x(out, scheme, kernels=native))
+    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
+    w = make_weight(scheme, 6144, k, device="cuda", generator=gen, **kw)
+    assert torch.equal(cg.gemv_staged(rec, w, kernels=native, kind="imma_w4"), cg.gemv(out, w, kernels=native, kind="imma_w4"))
+
+
 @pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize("k", [4096, 8192])

@@ -111,6 +111,9 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
     assert not cg.staged_applies(every, x, w, "imma")  # a CPU row
     assert not cg.staged_applies(None, x, w, "imma") and not cg.staged_applies(every, x, w, "imma_persistent")
     assert not cg.staged_applies(every, x, make_weight("none", 64, 256), "imma")
+    norm = cg.NormPrologue(None, None, 1e-6)
+    assert not cg.norm_stage_applies(FakeKernels(*cg.NORM_STAGE_ENTRIES.values()), x, norm, "int4")  # a CPU row
+    assert not cg.norm_stage_applies(None, x, norm, "int4") and not cg.norm_stage_applies(every, x, norm, "none")
 
 
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
