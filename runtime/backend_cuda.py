@@ -20,7 +20,12 @@ the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm``
 prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
 default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
 3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms; later INT4 3.33 vs 2.11 ms,
-when its launches ran imma_w4 at half occupancy, fixed in the nineteenth session, not re-measured). On sm_90 and newer the
+when its launches ran imma_w4 at half occupancy, fixed in the nineteenth session, not re-measured). With
+``MGX_CUDA_STAGED_X=1`` (or a kind's name: ``imma``, ``imma_w4``, ``imma_w16``), at batch 1, an add and
+the RMSNorm after it that feed a projection on an imma kind run as ``norm_stage``, which also stages
+the normalized row once for every block, and the projection runs the kind's staged twin on that
+record (``gemv_staged``; an experiment of the twenty-sixth session, off by default, not yet run on a
+GPU). On sm_90 and newer the
 decode-path kernels are launched overlapped (programmatic dependent launches; the Triton linear,
 decode attention and LM head kernels and the native ones): each may start while the kernel before it
 finishes and waits for it before reading its output or writing anything (``overlap_launches``;
@@ -85,7 +90,18 @@ import torch
 
 from mgx.formats import layouts as layout_registry
 from mgx.formats.ir import DType, Graph, Op, Tensor
-from mgx.kernels.cuda.gemv import ARGMAX_ENTRIES, ARGMAX_LABEL, NormPrologue, gemv, gemv_applies, gemv_argmax
+from mgx.kernels.cuda.gemv import (
+    ARGMAX_ENTRIES,
+    ARGMAX_LABEL,
+    NormPrologue,
+    gemv,
+    gemv_applies,
+    gemv_argmax,
+    gemv_staged,
+    norm_stage,
+    norm_stage_applies,
+    staged_applies,
+)
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
@@ -311,6 +327,15 @@ def _on_cublas(w: GpuWeight, m: int) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class _StagedX:
+    """A projection whose x its add + RMSNorm staged (``MGX_CUDA_STAGED_X``): the kind whose staged twin
+    runs it, and the record."""
+
+    kind: str
+    rec: Array
+
+
+@dataclass(frozen=True, slots=True)
 class _Across:
     """A projection held back until its add (``norm_across``): the op, its input (also the stand-in
     value it returned, which the add tells from the residual), its configuration, and the add and the
@@ -382,6 +407,10 @@ class CUDABackend(Backend):
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
         self.norm_gemv_pinned = os.environ.get("MGX_CUDA_NORM_GEMV", "") in ("0", "1")  # else a stored tuning's
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
+        # x staged once for the imma GEMVs after an add + RMSNorm at batch 1 (``_norm_stage_into_gemv``;
+        # an experiment, off by default): "1" where the stored tuning's kind has a staged twin, a kind
+        # name for that kind's twin wherever it takes the product.
+        self.staged_x = os.environ.get("MGX_CUDA_STAGED_X", "0")
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
@@ -1114,7 +1143,9 @@ class CUDABackend(Backend):
         if across is not None:  # held back: its add runs it (``add``)
             self._pending[id(across.add)] = across
             return x
-        if isinstance(normed, NormIn):  # x is the norm's input, normalized as the GEMV loads it
+        if isinstance(normed, _StagedX):  # x staged by its norm: the kind's staged twin reads the record
+            out = gemv_staged(normed.rec, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=normed.kind)
+        elif isinstance(normed, NormIn):  # x is the norm's input, normalized as the GEMV loads it
             run = linear if silu is None else linear_silu_mul
             out = run(x, w, bias, config=self._config(op, m), workspace=self._split_ws, norm=normed)
         elif normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
@@ -1303,6 +1334,8 @@ class CUDABackend(Backend):
             return self._add_across(held, b if a is held.x else a, norm_op, weight, eps, group)
 
         total = self._norm_into_gemv(norm_op, a, b, weight, eps, group)
+        if total is None:
+            total = self._norm_stage_into_gemv(norm_op, a, b, weight, eps, group)
         if total is not None:
             return total
         normed, total = rms_norm(a, weight, eps, group=group, residual=b, kernels=self.cuda_kernels)
@@ -1331,6 +1364,27 @@ class CUDABackend(Backend):
                 self._pending[id(lin)] = (kind, norm)
                 return norm.total
         return None
+
+    def _norm_stage_into_gemv(self, norm_op: Op, a: Array, b: Array, weight: Array | None, eps: float,
+                              group: int) -> Array | None:  # fmt: skip
+        """``MGX_CUDA_STAGED_X``: one row whose add + RMSNorm feeds one linear on an imma kind with a
+        staged twin (the stored tuning's with "1", else the kind named): the norm's kernel also stages
+        its output (``norm_stage``) and the linear runs the twin on that record. Returns the add's
+        output, or None where it does not apply."""
+        lin = self._fuse.linear_after_norm.get(id(norm_op))
+        if self.staged_x in ("", "0") or lin is None or a.shape[0] != 1 or group != a.shape[1]:
+            return None
+        w, bias = self._weights[id(lin)], self._bias[id(lin)]
+        config = self._config(lin, 1)
+        kind = (config.native if config is not None and self.tuned_gemvs else "") if self.staged_x == "1" else self.staged_x
+        norm = NormPrologue(b, weight, eps, torch.empty_like(a))
+        if not (staged_applies(self.cuda_kernels, a, w, kind, bias)
+                and norm_stage_applies(self.cuda_kernels, a, norm, w.scheme)):  # fmt: skip
+            return None
+        normed, rec = norm_stage(a, norm, w.scheme, kernels=self.cuda_kernels)
+        self._pending[id(norm_op)] = normed
+        self._pending[id(lin)] = _StagedX(kind, rec)
+        return norm.total
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
         """The sampling rows' logits [R, V] in fp32 (as the greedy head takes its argmax: not rounded

@@ -357,12 +357,13 @@ def staged_bytes(k: int) -> int:
     return (k // MMA_COLUMNS) * (32 * 16 + 8)
 
 
-def staged_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, kind: str) -> bool:
-    """Whether ``stage_x`` and ``gemv_staged`` of ``kind`` run x @ W^T here: ``kind`` has a staged
-    twin among the loaded kernels, with the stage entry of the scheme, and takes the product itself."""
+def staged_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, kind: str,
+                   bias: torch.Tensor | None = None) -> bool:  # fmt: skip
+    """Whether ``stage_x`` and ``gemv_staged`` of ``kind`` run x @ W^T (+ bias) here: ``kind`` has a
+    staged twin among the loaded kernels, with the stage entry of the scheme, and takes the product itself."""
     return (kind in STAGED_KINDS and w.scheme in STAGE_ENTRIES and kernels is not None
             and kernels.has(STAGED_ENTRIES[kind, w.scheme]) and kernels.has(STAGE_ENTRIES[w.scheme])
-            and gemv_applies(kernels, x, w, kind=kind))  # fmt: skip
+            and gemv_applies(kernels, x, w, bias, kind=kind))  # fmt: skip
 
 
 def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -885,6 +885,50 @@ def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: l
     return batch
 
 
+@pytest.mark.interpreted
+@pytest.mark.parametrize("switch", ["imma_w4", "1", "0"])
+def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MGX_CUDA_STAGED_X`` (an experiment): at batch 1 each add + RMSNorm that feeds one projection
+    runs ``norm_stage`` and the projection the staged twin of the named kind on its record. The GPU
+    kernels run in tests/gpu; here stand-ins compute the norm and the product with the Triton kernels,
+    so the greedy tokens and logits must be the reference's. "1" follows the stored tunings (none here:
+    nothing staged), "0" is off."""
+    from mgx.kernels.triton.linear import linear, linear_silu_mul
+    from mgx.kernels.triton.rmsnorm import rms_norm
+    from mgx.runtime import backend_cuda
+
+    graph = compiled("gqa", "dense-fused")
+    calls: list[str] = []
+
+    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
+        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
+        norm.total.copy_(total)
+        calls.append("norm_stage")
+        return normed, ("record of", normed)
+
+    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False):  # noqa: ANN001, ANN202
+        calls.append(kind)
+        return (linear_silu_mul if silu_mul else linear)(rec[1], w, bias)
+
+    monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
+    monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
+    monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
+    monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
+    monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
+    runners = [ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="f32")), ModelRunner(graph, "reference")]
+    prompt = _prompts(graph)[0]
+    logits = [r.step([SeqChunk(0, prompt)])[0][-1] for r in runners]
+    assert not calls  # a prompt's rows: never staged
+    for _ in range(3):
+        np.testing.assert_allclose(logits[0], logits[1], atol=ATOL, rtol=0)
+        token = int(np.argmax(logits[1]))
+        logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
+    # a decode step: the post-attention norm of each of the 2 layers (gate/up) and the second layer's input
+    # norm (QKV; the first layer's follows the embedding, no add), each a norm_stage and a staged GEMV
+    per_step = ["norm_stage", "imma_w4"] * 3
+    assert calls == (per_step * 3 if switch == "imma_w4" else [])
+
+
 def test_every_part_of_a_steps_packed_metadata_starts_16_bytes_in() -> None:
     """Triton specializes kernels on whether a pointer is 16-byte aligned, so a part that moved with
     the step's counts compiled new variants mid-load: the eager step's parts, and the decode,
@@ -1412,6 +1456,53 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
         token = int(np.argmax(logits[1]))
         logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
     assert set(cg.ENTRIES.values()) & set(launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int4", "w8a16"])
+def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MGX_CUDA_STAGED_X=imma_w4`` on a model whose K is a multiple of 128: batch-1 decode runs the
+    norm that stages its output and ``imma_w4``'s staged twin, and every step's logits agree with the
+    same model's without the switch within 2% of their largest magnitude (other kernels, each
+    rounding to bf16 once), fed the same tokens."""
+    import copy
+
+    from mgx.formats import ir
+    from mgx.kernels.cuda import build
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.passes import PASSES, PassContext
+
+    from _tiny_graph import build_tiny_graph
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    graph, _ = build_tiny_graph(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                                fused=True, dtype=ir.DType.BF16)  # fmt: skip
+    graph = copy.deepcopy(graph)
+    quantize = ("quantize_int4", {"group_size": 128}) if scheme == "int4" else ("quantize_w8a16", {})
+    for name, options in (quantize, ("reorder_weights", {})):
+        PASSES[name](graph, dict(options), PassContext(target="cuda"))
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    image = {arch: build.build_cuda_kernels(arch)}
+    launches: list[str] = []
+    runners = []
+    for switch in ("imma_w4", "0"):
+        monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
+        backend = CUDABackend(graph, dtype="bf16", graphs=False)
+        backend.use_cuda_kernels(image)
+        if switch != "0":
+            launch = backend.cuda_kernels.module.launch
+            monkeypatch.setattr(backend.cuda_kernels.module, "launch",
+                                lambda name, *a, _l=launch, **k: launches.append(name) or _l(name, *a, **k))  # fmt: skip
+        runners.append(ModelRunner(graph, backend))
+    prompt = _prompts(graph)[0]
+    logits = [r.step([SeqChunk(0, prompt)])[0][-1] for r in runners]
+    for _ in range(6):
+        np.testing.assert_allclose(logits[0], logits[1], atol=0.02 * np.abs(logits[1]).max(), rtol=0)
+        token = int(np.argmax(logits[1]))
+        logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
+    assert {cg.NORM_STAGE_ENTRIES[scheme], cg.STAGED_ENTRIES["imma_w4", scheme]} <= set(launches)
 
 
 @pytest.mark.interpreted
