@@ -424,7 +424,8 @@ def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN00
                                (backend, "norm_across_w8a16", "w8a16_norm_kernels", "w8a16_norm_across"),
                                (backend, "norm_across_dense", "dense_norm_kernels", "dense_norm_across"),
                                (backend, "narrow_decode_tiles", "decode_tiles_64", "decode_tiles_32"),
-                               (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile")):  # fmt: skip
+                               (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile"),
+                               (backend, "staged_x", "unstaged_x", "staged_x")):  # fmt: skip
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped

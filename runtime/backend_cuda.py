@@ -408,9 +408,11 @@ class CUDABackend(Backend):
         self.norm_gemv_pinned = os.environ.get("MGX_CUDA_NORM_GEMV", "") in ("0", "1")  # else a stored tuning's
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
         # x staged once for the imma GEMVs after an add + RMSNorm at batch 1 (``_norm_stage_into_gemv``;
-        # an experiment, off by default): "1" where the stored tuning's kind has a staged twin, a kind
-        # name for that kind's twin wherever it takes the product.
-        self.staged_x = os.environ.get("MGX_CUDA_STAGED_X", "0")
+        # an experiment, off by default): MGX_CUDA_STAGED_X=1 where the stored tuning's kind has a
+        # staged twin, =<kind> for that kind's twin wherever it takes the product (``staged_kind``).
+        staged = os.environ.get("MGX_CUDA_STAGED_X", "0")
+        self.staged_x = staged not in ("", "0")
+        self.staged_kind = "" if staged in ("", "0", "1") else staged
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
@@ -1372,11 +1374,11 @@ class CUDABackend(Backend):
         its output (``norm_stage``) and the linear runs the twin on that record. Returns the add's
         output, or None where it does not apply."""
         lin = self._fuse.linear_after_norm.get(id(norm_op))
-        if self.staged_x in ("", "0") or lin is None or a.shape[0] != 1 or group != a.shape[1]:
+        if not self.staged_x or lin is None or a.shape[0] != 1 or group != a.shape[1]:
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
         config = self._config(lin, 1)
-        kind = (config.native if config is not None and self.tuned_gemvs else "") if self.staged_x == "1" else self.staged_x
+        kind = self.staged_kind or (config.native if config is not None and self.tuned_gemvs else "")
         norm = NormPrologue(b, weight, eps, torch.empty_like(a))
         if not (staged_applies(self.cuda_kernels, a, w, kind, bias)
                 and norm_stage_applies(self.cuda_kernels, a, norm, w.scheme)):  # fmt: skip
