@@ -885,6 +885,19 @@ def _fresh_batch(lengths: list[int], starts: list[int] | None = None, samples: l
     return batch
 
 
+def _decode_side_by_side(graph, runners: list[ModelRunner], steps: int, rel: float = 0.0, atol: float = 0.0,
+                         after_prompt=None) -> None:  # noqa: ANN001
+    """Batch-1 greedy decode on two runners fed the same tokens (the second's picks): a prompt, then
+    ``steps`` single tokens; each step's last logits agree within ``atol`` plus ``rel`` of the second's
+    largest magnitude. ``after_prompt``, if given, must hold after the prompt's step."""
+    logits = [r.step([SeqChunk(0, _prompts(graph)[0])])[0][-1] for r in runners]
+    assert after_prompt is None or after_prompt()
+    for _ in range(steps):
+        np.testing.assert_allclose(logits[0], logits[1], atol=atol + rel * np.abs(logits[1]).max(), rtol=0)
+        token = int(np.argmax(logits[1]))
+        logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
+
+
 @pytest.mark.interpreted
 @pytest.mark.parametrize("switch", ["imma_w4", "1", "0"])
 def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -916,13 +929,7 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
     monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
     runners = [ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="f32")), ModelRunner(graph, "reference")]
-    prompt = _prompts(graph)[0]
-    logits = [r.step([SeqChunk(0, prompt)])[0][-1] for r in runners]
-    assert not calls  # a prompt's rows: never staged
-    for _ in range(3):
-        np.testing.assert_allclose(logits[0], logits[1], atol=ATOL, rtol=0)
-        token = int(np.argmax(logits[1]))
-        logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
+    _decode_side_by_side(graph, runners, steps=3, atol=ATOL, after_prompt=lambda: not calls)  # a prompt: never staged
     # a decode step: the post-attention norm of each of the 2 layers (gate/up) and the second layer's input
     # norm (QKV; the first layer's follows the embedding, no add), each a norm_stage and a staged GEMV
     per_step = ["norm_stage", "imma_w4"] * 3
@@ -1449,12 +1456,7 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
     launch = native.cuda_kernels.module.launch
     monkeypatch.setattr(native.cuda_kernels.module, "launch", lambda name, *a, **k: launches.append(name) or launch(name, *a, **k))
     runners = [ModelRunner(graph, native), ModelRunner(graph, CUDABackend(graph, dtype="bf16", graphs=False))]
-    prompt = _prompts(graph)[0]
-    logits = [r.step([SeqChunk(0, prompt)])[0][-1] for r in runners]
-    for _ in range(6):
-        np.testing.assert_allclose(logits[0], logits[1], atol=0.02 * np.abs(logits[1]).max(), rtol=0)
-        token = int(np.argmax(logits[1]))
-        logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
+    _decode_side_by_side(graph, runners, steps=6, rel=0.02)
     assert set(cg.ENTRIES.values()) & set(launches)
 
 
@@ -1496,12 +1498,7 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
             monkeypatch.setattr(backend.cuda_kernels.module, "launch",
                                 lambda name, *a, _l=launch, **k: launches.append(name) or _l(name, *a, **k))  # fmt: skip
         runners.append(ModelRunner(graph, backend))
-    prompt = _prompts(graph)[0]
-    logits = [r.step([SeqChunk(0, prompt)])[0][-1] for r in runners]
-    for _ in range(6):
-        np.testing.assert_allclose(logits[0], logits[1], atol=0.02 * np.abs(logits[1]).max(), rtol=0)
-        token = int(np.argmax(logits[1]))
-        logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
+    _decode_side_by_side(graph, runners, steps=6, rel=0.02)
     assert {cg.NORM_STAGE_ENTRIES[scheme], cg.STAGED_ENTRIES["imma_w4", scheme]} <= set(launches)
 
 
