@@ -1,0 +1,28 @@
+"""examples/bench_compiles.py on a GPU: the passes run on the tiny shape and each reports its compiles
+and tails, then the kernels' differing arguments. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_compiles.py"
+
+
+def test_gpu_passes_report_their_compiles(capsys) -> None:  # noqa: ANN001
+    spec = importlib.util.spec_from_file_location("bench_compiles", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    assert bench.main(["--shape", "tiny", "--passes", "eager,graphs", "--prompts", "6", "--rate", "50"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("pass 0 (eager): ") and out[1].startswith("pass 1 (graphs): ")
+    assert " compiles, " in out[0] and any(" variants, " in line for line in out[2:])
