@@ -1349,8 +1349,8 @@ class CUDABackend(Backend):
         that GEMV's prologue. Returns the sum it will write (the add's output), or None where it cannot.
         As for a plain row: the stored tuning's native kind, none where Triton won; untuned,
         quantized weights only, the tensor-core kernel for int4 where it applies, else the CUDA-core one."""
-        lin = self._fuse.linear_after_norm.get(id(norm_op))
-        if lin is None or not self._norm_gemv or a.shape[0] != 1 or group != a.shape[1]:
+        lin = self._one_row_reader(norm_op, a, group) if self._norm_gemv else None
+        if lin is None:
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
         config = self._config(lin, 1)
@@ -1367,14 +1367,19 @@ class CUDABackend(Backend):
                 return norm.total
         return None
 
+    def _one_row_reader(self, norm_op: Op, a: Array, group: int) -> Op | None:
+        """The one linear that reads ``norm_op``'s output, where the norm after an add is of one row
+        (x [1, K], the whole row one group); else None."""
+        return self._fuse.linear_after_norm.get(id(norm_op)) if a.shape[0] == 1 and group == a.shape[1] else None
+
     def _norm_stage_into_gemv(self, norm_op: Op, a: Array, b: Array, weight: Array | None, eps: float,
                               group: int) -> Array | None:  # fmt: skip
         """``MGX_CUDA_STAGED_X``: one row whose add + RMSNorm feeds one linear on an imma kind with a
         staged twin (the stored tuning's with "1", else the kind named): the norm's kernel also stages
         its output (``norm_stage``) and the linear runs the twin on that record. Returns the add's
         output, or None where it does not apply."""
-        lin = self._fuse.linear_after_norm.get(id(norm_op))
-        if not self.staged_x or lin is None or a.shape[0] != 1 or group != a.shape[1]:
+        lin = self._one_row_reader(norm_op, a, group) if self.staged_x else None
+        if lin is None:
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
         config = self._config(lin, 1)

@@ -1020,22 +1020,30 @@ __device__ __forceinline__ float2 staged_fs(const uint4* __restrict__ rec, int s
 
 constexpr int kStageWarps = 4;  // warps a block of imma_stage_rows (a step each)
 
-template <bool kInt4>
-__device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict__ x, int k) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int steps = k >> 7, s = blockIdx.x * kStageWarps + warp;
-  uint8_t* buf = imma_buffer<kStageWarps>(warp);
-  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones, as gemv_imma
-  __syncwarp();
-  mgx_pdl_wait();  // x may be the kernel before's output
-  if (s >= steps) return;
+// One warp's step s of x (global memory, or with kShared the block's row) into rec: staged in the
+// warp's buffer as a GEMV warp stages it, then each lane's B words as that lane reads them, and the
+// step's factor and sum X. Every lane of the warp calls it.
+template <bool kInt4, bool kShared>
+__device__ __forceinline__ void imma_stage_step(uint4* __restrict__ rec, uint8_t* buf, const uint4* __restrict__ x, int s,
+                                                int steps) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float sum_x = 0.0f;
-  const float factor = kInt4 ? imma4_stage_x(buf, x_oct<false>(x, s * 16 + (lane >> 1)), lane, sum_x)
-                             : imma_stage_x(buf, x_quad<false>(x, s * 32 + lane), lane);
+  const float factor = kInt4 ? imma4_stage_x(buf, x_oct<kShared>(x, s * 16 + (lane >> 1)), lane, sum_x)
+                             : imma_stage_x(buf, x_quad<kShared>(x, s * 32 + lane), lane);
   const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);  // as gemv_imma's lane (g, t)
   const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
   rec[s * 32 + lane] = make_uint4(b0.x, b0.y, b1.x, b1.y);
   if (lane == 0) reinterpret_cast<float2*>(rec + steps * 32)[s] = make_float2(factor, sum_x);
+}
+
+template <bool kInt4>
+__device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict__ x, int k) {
+  const int warp = threadIdx.x >> 5, s = blockIdx.x * kStageWarps + warp;
+  uint8_t* buf = imma_buffer<kStageWarps>(warp);
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[threadIdx.x & 31] = 0x01010101u;  // column 2: ones, as gemv_imma
+  __syncwarp();
+  mgx_pdl_wait();  // x may be the kernel before's output
+  if (s < (k >> 7)) imma_stage_step<kInt4, false>(rec, buf, x, s, k >> 7);
 }
 
 // The RMSNorm before a staged GEMV, writing its record too: one block normalizes the row
@@ -1045,22 +1053,13 @@ __device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict
 template <bool kInt4>
 __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restrict__ rec, const NormIn& in, int k) {
   extern __shared__ uint4 xs[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int steps = k >> 7, warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, steps = k >> 7;
   uint8_t* buf = imma_buffer<kMaxThreads / 32>(warp);
-  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[threadIdx.x & 31] = 0x01010101u;  // column 2: ones
   mgx_pdl_wait();
   norm_prologue(xs, in, k);  // ends with a block barrier: xs is complete
   for (int j = threadIdx.x; j < (k >> 3); j += blockDim.x) reinterpret_cast<uint4*>(out)[j] = xs[j];
-  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
-  for (int s = warp; s < steps; s += warps) {
-    float sum_x = 0.0f;
-    const float factor = kInt4 ? imma4_stage_x(buf, x_oct<true>(xs, s * 16 + (lane >> 1)), lane, sum_x)
-                               : imma_stage_x(buf, x_quad<true>(xs, s * 32 + lane), lane);
-    const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
-    rec[s * 32 + lane] = make_uint4(b0.x, b0.y, b1.x, b1.y);
-    if (lane == 0) reinterpret_cast<float2*>(rec + steps * 32)[s] = make_float2(factor, sum_x);
-  }
+  for (int s = warp; s < steps; s += blockDim.x >> 5) imma_stage_step<kInt4, true>(rec, buf, xs, s, steps);
 }
 
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per

@@ -101,9 +101,9 @@ LABELS = {  # how the engine's kernel note names them
 # of staging x in every block (about 190 -> 140 SASS instructions an int4 step on sm_90a). The same
 # bits as the kind itself.
 STAGED_KINDS = ("imma", "imma_w4", "imma_w16")
-_STAGED = {(_ENTRY_KIND[kind], scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(
-    f"_bf16_v{KERNEL_ABI}", f"_staged_bf16_v{KERNEL_ABI}") for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}  # fmt: skip
-STAGED_ENTRIES = {(kind, scheme): _STAGED[_ENTRY_KIND[kind], scheme] for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}
+STAGED_ENTRIES = {(kind, scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(f"_bf16_v{KERNEL_ABI}", f"_staged_bf16_v{KERNEL_ABI}")
+                  for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}  # fmt: skip
+_STAGED = {(_ENTRY_KIND[kind], scheme): name for (kind, scheme), name in STAGED_ENTRIES.items()}  # as _launch looks up
 STAGE_ENTRIES = {"int4": f"mgx_imma_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_imma_stage_w8a16_v{KERNEL_ABI}"}
 STAGE_WARPS = 4  # kStageWarps in gemv.cu: warps (steps) a block of the stage kernel
 # The RMSNorm that also writes the record (``norm_stage``: one kernel instead of the norm's and the stage's).
@@ -294,9 +294,7 @@ def gemv_applies(
     entry = entry_for(kind, w.scheme, norm is not None, argmax)
     if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
         return False
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or not x.is_cuda or x.device.index != kernels.device:
-        return False
-    if w.k % 8 or x.shape[1] != w.k or x.stride(1) != 1 or x.data_ptr() % 16:
+    if not _one_row(kernels, x) or w.k % 8 or x.shape[1] != w.k:
         return False
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
         return False
@@ -330,10 +328,7 @@ def gemv(
     """x [1, K] @ W[N, K]^T (+ bias) -> [1, N] bf16; with ``silu_mul`` W holds gate rows then up rows
     and the result is silu(gate) * up, [1, N/2]; with ``norm``, rms_norm(x + norm.delta) * norm.weight
     takes x's place. The caller checks ``gemv_applies`` first."""
-    if silu_mul and w.n % 2:
-        raise ValueError(f"fused gate/up width {w.n} is odd")
-    n_out = w.n // 2 if silu_mul else w.n
-    out = torch.empty((1, n_out), dtype=torch.bfloat16, device=x.device) if out is None else out
+    out = _out_row(w, silu_mul, out, x.device)
     _launch(x, w, bias, kernels, kind, out, silu_mul, norm, ENTRIES)
     return out
 
@@ -373,7 +368,7 @@ def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Te
     rec = torch.empty(staged_bytes(k), dtype=torch.uint8, device=x.device) if out is None else out
     steps = k // MMA_COLUMNS
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    args = [ctypes.c_void_p(rec.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_int(k)]
+    args = [_ptr(rec), _ptr(x), ctypes.c_int(k)]
     kernels.module.launch(STAGE_ENTRIES[scheme], (-(-steps // STAGE_WARPS),), (32 * STAGE_WARPS,), args, stream,
                           shared_bytes=0, overlap=kernels.overlap)  # fmt: skip
     return rec
@@ -382,9 +377,7 @@ def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Te
 def norm_stage_applies(kernels: CudaKernels | None, x: torch.Tensor, norm: NormPrologue, scheme: str) -> bool:
     """Whether ``norm_stage`` takes the row x [1, K] with ``norm``'s operands for ``scheme``'s staged GEMVs."""
     return (scheme in NORM_STAGE_ENTRIES and kernels is not None and kernels.has(NORM_STAGE_ENTRIES[scheme])
-            and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.is_cuda
-            and x.device.index == kernels.device and x.shape[1] % MMA_COLUMNS == 0 and x.is_contiguous()
-            and x.data_ptr() % 16 == 0 and norm.applies(x))  # fmt: skip
+            and _one_row(kernels, x) and x.shape[1] % MMA_COLUMNS == 0 and norm.applies(x))  # fmt: skip
 
 
 def norm_stage(
@@ -398,12 +391,8 @@ def norm_stage(
     k = x.shape[1]
     out = torch.empty_like(x) if out is None else out
     rec = torch.empty(staged_bytes(k), dtype=torch.uint8, device=x.device) if rec is None else rec
-
-    def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-        return ctypes.c_void_p(t.data_ptr() if t is not None else None)
-
-    args = [ptr(out), ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps), ptr(rec),
-            ctypes.c_int(k)]  # fmt: skip
+    args = [_ptr(out), _ptr(norm.total), _ptr(x), _ptr(norm.delta), _ptr(norm.weight), ctypes.c_float(norm.eps),
+            _ptr(rec), ctypes.c_int(k)]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(NORM_STAGE_ENTRIES[scheme], (1,), (MAX_THREADS,), args, stream, shared_bytes=2 * k,
                           overlap=kernels.overlap)  # fmt: skip
@@ -422,11 +411,28 @@ def gemv_staged(
 ) -> torch.Tensor:
     """``gemv`` of ``kind`` on the row that ``stage_x`` staged into ``rec`` (for W's scheme): the same
     result, to the bit. The caller checks ``staged_applies`` first."""
-    if silu_mul and w.n % 2:
-        raise ValueError(f"fused gate/up width {w.n} is odd")
-    out = torch.empty((1, w.n // 2 if silu_mul else w.n), dtype=torch.bfloat16, device=rec.device) if out is None else out
+    out = _out_row(w, silu_mul, out, rec.device)
     _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED)
     return out
+
+
+def _out_row(w: GpuWeight, silu_mul: bool, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``out``, or a new bf16 row for the GEMV's outputs ([1, N], or [1, N/2] with the SiLU product)."""
+    if silu_mul and w.n % 2:
+        raise ValueError(f"fused gate/up width {w.n} is odd")
+    return torch.empty((1, w.n // 2 if silu_mul else w.n), dtype=torch.bfloat16, device=device) if out is None else out
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """A tensor's device address as a kernel argument (null for None)."""
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
+def _one_row(kernels: CudaKernels, x: torch.Tensor) -> bool:
+    """Whether x is one bf16 row on the kernels' GPU, contiguous and 16-byte aligned (what the native
+    kernels' vector loads of x need)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.is_cuda
+            and x.device.index == kernels.device and x.stride(1) == 1 and x.data_ptr() % 16 == 0)  # fmt: skip
 
 
 def _launch(
@@ -447,25 +453,22 @@ def _launch(
     per_block = rows // 2 if silu_mul else rows
     threads = block_threads(kind, w.k)
 
-    def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-        return ctypes.c_void_p(t.data_ptr() if t is not None else None)
-
     silu_f = ctypes.c_int(n_out if silu_mul else 0)
     n, k = ctypes.c_int(w.n), ctypes.c_int(w.k)
     stride_w = ctypes.c_longlong(w.weight.stride(0) * w.weight.element_size())  # bytes
     if w.scheme == "int4":
         group_shift = w.group_size.bit_length() - 1
-        args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(None if w.symmetric else w.zeros), ptr(bias),
+        args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(w.scales), _ptr(None if w.symmetric else w.zeros), _ptr(bias),
                 n, k, stride_w, ctypes.c_longlong(w.scales.stride(0)), ctypes.c_int(group_shift), silu_f]  # fmt: skip
     elif w.scheme == "w8a16":
-        args = [ptr(out), ptr(x), ptr(w.weight), ptr(w.scales), ptr(bias), n, k, stride_w, silu_f]
+        args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(w.scales), _ptr(bias), n, k, stride_w, silu_f]
     else:
-        args = [ptr(out), ptr(x), ptr(w.weight), ptr(bias), n, k, stride_w, silu_f]
+        args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k
         blocks = equal_shares(blocks, norm_most(kernels, kind, w.scheme, w.k, x.device))
-        args[1:2] = [ptr(norm.total), ptr(x), ptr(norm.delta), ptr(norm.weight), ctypes.c_float(norm.eps)]
+        args[1:2] = [_ptr(norm.total), _ptr(x), _ptr(norm.delta), _ptr(norm.weight), ctypes.c_float(norm.eps)]
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
     elif kind in _EQUAL_SHARES:
