@@ -128,10 +128,9 @@ class Chain:
         import torch
 
         rec = self.records.get(name)
-        if rec is None:
-            rec = self.records[name] = torch.empty(staged_bytes(x.shape[1]), dtype=torch.uint8, device=x.device)
-            stage_x(x, w[name].scheme, kernels=kernels, out=rec)
-        if self.stage_in_graph:
+        if rec is None or self.stage_in_graph:  # staged before the graph: once, in the first (uncaptured) run
+            if rec is None:
+                rec = self.records[name] = torch.empty(staged_bytes(x.shape[1]), dtype=torch.uint8, device=x.device)
             stage_x(x, w[name].scheme, kernels=kernels, out=rec)
         return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
 
