@@ -20,12 +20,12 @@ the artifact's native GEMVs take the projection, an ``add`` and the ``rms_norm``
 prologue of the GEMV that reads the norm (``NormPrologue``) instead of a kernel of their own. Off by
 default: on the H200 the batch-1 graphs were slower with it (8B bf16 4.88 vs 4.80 ms, INT4 3.68 vs
 3.46 ms; 1B bf16 and W8A16 too; only 1B INT4 gained, 0.86 vs 0.93 ms; later INT4 3.33 vs 2.11 ms,
-when its launches ran imma_w4 at half occupancy, fixed in the nineteenth session, not re-measured). With
-``MGX_CUDA_STAGED_X=1`` (or a kind's name: ``imma``, ``imma_w4``, ``imma_w16``), at batch 1, an add and
-the RMSNorm after it that feed a projection on an imma kind run as ``norm_stage``, which also stages
-the normalized row once for every block, and the projection runs the kind's staged twin on that
-record (``gemv_staged``; an experiment of the twenty-sixth session, off by default, not yet run on a
-GPU). On sm_90 and newer the
+when its launches ran imma_w4 at half occupancy, fixed in the nineteenth session, not re-measured). At
+batch 1, an add and the RMSNorm after it that feed an INT4 projection on an imma kind run as
+``norm_stage``, which also stages the normalized row once for every block, and the projection runs
+the kind's staged twin on that record (``gemv_staged``; ``STAGED_SCHEMES`` says what it gained).
+``MGX_CUDA_STAGED_X=1`` does so for W8A16 too, a kind's name (``imma``, ``imma_w4``, ``imma_w16``)
+forces that kind, ``=0`` turns it off. On sm_90 and newer the
 decode-path kernels are launched overlapped (programmatic dependent launches; the Triton linear,
 decode attention and LM head kernels and the native ones): each may start while the kernel before it
 finishes and waits for it before reading its output or writing anything (``overlap_launches``;
@@ -155,6 +155,11 @@ SELF_MERGE_MAX_SPLITS = 16
 # Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
 # default; W8A16 and dense readers lost on the H200 (module docstring).
 NORM_IN_SCHEMES = frozenset({"int4"})
+# Weights whose projections after an add + RMSNorm run the staged twin by default at batch 1
+# (``_norm_stage_into_gemv``). On the H200 (27th session, 8B shape, tuned kinds) the INT4 batch-1
+# graph took 1.861 ms staged against 1.924 unstaged; the W8A16 layer chain was slower staged (2.353
+# against 2.311 ms), so W8A16 stays unstaged unless MGX_CUDA_STAGED_X=1.
+STAGED_SCHEMES = frozenset({"int4"})
 # Token buckets of the prefill graphs (module docstring): powers of two up to 256, then
 # steps of 128 to 512 and of 256 to 4,096, so that padding adds less than half to prompts past 256
 # tokens and less than a third past 768.
@@ -407,12 +412,14 @@ class CUDABackend(Backend):
         self._norm_gemv = os.environ.get("MGX_CUDA_NORM_GEMV", "0") == "1"  # add + RMSNorm in a GEMV's prologue
         self.norm_gemv_pinned = os.environ.get("MGX_CUDA_NORM_GEMV", "") in ("0", "1")  # else a stored tuning's
         self.tuned_gemvs = True  # the stored tunings' native GEMV choices (False: their Triton configurations)
-        # x staged once for the imma GEMVs after an add + RMSNorm at batch 1 (``_norm_stage_into_gemv``;
-        # an experiment, off by default): MGX_CUDA_STAGED_X=1 where the stored tuning's kind has a
-        # staged twin, =<kind> for that kind's twin wherever it takes the product (``staged_kind``).
-        staged = os.environ.get("MGX_CUDA_STAGED_X", "0")
-        self.staged_x = staged not in ("", "0")
+        # x staged once for the imma GEMVs after an add + RMSNorm at batch 1 (``_norm_stage_into_gemv``):
+        # by default for INT4 weights where the stored tuning's kind has a staged twin (``STAGED_SCHEMES``);
+        # MGX_CUDA_STAGED_X=1 for every scheme with twins, =<kind> for that kind's twin wherever it takes
+        # the product (``staged_kind``), =0 never.
+        staged = os.environ.get("MGX_CUDA_STAGED_X", "")
+        self.staged_x = staged != "0"
         self.staged_kind = "" if staged in ("", "0", "1") else staged
+        self.staged_schemes = STAGED_SCHEMES if staged == "" else None  # None: any the kernels take
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
@@ -1374,14 +1381,16 @@ class CUDABackend(Backend):
 
     def _norm_stage_into_gemv(self, norm_op: Op, a: Array, b: Array, weight: Array | None, eps: float,
                               group: int) -> Array | None:  # fmt: skip
-        """``MGX_CUDA_STAGED_X``: one row whose add + RMSNorm feeds one linear on an imma kind with a
-        staged twin (the stored tuning's with "1", else the kind named): the norm's kernel also stages
-        its output (``norm_stage``) and the linear runs the twin on that record. Returns the add's
-        output, or None where it does not apply."""
+        """One row whose add + RMSNorm feeds one linear on an imma kind with a staged twin (the
+        stored tuning's, on ``STAGED_SCHEMES`` weights by default or any with ``MGX_CUDA_STAGED_X=1``;
+        else the kind named): the norm's kernel also stages its output (``norm_stage``) and the linear
+        runs the twin on that record. Returns the add's output, or None where it does not apply."""
         lin = self._one_row_reader(norm_op, a, group) if self.staged_x else None
         if lin is None:
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
+        if self.staged_schemes is not None and w.scheme not in self.staged_schemes:
+            return None
         config = self._config(lin, 1)
         kind = self.staged_kind or (config.native if config is not None and self.tuned_gemvs else "")
         norm = NormPrologue(b, weight, eps, torch.empty_like(a))

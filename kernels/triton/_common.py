@@ -34,8 +34,9 @@ COMPILED = tl.constexpr(not _INTERPRETING)
 # 1B shape, 480 requests at 8/s with steps of several sequences launched op by op) that was 81
 # compiles taking 67 s of host time, 49 of them the K/V-write kernel's; steps waited up to 3.1 s.
 # With these counts not specialized at all (``do_not_specialize``, the sixtieth run), the same load
-# compiled 14 variants, all in its first pass. The packed step metadata starts each part 16 bytes
-# in for the same reason: pointer alignment is specialized too.
+# compiled 14 variants, all in its first pass. Block-table strides and widths are not specialized at
+# all (a table of one column is no faster, but was a variant of its own). The packed step metadata
+# starts each part 16 bytes in for the same reason: pointer alignment is specialized too.
 
 _OVERLAP = contextvars.ContextVar("mgx_triton_overlap", default=False)
 

@@ -49,7 +49,9 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 # Splits a merge loads at a time: [G, 16, D] fp32 partials fit a program's registers (all of 33-64
-# splits at once took 255 registers and 120 bytes of stack on sm_90a).
+# splits at once took 255 registers and 120 bytes of stack on sm_90a). Always this many, masked, for
+# any count of splits: a tile fitted to the count (1 to 16) was a variant of the decode kernel for
+# each, compiled mid-load as contexts grew (four more of 1.5 s each on the H200, 27th session).
 MERGE_SPLITS = 16
 
 
@@ -94,7 +96,7 @@ def _decode_kv(q, k, v, valid, scale_log2, m, denom, acc, DOT_PREC: tl.constexpr
     return m_new, denom, acc
 
 
-@triton.jit(do_not_specialize_on_alignment=["bt_cols", "stride_bt", "num_splits"])  # per-step counts (_common.py says why)
+@triton.jit(do_not_specialize=["bt_cols", "stride_bt"], do_not_specialize_on_alignment=["num_splits"])  # per-step counts (_common.py)
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, cnt_ptr,
     k_ptr, v_ptr, inv_ptr, stride_k, stride_v, attention_scaling,
@@ -251,7 +253,7 @@ def _decode_merge_kernel(
                 BLOCK_P, BLOCK_D, "")  # fmt: skip
 
 
-@triton.jit(do_not_specialize_on_alignment=["stride_bt"])  # a per-step count (_common.py says why)
+@triton.jit(do_not_specialize=["stride_bt"])  # a per-step count (_common.py says why)
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, pos_ptr, out_ptr,
     stride_q, stride_o, stride_bt, scale_log2, window,
@@ -427,14 +429,14 @@ def paged_attention_decode(
         q.stride(0), out.stride(0), block_table.stride(0), block_table.shape[1], float(scale) * LOG2E,
         int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, BLOCK_P=min(next_pow2(num_splits), MERGE_SPLITS) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
+        BLOCK_N=block_n, BLOCK_P=MERGE_SPLITS if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
         SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:
         _decode_merge_kernel[(n, hq)](
             part_o, part_m, part_l, out, out.stride(0), num_splits,
-            HQ=hq, D=d, BLOCK_P=min(next_pow2(num_splits), MERGE_SPLITS), BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
+            HQ=hq, D=d, BLOCK_P=MERGE_SPLITS, BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
         )  # fmt: skip
     return out
 

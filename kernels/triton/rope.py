@@ -63,7 +63,7 @@ def _rotate(x_ptr, row, heads, scale_cos, scale_sin, partner, sign, rot,
     return tl.where(rot[None, :], turned, x)
 
 
-@triton.jit(do_not_specialize_on_alignment=["num_seqs", "stride_bt"])  # per-step counts (_common.py says why)
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["num_seqs"])  # per-step counts (_common.py)
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr,
     num_seqs, stride_q, stride_k, stride_v, stride_bt, attention_scaling,

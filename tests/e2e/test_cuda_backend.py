@@ -936,6 +936,33 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
     assert calls == (per_step * 3 if switch == "imma_w4" else [])
 
 
+@pytest.mark.parametrize(("switch", "stages"), [(None, {"int4"}), ("", {"int4"}), ("1", {"int4", "w8a16", "none"}),
+                                                ("imma_w4", {"int4", "w8a16", "none"}), ("0", set())])  # fmt: skip
+def test_staged_x_is_on_for_int4_weights_by_default(switch: str | None, stages: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, ``MGX_CUDA_STAGED_X`` stages x for INT4 projections only (W8A16 was slower staged on
+    the H200); "1" or a kind's name leaves it to the kernels (``staged_applies``) for any weights,
+    "0" never stages. Checked where ``_norm_stage_into_gemv`` decides, with every other condition met."""
+    from mgx.runtime import backend_cuda
+
+    if switch is None:
+        monkeypatch.delenv("MGX_CUDA_STAGED_X", raising=False)
+    else:
+        monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
+    monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: True)
+    monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
+    monkeypatch.setattr(backend_cuda, "norm_stage", lambda x, norm, scheme, *, kernels: (x, "record"))
+    staged = set()
+    for scheme, pipeline in (("int4", "int4-tiled"), ("w8a16", "w8a16-tiled"), ("none", "dense")):
+        backend = CUDABackend(compiled("gqa", pipeline), device="cpu", dtype="f32")
+        lin = next(op for op in backend.graph.ops if op.kind == "linear")
+        assert backend._weights[id(lin)].scheme == scheme
+        monkeypatch.setattr(backend, "_one_row_reader", lambda norm_op, a, group, _lin=lin: _lin)
+        x = torch.ones(1, backend._weights[id(lin)].k)
+        if backend._norm_stage_into_gemv(lin, x, x, None, 1e-6, x.shape[1]) is not None:
+            staged.add(scheme)
+    assert staged == stages
+
+
 def test_every_part_of_a_steps_packed_metadata_starts_16_bytes_in() -> None:
     """Triton specializes kernels on whether a pointer is 16-byte aligned, so a part that moved with
     the step's counts compiled new variants mid-load: the eager step's parts, and the decode,
