@@ -49,10 +49,13 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 # Splits a merge loads at a time: [G, 16, D] fp32 partials fit a program's registers (all of 33-64
-# splits at once took 255 registers and 120 bytes of stack on sm_90a). Always this many, masked, for
-# any count of splits: a tile fitted to the count (1 to 16) was a variant of the decode kernel for
-# each, compiled mid-load as contexts grew (four more of 1.5 s each on the H200, 27th session).
+# splits at once took 255 registers and 120 bytes of stack on sm_90a). Two tiles only, masked
+# (``merge_tile``): a tile fitted to the count (1, 2, 4, 8, 16) was a variant of the decode kernel
+# for each, compiled mid-load as contexts grew (1.5 s each on the H200, 27th session). One tile of 16
+# for every count cost 8B heads (D = 128) 0.5 us at 6-8 splits (7.08 against 6.58 us at batch 1, a
+# 768-token context), and 1B heads nothing measurable; a tile of 8 up to 8 splits is what those ran.
 MERGE_SPLITS = 16
+SMALL_MERGE_SPLITS = 8
 
 
 @triton.jit
@@ -350,6 +353,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sms: i
     return max(1, min(want, most, 256))
 
 
+def merge_tile(num_splits: int) -> int:
+    """Splits a merge of ``num_splits`` partials loads at a time (``MERGE_SPLITS`` says why two sizes)."""
+    return SMALL_MERGE_SPLITS if num_splits <= SMALL_MERGE_SPLITS else MERGE_SPLITS
+
+
 def _check(q, k_cache, v_cache, block_table, context_lens, out):
     check_float("q", q)
     page, hk, d = check_cache(k_cache, v_cache)
@@ -429,14 +437,14 @@ def paged_attention_decode(
         q.stride(0), out.stride(0), block_table.stride(0), block_table.shape[1], float(scale) * LOG2E,
         int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, BLOCK_P=MERGE_SPLITS if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
+        BLOCK_N=block_n, BLOCK_P=merge_tile(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
         SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:
         _decode_merge_kernel[(n, hq)](
             part_o, part_m, part_l, out, out.stride(0), num_splits,
-            HQ=hq, D=d, BLOCK_P=MERGE_SPLITS, BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
+            HQ=hq, D=d, BLOCK_P=merge_tile(num_splits), BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
         )  # fmt: skip
     return out
 

@@ -118,6 +118,36 @@ def test_decode_merges_more_splits_than_it_loads_at_once(num_splits: int, merge:
         assert not counters.any()
 
 
+def test_decode_merges_any_split_count_with_two_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tile the merge loads splits in is a variant of the decode kernel that Triton compiles the
+    first time it meets it (mid-load, as contexts grow): split counts from 2 to 20 launch two tiles in
+    all (``merge_tile``), and each count's output is the reference's."""
+    launched: set[int] = set()
+    kernel = attention._decode_kernel
+
+    class Recording:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                launched.add(kwargs["BLOCK_P"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(attention, "_decode_kernel", Recording())
+    g = torch.Generator().manual_seed(3)
+    hq, hk, d = 4, 2, 16
+    b = paged_batch([300, 40], [1, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=8, device=DEVICE,
+                    generator=g)  # fmt: skip
+    want = attention.paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
+                                         b.query_start_loc, b.positions, scale=0.3)  # fmt: skip
+    counters = attention.new_decode_counters(DEVICE, 2, hk)
+    for num_splits in (2, 5, 9, 20):
+        got = attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                               num_splits=num_splits, block_n=16, counters=counters)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert launched == {attention.SMALL_MERGE_SPLITS, attention.MERGE_SPLITS}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rotary_dim", "window", "num_splits"), [(None, 0, 3), (8, 0, 1), (None, 6, 2), (8, 0, 8)])
 def test_decode_with_rope_equals_rope_and_write_kv_then_decode(dtype, rotary_dim, window: int, num_splits: int) -> None:
