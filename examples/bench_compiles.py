@@ -10,6 +10,7 @@ whose specialization differed between its variants (a count of 1, a multiple of 
 pointer 16-byte aligned or not; constexprs):
 
     python examples/bench_compiles.py --passes eager,eager,graphs --rate 8 --prompts 160
+    python examples/bench_compiles.py --warm-up --passes graphs   # what a warmed-up server still compiles
 
 It hooks Triton's JIT (``JITFunction._do_compile`` and ``compute_cache_key``, Triton 3.x internals):
 a diagnostic, not part of the product. Point ``TRITON_CACHE_DIR`` at an empty folder to count real
@@ -56,6 +57,12 @@ def varying_args(compiles: list[Compile]) -> dict[str, tuple[int, float, dict[st
     return out
 
 
+def summary(compiles: list[Compile]) -> str:
+    """'N compiles, S s, {kernel: count}' of a stretch of the log, kernels by most compiles first."""
+    kernels = dict(collections.Counter(c.kernel for c in compiles).most_common())
+    return f"{len(compiles)} compiles, {sum(c.seconds for c in compiles):.1f} s, {kernels}"
+
+
 def hook_triton(log: list[Compile]) -> None:
     """Record every compile of a Triton JIT kernel into ``log``, with the specialization it was keyed by."""
     import triton.runtime.jit as jit
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", default="eager,eager,graphs", help="comma-separated: eager or graphs (mixed steps)")
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
     ap.add_argument("--prompts", type=int, default=160, help="requests a pass")
+    ap.add_argument("--warm-up", action="store_true", help="run Engine.warm_up() (mgx-run serve --warm-up) first")
     args = ap.parse_args(argv)
     passes = args.passes.split(",")
     if bad := [p for p in passes if p not in ("eager", "graphs")]:
@@ -113,17 +121,18 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(path, backend="cuda", config=EngineConfig(max_num_seqs=64, max_tokens_per_step=512,
                                                                   kv_memory="16GiB"))  # fmt: skip
         backend = engine.runner.backend
+        if args.warm_up:
+            n0 = len(log)
+            sizes, seconds = engine.warm_up()
+            print(f"warm-up: {sizes} batch sizes in {seconds:.1f} s; {summary(log[n0:])}", flush=True)
         for seed, mode in enumerate(passes):
             backend.mixed_graphs = mode == "graphs" and backend.use_graphs
             n0 = len(log)
             r = run_bench(engine, Workload(num_prompts=args.prompts, prompt_len=(32, 1024), output_len=(32, 256),
                                            request_rate=args.rate, seed=seed))  # fmt: skip
-            new = log[n0:]
-            kernels = collections.Counter(c.kernel for c in new).most_common()
-            print(f"pass {seed} ({mode}): {len(new)} compiles, {sum(c.seconds for c in new):.1f} s; "
+            print(f"pass {seed} ({mode}): {summary(log[n0:])}; "
                   f"TTFT ms {({k: round(v) for k, v in r['ttft_ms'].items()})}; "
-                  f"step ms {({k: round(v, 1) for k, v in r['step_ms'].items()})}; graphs {r['graphs']}; "
-                  f"{dict(kernels)}", flush=True)  # fmt: skip
+                  f"step ms {({k: round(v, 1) for k, v in r['step_ms'].items()})}; graphs {r['graphs']}", flush=True)  # fmt: skip
     for kernel, (n, seconds, diff) in varying_args(log).items():
         print(f"{kernel}: {n} variants, {seconds:.1f} s; differing: {diff or 'nothing (one variant)'}")
     return 0

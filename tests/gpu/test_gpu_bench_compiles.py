@@ -1,4 +1,4 @@
-"""examples/bench_compiles.py on a GPU: the passes run on the tiny shape and each reports its compiles
+"""examples/bench_compiles.py on a GPU: a warm-up and the passes run on the tiny shape and each reports its compiles
 and tails, then the kernels' differing arguments. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_gpu_passes_report_their_compiles(capsys) -> None:  # noqa: ANN001
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
-    assert bench.main(["--shape", "tiny", "--passes", "eager,graphs", "--prompts", "6", "--rate", "50"]) == 0
+    assert bench.main(["--shape", "tiny", "--warm-up", "--passes", "eager,graphs", "--prompts", "6", "--rate", "50"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("pass 0 (eager): ") and out[1].startswith("pass 1 (graphs): ")
-    assert " compiles, " in out[0] and any(" variants, " in line for line in out[2:])
+    assert out[0].startswith("warm-up: ") and " batch sizes in " in out[0]
+    assert out[1].startswith("pass 0 (eager): ") and out[2].startswith("pass 1 (graphs): ")
+    assert " compiles, " in out[1] and any(" variants, " in line for line in out[3:])

@@ -38,6 +38,13 @@ def test_varying_args_names_the_parameters_whose_specialization_differed(bench) 
     assert got["decode"] == (1, 0.25, {})
 
 
+def test_summary_counts_a_stretch_of_compiles_by_kernel(bench) -> None:  # noqa: ANN001
+    c = bench.Compile
+    log = [c("rope", (), (), 0.5), c("decode", (), (), 0.25), c("rope", (), (), 1.0)]
+    assert bench.summary(log) == "3 compiles, 1.8 s, {'rope': 2, 'decode': 1}"
+    assert bench.summary([]) == "0 compiles, 0.0 s, {}"
+
+
 def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatch) -> None:  # noqa: ANN001
     for argv, says in ((["--passes", "eager,warm"], "warm not eager or graphs"),
                        (["--rate", "0"], "--rate must be > 0")):  # fmt: skip
