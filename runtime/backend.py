@@ -133,6 +133,11 @@ class Backend(ABC):
         them before serving); none here."""
         return []
 
+    def warm_prompt_lengths(self, max_tokens_per_step: int) -> list[int]:
+        """Prompt lengths whose prefill steps this backend records on first use (``Engine.warm_up``
+        runs each twice before serving); none here."""
+        return []
+
     def graph_stats(self) -> dict[str, dict[str, float]]:
         """Steps launched by path, graphs captured by kind and their host seconds, for backends that
         replay recorded steps (the CUDA backend's graphs); empty here."""

@@ -600,6 +600,16 @@ class CUDABackend(Backend):
         top = min(max_num_seqs, GRAPH_BUCKETS[-1])
         return [b for b in GRAPH_BUCKETS if b < top] + [top]
 
+    def warm_prompt_lengths(self, max_tokens_per_step: int) -> list[int]:
+        """One prompt length per prefill-graph token bucket a prompt (or a chunk of one) of up to
+        ``max_tokens_per_step`` tokens meets: the buckets below it, then the budget itself. A bucket's
+        first prompt runs eagerly (its kernels compile then: the K/V write's tile, the LM head's rows,
+        the quantized linears' row counts) and its second captures the graph. None without graphs."""
+        if not self.prefill_graphs:
+            return []
+        top = min(max_tokens_per_step, PREFILL_GRAPH_TOKENS[-1])
+        return [b for b in PREFILL_GRAPH_TOKENS if b < top] + [top] if top >= 2 else []
+
     def graph_stats(self) -> dict[str, dict[str, float]]:
         """Steps launched by path ("decode", "prefill", "mixed" graphs; "eager"), graphs captured by
         kind and the host seconds those captures took, since the backend was made."""

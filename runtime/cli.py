@@ -63,8 +63,9 @@ def _engine_config(kv_memory: str | None, **kw: Any) -> Any:
 _warm_up_option = click.option(
     "--warm-up",
     is_flag=True,
-    help="First run throwaway greedy and sampling requests at each batch size the backend records steps "
-    "for (cuda: the decode graphs up to --max-num-seqs), so that no request waits for those captures.",
+    help="First run throwaway greedy and sampling requests at each batch size and prompt length the backend "
+    "records steps for (cuda: the decode graphs up to --max-num-seqs, the prefill graphs up to "
+    "--max-tokens-per-step), so that no request waits for those captures and compiles.",
 )
 
 

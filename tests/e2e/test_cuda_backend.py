@@ -858,6 +858,23 @@ def test_warm_batch_sizes_meet_each_decode_bucket_up_to_the_largest_batch() -> N
     assert backend.warm_batch_sizes(1000) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256]
 
 
+def test_warm_prompt_lengths_meet_each_prefill_bucket_up_to_the_step_budget() -> None:
+    from mgx.runtime.backend_cuda import PREFILL_GRAPH_TOKENS
+
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    assert backend.warm_prompt_lengths(512) == []  # no graphs on this device
+    backend.prefill_graphs = True
+    assert backend.warm_prompt_lengths(512) == [16, 32, 64, 128, 256, 384, 512]
+    assert backend.warm_prompt_lengths(600) == [16, 32, 64, 128, 256, 384, 512, 600]  # 600 tokens take bucket 768
+    assert backend.warm_prompt_lengths(20) == [16, 20]
+    assert backend.warm_prompt_lengths(1) == []  # a prefill graph takes two tokens or more
+    assert backend.warm_prompt_lengths(10_000)[-3:] == [3584, 3840, 4096]
+    # each length's step is one the backend runs as a prefill graph of that bucket
+    for n in backend.warm_prompt_lengths(600):
+        batch = _fresh_batch([n], [0])
+        assert backend.prefill_bucket(batch) == min(b for b in PREFILL_GRAPH_TOKENS if b >= n)
+
+
 def _decode_batch(tokens: list[int], positions: list[int]):  # noqa: ANN202
     """A greedy decode step of ``len(tokens)`` sequences, sequence i on block i, paged view attached."""
     from mgx.runtime.batch import PagedStep, StepBatch

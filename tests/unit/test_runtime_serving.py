@@ -362,20 +362,23 @@ def test_bench_reports_the_graph_steps_and_captures_of_its_run_only(contents, mo
     assert line.split(None, 1)[1] == "steps decode 5, eager 8, prefill 0; captured decode 1 in 0.75 s"
 
 
-def test_warm_up_runs_each_batch_size_the_backend_records_and_leaves_the_engine_as_new(contents, monkeypatch) -> None:  # noqa: ANN001
-    engine = Engine.from_contents(contents, config=EngineConfig(max_num_seqs=8))
+def test_warm_up_runs_each_batch_size_and_prompt_length_the_backend_records_and_leaves_the_engine_as_new(contents, monkeypatch) -> None:  # noqa: ANN001, E501
+    engine = Engine.from_contents(contents, config=EngineConfig(max_num_seqs=8, block_size=16))
     backend = engine.runner.backend
-    assert backend.warm_batch_sizes(8) == [] and engine.warm_up()[0] == 0  # the reference backend records none
+    assert backend.warm_batch_sizes(8) == [] and backend.warm_prompt_lengths(512) == []  # the reference backend records none
+    assert engine.warm_up()[0] == 0
     monkeypatch.setattr(backend, "warm_batch_sizes", lambda n: [1, 3, n])
-    seen: list[tuple[str, int]] = []
+    too_long = engine.max_position  # no room for the token it samples: left out
+    monkeypatch.setattr(backend, "warm_prompt_lengths", lambda n: [20, 40, too_long])
+    seen: list[tuple[str, int, int]] = []
     runner = engine.runner
 
     def spy(name: str):  # noqa: ANN202
         real = getattr(runner, name)
 
-        def run(seq_ids, *a):  # noqa: ANN001, ANN202
-            seen.append((name, len(seq_ids)))
-            return real(seq_ids, *a)
+        def run(seq_ids, token_ids, *a):  # noqa: ANN001, ANN202
+            seen.append((name, len(seq_ids), len(token_ids)))
+            return real(seq_ids, token_ids, *a)
 
         return run
 
@@ -383,8 +386,11 @@ def test_warm_up_runs_each_batch_size_the_backend_records_and_leaves_the_engine_
         monkeypatch.setattr(runner, name, spy(name))
     sizes, seconds = engine.warm_up()
     assert sizes == 3 and seconds >= 0
-    # each size's prompts in one step, then its decode step: greedy, then sampling (graphs of their own)
-    assert seen == [(path, n) for path in ("launch_greedy_packed", "step_packed") for n in (1, 1, 3, 3, 8, 8)]
+    # each size's one-token prompts in one step, then its decode step; then each prompt length twice,
+    # alone and whole (nothing of the second taken from the prefix cache: 20 and 40 tokens fill full
+    # blocks); greedy, then sampling (graphs of their own)
+    assert seen == [(path, n, t) for path in ("launch_greedy_packed", "step_packed")
+                    for n, t in [(1, 1), (1, 1), (3, 3), (3, 3), (8, 8), (8, 8), (1, 20), (1, 20), (1, 40), (1, 40)]]  # fmt: skip
     assert_no_leaks(engine)
     assert engine.metrics.counters.steps == 0 and engine.metrics.snapshot()["requests_finished_total"] == 0
     engine.add_request([5, 6], SamplingParams(max_tokens=1))
