@@ -420,6 +420,7 @@ class CUDABackend(Backend):
         self.staged_x = staged != "0"
         self.staged_kind = "" if staged in ("", "0", "1") else staged
         self.staged_schemes = STAGED_SCHEMES if staged == "" else None  # None: any the kernels take
+        self.staged_x_pinned = staged != ""  # else a stored tuning's (mgx-run tune)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
@@ -600,6 +601,18 @@ class CUDABackend(Backend):
         top = min(max_num_seqs, GRAPH_BUCKETS[-1])
         return [b for b in GRAPH_BUCKETS if b < top] + [top]
 
+    def stages_x(self) -> bool:
+        """Whether the staged switch is on for some projection of this model (``STAGED_SCHEMES`` by
+        default; the kernels still decide where it runs)."""
+        if not self.staged_x:
+            return False
+        schemes = self.staged_schemes
+        return schemes is None or any(w.scheme in schemes for kernel, w, _ in self.one_row_linears() if kernel != "lm_head_argmax")
+
+    def set_staged_x(self, on: bool) -> None:
+        """The staged switch as ``mgx-run tune`` stores it: on for every scheme with staged twins, or off."""
+        self.staged_x, self.staged_schemes = on, None
+
     def warm_prompt_lengths(self, max_tokens_per_step: int) -> list[int]:
         """One prompt length per prefill-graph token bucket a prompt (or a chunk of one) of up to
         ``max_tokens_per_step`` tokens meets: the buckets below it, then the budget itself. A bucket's
@@ -655,6 +668,8 @@ class CUDABackend(Backend):
             self.narrow_decode_tiles = self.tunings.decode_block_n == 32
         if self.tunings.norm_prologue is not None and not self.norm_gemv_pinned:
             self._norm_gemv = self.tunings.norm_prologue
+        if self.tunings.staged_x is not None and not self.staged_x_pinned:
+            self.set_staged_x(self.tunings.staged_x)
         return f"{len(self.tunings)} stored launch configurations for {arch}"
 
     def use_cuda_kernels(self, images: dict[str, bytes]) -> str:

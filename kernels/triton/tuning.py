@@ -6,10 +6,11 @@ step with M rows takes the entry tuned for the smallest tuned M >= M (the larges
 a shape that was never tuned gets the kernel's default configuration, and a one-row (GEMV) entry never
 serves several rows nor the reverse.
 
-Entries of two other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of the
-whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
-attention's tile width) and ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
-the native GEMV that reads it).
+Entries of three other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of
+the whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
+attention's tile width), ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
+the native GEMV that reads it) and ``staged_x`` (``{"on": bool}``, that add + RMSNorm staging x once
+for the imma GEMV's staged twin, whatever the weights' scheme).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from .linear import (
     swap_applies,
 )
 
-__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "NORM_PROLOGUE", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
+STAGED_X = "staged_x"  # the entry of the switch of norms staging x for the imma GEMVs' staged twins
+_ON_OFF = (NORM_PROLOGUE, STAGED_X)  # switch entries of the form {"on": bool}
 DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
 
 
@@ -67,6 +70,7 @@ class Tunings:
         self._by: dict[tuple[str, str], tuple[list[int], list[LinearConfig]]] = {}
         self.decode_block_n: int | None = None  # the decode attention's tile width, where one is stored
         self.norm_prologue: bool | None = None  # norms in native GEMV prologues, where stored
+        self.staged_x: bool | None = None  # norms staging x for the staged twins, where stored
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
         for e in entries:
             if e.kernel == DECODE_ATTENTION:
@@ -75,11 +79,11 @@ class Tunings:
                     raise ValueError(f"autotune entry {e.kernel!r}: block_n {block_n!r} is not one of {DECODE_BLOCK_NS}")
                 self.decode_block_n = block_n
                 continue
-            if e.kernel == NORM_PROLOGUE:
+            if e.kernel in _ON_OFF:
                 on = e.config.get("on")
                 if not isinstance(on, bool):
                     raise ValueError(f"autotune entry {e.kernel!r}: 'on' must be true or false, got {on!r}")
-                self.norm_prologue = on
+                setattr(self, e.kernel, on)
                 continue
             signature, _, m = e.shape_key.rpartition(",M=")
             if not signature or not m.isdigit():
@@ -90,7 +94,7 @@ class Tunings:
             self._by[key] = (ms, [by_m[m] for m in ms])
 
     def __len__(self) -> int:
-        switches = (self.decode_block_n is not None) + (self.norm_prologue is not None)
+        switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x))
         return sum(len(ms) for ms, _ in self._by.values()) + switches
 
     def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:

@@ -977,6 +977,7 @@ def test_staged_x_is_on_for_int4_weights_by_default(switch: str | None, stages: 
         x = torch.ones(1, backend._weights[id(lin)].k)
         if backend._norm_stage_into_gemv(lin, x, x, None, 1e-6, x.shape[1]) is not None:
             staged.add(scheme)
+        assert backend.stages_x() == (scheme in stages)  # as mgx-run tune reads the switch
     assert staged == stages
 
 

@@ -78,6 +78,24 @@ def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
     monkeypatch.setattr(backend_cuda, "gemv", gemv)
     monkeypatch.setattr(cg, "gemv_argmax", head)
     monkeypatch.setattr(backend_cuda, "gemv_argmax", head)
+
+    # x staged by the norm for the imma kind's staged twin: the Triton norm and the reference product
+    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
+        from mgx.kernels.triton.rmsnorm import rms_norm
+
+        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
+        norm.total.copy_(total)
+        return normed, normed
+
+    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False):  # noqa: ANN001, ANN202
+        LAUNCHED.append(f"{kind} staged")
+        return (linear_silu_mul_ref if silu_mul else linear_ref)(rec, w, bias).to(rec.dtype)
+
+    monkeypatch.setattr(backend_cuda, "staged_applies",
+                        lambda kernels, x, w, kind, bias=None: kernels is KERNELS and x.shape[0] == 1 and kind == "imma")  # fmt: skip
+    monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: kernels is KERNELS)
+    monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
+    monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
     LAUNCHED.clear()
     WRONG.clear()
 
@@ -93,10 +111,12 @@ def engine_on_cpu(path) -> Engine:  # noqa: ANN001
 def step_price(engine: Engine) -> float:
     """The fake step time: each one-row projection priced by the kernel the backend's tunings give it,
     each layer's decode attention by its tile width (32 cheaper) and its norms by where they run (in
-    the GEMV prologues cheaper)."""
+    the GEMV prologues cheaper; staging x for the imma twin, where the prologue does not take them,
+    a little cheaper)."""
     backend = engine.runner.backend
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    total = layers * ((0.5 if backend.narrow_decode_tiles else 1.0) + (0.25 if backend._norm_gemv else 0.5))
+    norms = 0.25 if backend._norm_gemv else (0.375 if backend.stages_x() else 0.5)
+    total = layers * ((0.5 if backend.narrow_decode_tiles else 1.0) + norms)
     for kernel, w, _ in backend.one_row_linears():
         config = backend.tunings.config(kernel, w, 1)
         total += COST[kernel][(config.native if config is not None else "") or "triton"]
@@ -126,7 +146,7 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     assert report.final_ms == pytest.approx(layers * 4.75 + 1)
     chosen = {(t.kernel, t.chosen) for t in report.trials}
     assert chosen == {("linear_silu_mul", "imma"), ("linear", "gemv"), ("lm_head_argmax", "imma"), ("decode_attention", "32"),
-                      ("norm_prologue", "on")}  # fmt: skip
+                      ("norm_prologue", "on"), ("staged_x", "off")}  # fmt: skip
     linears = [t for t in report.trials if t.kernel.startswith("linear")]
     assert all(t.before == "triton" and set(t.ms) == {"triton", *NATIVE} for t in linears)
     (head,) = [t for t in report.trials if t.kernel == "lm_head_argmax"]
@@ -142,7 +162,7 @@ def test_tune_keeps_the_kernel_that_makes_the_step_shortest_and_the_written_mode
     again = engine_on_cpu(out)
     assert step_price(again) == pytest.approx(report.final_ms)  # the switches too
     assert again.contents.passes[-1].name == PASS_NAME and again.contents.passes[-1].summary == report.summary()
-    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"]) + 2
+    assert len(again.contents.autotune["interpreter"]) == len(engine.contents.autotune["interpreter"]) + 3
     # The other entries (several rows) are as stored.
     many = [e for e in again.contents.autotune["interpreter"]
             if e.kernel.startswith(("linear", "lm_head")) and not e.shape_key.endswith(",M=1")]  # fmt: skip
@@ -173,7 +193,36 @@ def test_the_environment_pins_a_switch_over_a_stored_tuning(tuned_artifact, nati
     assert getattr(engine.runner.backend, state) == (pinned == "1")
     report = tune_in_graph(engine, lambda: step_price(engine))
     assert [t.kernel for t in report.trials if not t.kernel.startswith(("linear", "lm_head"))] == [
-        k for k in ("decode_attention", "norm_prologue") if k != switch]
+        k for k in ("decode_attention", "norm_prologue", "staged_x") if k != switch]
+
+
+@pytest.mark.interpreted
+def test_tune_stages_x_for_a_w8a16_model_where_it_gains_and_the_environment_pins_it(
+    tuned_artifact, native_stand_in, monkeypatch, tmp_path
+) -> None:  # noqa: ANN001
+    """Off by default for W8A16 weights (``STAGED_SCHEMES``: INT4 only); with the norms kept out of
+    the GEMV prologues (pinned), staging x for the imma twin makes the priced step shorter, so tune
+    turns it on; the written model stages x (gate/up, on imma) and decodes the same tokens.
+    MGX_CUDA_STAGED_X set pins it over the stored choice, and tune leaves it alone."""
+    monkeypatch.setenv("MGX_CUDA_NORM_GEMV", "0")
+    engine = engine_on_cpu(tuned_artifact)
+    prompt = [5, 6, 7, 8, 9]
+    before = greedy(engine, prompt, 3)
+    assert not engine.runner.backend.stages_x() and not any("staged" in k for k in LAUNCHED)
+    report = tune_in_graph(engine, lambda: step_price(engine))
+    (trial,) = [t for t in report.trials if t.kernel == "staged_x"]
+    assert (trial.before, trial.chosen) == ("off", "on") and "norm_prologue" not in {t.kernel for t in report.trials}
+    out = tmp_path / "staged.mgx"
+    write_tunings(tuned_artifact, out, report, {})
+    again = engine_on_cpu(out)
+    assert again.runner.backend.stages_x() and again.runner.backend.staged_schemes is None
+    LAUNCHED.clear()
+    assert greedy(again, prompt, 3) == before
+    assert "imma staged" in LAUNCHED and "gemv staged" not in LAUNCHED  # only imma kinds have twins
+    monkeypatch.setenv("MGX_CUDA_STAGED_X", "0")
+    pinned = engine_on_cpu(out)
+    assert not pinned.runner.backend.stages_x()
+    assert "staged_x" not in {t.kernel for t in tune_in_graph(pinned, lambda: step_price(pinned)).trials}
 
 
 @pytest.mark.interpreted
@@ -217,8 +266,9 @@ def test_tune_says_what_is_missing(tuned_artifact, native_stand_in, tmp_path) ->
         tune_in_graph(engine_on_cpu(bare), lambda: 1.0)
     engine = engine_on_cpu(tuned_artifact)
     engine.runner.backend.cuda_kernels = None  # no native code: the step's switches alone
-    assert [t.kernel for t in tune_in_graph(engine, lambda: 1.0).trials] == ["decode_attention", "norm_prologue"]
-    engine.runner.backend.decode_tiles_pinned = engine.runner.backend.norm_gemv_pinned = True  # those pinned: nothing
+    assert [t.kernel for t in tune_in_graph(engine, lambda: 1.0).trials] == ["decode_attention", "norm_prologue", "staged_x"]
+    backend = engine.runner.backend
+    backend.decode_tiles_pinned = backend.norm_gemv_pinned = backend.staged_x_pinned = True  # those pinned: nothing
     with pytest.raises(EngineError, match="nothing to choose on interpreter: no one-row projection"):
         tune_in_graph(engine, lambda: 1.0)
     with pytest.raises(EngineError, match="rounds"):
@@ -248,8 +298,10 @@ def test_a_stored_decode_tile_width_is_checked(tuned_artifact, tmp_path) -> None
 
     assert Tunings([AutotuneEntry("decode_attention", "M=1", {"block_n": 32})]).decode_block_n == 32
     assert Tunings([AutotuneEntry("norm_prologue", "M=1", {"on": False})]).norm_prologue is False
-    with pytest.raises(ValueError, match="'on' must be true or false, got 'yes'"):
-        Tunings([AutotuneEntry("norm_prologue", "M=1", {"on": "yes"})])
+    assert Tunings([AutotuneEntry("staged_x", "M=1", {"on": True})]).staged_x is True
+    for switch in ("norm_prologue", "staged_x"):
+        with pytest.raises(ValueError, match=f"entry '{switch}': 'on' must be true or false, got 'yes'"):
+            Tunings([AutotuneEntry(switch, "M=1", {"on": "yes"})])
     contents = load_artifact(tuned_artifact).contents
     contents.autotune = {"interpreter": [*contents.autotune["interpreter"], AutotuneEntry("decode_attention", "M=1", {"block_n": 48})]}
     bad = tmp_path / "bad.mgx"
@@ -275,7 +327,7 @@ def test_tune_over_two_rounds_with_a_stored_tile_entry_first(tuned_artifact, nat
     assert report.final_ms == pytest.approx(layers * 4.75 + 1) == step_price(engine)
     assert {(t.kernel, t.before, t.chosen) for t in report.trials} == {
         ("linear_silu_mul", "triton", "imma"), ("linear", "triton", "gemv"), ("lm_head_argmax", "triton", "imma"),
-        ("decode_attention", "64", "32"), ("norm_prologue", "off", "on")}
+        ("decode_attention", "64", "32"), ("norm_prologue", "off", "on"), ("staged_x", "off", "off")}
     kinds = [e.kernel for e in report.entries]
     assert kinds.count("decode_attention") == 1 and kinds[0] == "decode_attention"
 
