@@ -227,8 +227,8 @@ class Engine:
         records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph buckets up
         to ``max_num_seqs``), then prompts of each length it records prefill steps for, each twice,
         alone, with nothing cached before it (``Backend.warm_prompt_lengths``: the CUDA backend's
-        prefill-graph buckets up to ``max_tokens_per_step``, as far as the context and the KV cache
-        hold them); greedy ones and then sampling ones (their steps have graphs of their own: logits
+        prefill-graph buckets up to ``max_tokens_per_step``), whole and as the chunk after a step's
+        budget, as far as the context and the KV cache hold them; greedy ones and then sampling ones (their steps have graphs of their own: logits
         out instead of the fused argmax), so that no served request waits for those captures and
         their kernels' compiles. Then the prefix cache and the metrics start empty. The engine must
         be idle. Returns (batch sizes run, seconds)."""
@@ -237,19 +237,23 @@ class Engine:
         t0 = time.perf_counter()
         backend = self.runner.backend
         sizes = backend.warm_batch_sizes(self.config.max_num_seqs)
-        lengths = [n for n in backend.warm_prompt_lengths(self.config.max_tokens_per_step)
-                   if n + 1 <= self.max_position and self.blocks.fits(n + 1)]  # fmt: skip
+        budget = self.config.max_tokens_per_step
+        # Each length whole, then as the chunk after a full step's (a prompt the budget cuts: it
+        # attends through the paged prefill kernel, not SDPA, and has graphs of its own); what the
+        # context or the KV cache cannot hold is left out.
+        prompts = [t for n in backend.warm_prompt_lengths(budget) for t in (n, budget + n)
+                   if t + 1 <= self.max_position and self.blocks.fits(t + 1)]  # fmt: skip
         arch = self.graph.arch
         special = {*arch.eos_token_ids, arch.bos_token_id, arch.pad_token_id}
         token = next(t for t in range(arch.vocab_size) if t not in special)
-        for temperature in (0.0, 1.0) if sizes or lengths else ():
+        for temperature in (0.0, 1.0) if sizes or prompts else ():
             params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, seed=0)
             for n in sizes:
                 for _ in range(n):
                     self.add_request([token], params)
                 self._drain()
             once = dataclasses.replace(params, max_tokens=1)
-            for n in lengths:
+            for n in prompts:
                 for _ in range(2):  # a bucket's first prompt runs eagerly, its second captures
                     self.reset_prefix_cache()  # the same prompt again: nothing of it cached
                     self.add_request([token] * n, once)

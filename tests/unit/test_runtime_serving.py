@@ -363,13 +363,13 @@ def test_bench_reports_the_graph_steps_and_captures_of_its_run_only(contents, mo
 
 
 def test_warm_up_runs_each_batch_size_and_prompt_length_the_backend_records_and_leaves_the_engine_as_new(contents, monkeypatch) -> None:  # noqa: ANN001, E501
-    engine = Engine.from_contents(contents, config=EngineConfig(max_num_seqs=8, block_size=16))
+    engine = Engine.from_contents(contents, config=EngineConfig(max_num_seqs=8, block_size=16, max_tokens_per_step=32))
     backend = engine.runner.backend
-    assert backend.warm_batch_sizes(8) == [] and backend.warm_prompt_lengths(512) == []  # the reference backend records none
+    assert backend.warm_batch_sizes(8) == [] and backend.warm_prompt_lengths(32) == []  # the reference backend records none
     assert engine.warm_up()[0] == 0
     monkeypatch.setattr(backend, "warm_batch_sizes", lambda n: [1, 3, n])
-    too_long = engine.max_position  # no room for the token it samples: left out
-    monkeypatch.setattr(backend, "warm_prompt_lengths", lambda n: [20, 40, too_long])
+    assert engine.max_position == 128
+    monkeypatch.setattr(backend, "warm_prompt_lengths", lambda n: [8, n, 100])  # 100 whole: 101 tokens fit, 132 not
     seen: list[tuple[str, int, int]] = []
     runner = engine.runner
 
@@ -387,10 +387,15 @@ def test_warm_up_runs_each_batch_size_and_prompt_length_the_backend_records_and_
     sizes, seconds = engine.warm_up()
     assert sizes == 3 and seconds >= 0
     # each size's one-token prompts in one step, then its decode step; then each prompt length twice,
-    # alone and whole (nothing of the second taken from the prefix cache: 20 and 40 tokens fill full
-    # blocks); greedy, then sampling (graphs of their own)
-    assert seen == [(path, n, t) for path in ("launch_greedy_packed", "step_packed")
-                    for n, t in [(1, 1), (1, 1), (3, 3), (3, 3), (8, 8), (8, 8), (1, 20), (1, 20), (1, 40), (1, 40)]]  # fmt: skip
+    # alone: whole, then as the chunk after a full step of 32 (nothing taken from the prefix cache:
+    # the second copy runs whole again); greedy, then sampling (graphs of their own), whose chunks
+    # that sample nothing take the greedy path (False: not the prompt's last chunk)
+    steps = [(1, 1, True), (1, 1, True), (3, 3, True), (3, 3, True), (8, 8, True), (8, 8, True),
+             (1, 8, True), (1, 8, True), (1, 32, False), (1, 8, True), (1, 32, False), (1, 8, True),
+             (1, 32, True), (1, 32, True), (1, 32, False), (1, 32, True), (1, 32, False), (1, 32, True),
+             *[(1, 32, False), (1, 32, False), (1, 32, False), (1, 4, True)] * 2]  # fmt: skip
+    assert seen == [("step_packed" if sampling and last else "launch_greedy_packed", n, t)
+                    for sampling in (False, True) for n, t, last in steps]  # fmt: skip
     assert_no_leaks(engine)
     assert engine.metrics.counters.steps == 0 and engine.metrics.snapshot()["requests_finished_total"] == 0
     engine.add_request([5, 6], SamplingParams(max_tokens=1))
