@@ -26,7 +26,7 @@ from _tiny_graph import tiny_contents
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("serve") / "tiny.mgx"
-    write_artifact(path, tiny_contents(max_position=1024))  # room for streams that last a few seconds
+    write_artifact(path, tiny_contents(max_position=8192))  # room for streams that last seconds
     return path
 
 
@@ -109,7 +109,9 @@ def test_sigterm_past_the_timeout_aborts_streams_and_still_exits_0(artifact: Pat
     try:
         out: dict = {}
         started = threading.Event()
-        thread = threading.Thread(target=stream, args=(server.url, 1000, started, out))
+        # 8,000 tokens: far more than the timeout lets through (1,000 once finished within 0.5 s on a
+        # fast host, and the test saw [DONE])
+        thread = threading.Thread(target=stream, args=(server.url, 8000, started, out))
         thread.start()
         assert started.wait(60)
         t0 = time.monotonic()
