@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything issue 6 asks to run on a CUDA GPU, in the order that gets the most out of a short lease:
 #
-#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b]
+#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [serving]
 #
-# (no arguments: all four). Logs and JSON land in $OUT; each part has its own time limit
+# (no arguments: the first four). Logs and JSON land in $OUT; each part has its own time limit
 # (seconds, TESTS_S / KERNELS_S / MODEL_S), so one slow part cannot starve the next.
 #
 # - tests: the SmolLM2 GPU tests alone first (each pytest worker compiles SmolLM2 on the CPU, so
@@ -14,6 +14,9 @@
 # - model-1b / model-8b: bench_gpu_model.py with bf16, W8A16 and INT4 (SCHEMES) against transformers;
 #   the 8B shape needs about 75 s to trace and minutes per quantized scheme: one scheme per lease call.
 #   TUNE=1 adds --tune (mgx-run tune's in-graph choices before each scheme is measured).
+# - serving: the 1B bf16 shape under a Poisson load (bench_gpu_model.py --serve, 8 req/s, in one
+#   process and in new ones with and without --warm-up, Triton's cache empty), then
+#   bench_compiles.py --warm-up with an empty Triton cache: what a warmed-up engine still compiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -47,8 +50,20 @@ for part in "${parts[@]}"; do
       echo "$part: rc=$?"
       grep -E '^\{' "$out/$part.log" | cut -c1-600
       ;;
+    serving)
+      timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape llama-1b --schemes bf16 --hf '' --batches '' \
+        --no-flips --serve 8 --serve-prompts 160 --serve-cold 8 --json "$out/serving.json" > "$out/serving.log" 2>&1
+      echo "serving: rc=$?"
+      grep -E '^\{' "$out/serving.log" | cut -c1-600
+      cache=$(mktemp -d)
+      TRITON_CACHE_DIR=$cache timeout "${MODEL_S:-540}" python3 examples/bench_compiles.py --warm-up --passes graphs \
+        > "$out/compiles.log" 2>&1
+      echo "compiles after a warm-up: rc=$?"
+      cut -c1-400 "$out/compiles.log"
+      rm -rf "$cache"
+      ;;
     *)
-      echo "unknown part $part (tests, kernels, model-1b, model-8b)" >&2
+      echo "unknown part $part (tests, kernels, model-1b, model-8b, serving)" >&2
       exit 2
       ;;
   esac
