@@ -601,13 +601,14 @@ class CUDABackend(Backend):
         top = min(max_num_seqs, GRAPH_BUCKETS[-1])
         return [b for b in GRAPH_BUCKETS if b < top] + [top]
 
+    def _stages(self, scheme: str) -> bool:
+        """Whether the staged switch is on for weights of ``scheme`` (``STAGED_SCHEMES`` by default;
+        the kernels still decide where it runs)."""
+        return self.staged_x and (self.staged_schemes is None or scheme in self.staged_schemes)
+
     def stages_x(self) -> bool:
-        """Whether the staged switch is on for some projection of this model (``STAGED_SCHEMES`` by
-        default; the kernels still decide where it runs)."""
-        if not self.staged_x:
-            return False
-        schemes = self.staged_schemes
-        return schemes is None or any(w.scheme in schemes for kernel, w, _ in self.one_row_linears() if kernel != "lm_head_argmax")
+        """Whether the staged switch is on for some projection of this model."""
+        return any(self._stages(w.scheme) for kernel, w, _ in self.one_row_linears() if kernel != "lm_head_argmax")
 
     def set_staged_x(self, on: bool) -> None:
         """The staged switch as ``mgx-run tune`` stores it: on for every scheme with staged twins, or off."""
@@ -1411,11 +1412,9 @@ class CUDABackend(Backend):
         else the kind named): the norm's kernel also stages its output (``norm_stage``) and the linear
         runs the twin on that record. Returns the add's output, or None where it does not apply."""
         lin = self._one_row_reader(norm_op, a, group) if self.staged_x else None
-        if lin is None:
+        if lin is None or not self._stages(self._weights[id(lin)].scheme):
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
-        if self.staged_schemes is not None and w.scheme not in self.staged_schemes:
-            return None
         config = self._config(lin, 1)
         kind = self.staged_kind or (config.native if config is not None and self.tuned_gemvs else "")
         norm = NormPrologue(b, weight, eps, torch.empty_like(a))
