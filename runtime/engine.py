@@ -223,15 +223,19 @@ class Engine:
         return bool(self._requests)
 
     def warm_up(self) -> tuple[int, float]:
-        """Run throwaway requests (one-token prompts, two tokens out) at each batch size the backend
+        """Run throwaway requests (two tokens out each) so that no served request waits for the
+        captures and kernel compiles they take: one-token prompts at each batch size the backend
         records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph buckets up
         to ``max_num_seqs``), then prompts of each length it records prefill steps for, each twice,
         alone, with nothing cached before it (``Backend.warm_prompt_lengths``: the CUDA backend's
         prefill-graph buckets up to ``max_tokens_per_step``), whole and as the chunk after a step's
-        budget, as far as the context and the KV cache hold them; greedy ones and then sampling ones (their steps have graphs of their own: logits
-        out instead of the fused argmax), so that no served request waits for those captures and
-        their kernels' compiles. Then the prefix cache and the metrics start empty. The engine must
-        be idle. Returns (batch sizes run, seconds)."""
+        budget, as far as the context and the KV cache hold them. Each prompt's decode step then
+        attends over its whole context: up to two budgets of tokens, past the one-token prompts'
+        (the CUDA backend's batch-1 graph is recaptured with a wider block table, and its attention
+        is split in more pieces: other kernel variants). Greedy ones, then sampling ones (their
+        steps have graphs of their own: logits out instead of the fused argmax). Then the prefix
+        cache and the metrics start empty. The engine must be idle. Returns (batch sizes run,
+        seconds)."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine")
         t0 = time.perf_counter()
@@ -242,7 +246,7 @@ class Engine:
         # attends through the paged prefill kernel, not SDPA, and has graphs of its own); what the
         # context or the KV cache cannot hold is left out.
         prompts = [t for n in backend.warm_prompt_lengths(budget) for t in (n, budget + n)
-                   if t + 1 <= self.max_position and self.blocks.fits(t + 1)]  # fmt: skip
+                   if t + 2 <= self.max_position and self.blocks.fits(t + 2)]  # fmt: skip
         arch = self.graph.arch
         special = {*arch.eos_token_ids, arch.bos_token_id, arch.pad_token_id}
         token = next(t for t in range(arch.vocab_size) if t not in special)
@@ -252,11 +256,10 @@ class Engine:
                 for _ in range(n):
                     self.add_request([token], params)
                 self._drain()
-            once = dataclasses.replace(params, max_tokens=1)
             for n in prompts:
                 for _ in range(2):  # a bucket's first prompt runs eagerly, its second captures
                     self.reset_prefix_cache()  # the same prompt again: nothing of it cached
-                    self.add_request([token] * n, once)
+                    self.add_request([token] * n, params)
                     self._drain()
         self.reset_prefix_cache()
         self.metrics.reset()

@@ -20,13 +20,22 @@ from ._common import cast_as, check_float, next_pow2, round_apart, round_as, row
 
 __all__ = ["rope_", "rope_and_write_kv", "rope_ref", "check_cache"]
 
+# Sequence ends _seq_of_token compares a token's row with at a time: a step of up to 64 sequences
+# (every prefill step, most mixed ones) takes one load; the largest mixed graphs' 256 take four.
+SEQ_ENDS_TILE = 64
+
 
 @triton.jit
 def _seq_of_token(qsl_ptr, num_seqs, t, BLOCK_S: tl.constexpr):
-    """The sequence whose query rows hold row t: how many sequences end at or before t."""
-    i = tl.arange(0, BLOCK_S)
-    ends = tl.load(qsl_ptr + 1 + i, mask=i < num_seqs, other=2147483647)
-    return tl.sum((ends <= t).to(tl.int32), axis=0)
+    """The sequence whose query rows hold row t: how many sequences end at or before t, counted
+    over the step's sequence ends ``BLOCK_S`` at a time (one tile for any step count: no variant
+    per count, which a served load would otherwise compile mid-load)."""
+    seq = tl.full((), 0, tl.int32)
+    for first in range(0, num_seqs, BLOCK_S):
+        i = first + tl.arange(0, BLOCK_S)
+        ends = tl.load(qsl_ptr + 1 + i, mask=i < num_seqs, other=2147483647)
+        seq += tl.sum((ends <= t).to(tl.int32), axis=0)
+    return seq
 
 
 @triton.jit
@@ -63,7 +72,7 @@ def _rotate(x_ptr, row, heads, scale_cos, scale_sin, partner, sign, rot,
     return tl.where(rot[None, :], turned, x)
 
 
-@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["num_seqs"])  # per-step counts (_common.py)
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])  # per-step counts (_common.py); a 1 is no constexpr either
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr,
     num_seqs, stride_q, stride_k, stride_v, stride_bt, attention_scaling,
@@ -150,7 +159,7 @@ def _launch(q, k, v, positions, inv_freq, k_cache, v_cache, block_table, query_s
         num_seqs, q.stride(0) if rope else 0, k.stride(0), v.stride(0) if write_kv else 0,
         block_table.stride(0) if write_kv else 0, float(attention_scaling),
         HQ=hq, HK=hk, D=d, ROT=rotary_dim if rope else 0, PAGE=page, ROPE=rope, WRITE_KV=write_kv,
-        BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d), BLOCK_S=max(16, next_pow2(num_seqs)),  # few variants (_common.py)
+        BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d), BLOCK_S=SEQ_ENDS_TILE,  # one variant (_seq_of_token)
         num_warps=4,
     )  # fmt: skip
 

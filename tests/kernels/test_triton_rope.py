@@ -53,10 +53,17 @@ def test_rope_bf16() -> None:
     torch.testing.assert_close(got_k.float(), want_k.float(), atol=3e-2, rtol=1.6e-2)
 
 
-def test_rope_and_write_kv_stores_rotated_k_and_v_in_their_slots() -> None:
+# Three sequences; then one past a tile of sequence ends (rope.SEQ_ENDS_TILE) with each sequence's
+# new rows in a different place, the last ones in the second tile.
+STEPS = [([6, 3, 9], [2, 3, 1]), ([3 + i % 5 for i in range(70)], [1 + (i % 7 == 0) * 2 for i in range(70)])]
+
+
+@pytest.mark.parametrize(("contexts", "new"), STEPS, ids=["3-seqs", "70-seqs"])
+def test_rope_and_write_kv_stores_rotated_k_and_v_in_their_slots(contexts: list[int], new: list[int]) -> None:
+    assert len(contexts) <= 3 or len(contexts) > rope.SEQ_ENDS_TILE
     g = torch.Generator().manual_seed(11)
     hq, hk, d, page = 4, 2, 16, 4
-    b = paged_batch([6, 3, 9], [2, 3, 1], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
+    b = paged_batch(contexts, new, num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
                     device=DEVICE, generator=g)  # fmt: skip
     inv = inv_freq(d)
     want_q, want_k = rope.rope_ref(b.q, b.k, b.positions, inv, head_dim=d)

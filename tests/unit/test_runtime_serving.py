@@ -369,7 +369,7 @@ def test_warm_up_runs_each_batch_size_and_prompt_length_the_backend_records_and_
     assert engine.warm_up()[0] == 0
     monkeypatch.setattr(backend, "warm_batch_sizes", lambda n: [1, 3, n])
     assert engine.max_position == 128
-    monkeypatch.setattr(backend, "warm_prompt_lengths", lambda n: [8, n, 100])  # 100 whole: 101 tokens fit, 132 not
+    monkeypatch.setattr(backend, "warm_prompt_lengths", lambda n: [8, n, 100])  # 100 whole: 102 tokens fit, 132 not
     seen: list[tuple[str, int, int]] = []
     runner = engine.runner
 
@@ -388,12 +388,14 @@ def test_warm_up_runs_each_batch_size_and_prompt_length_the_backend_records_and_
     assert sizes == 3 and seconds >= 0
     # each size's one-token prompts in one step, then its decode step; then each prompt length twice,
     # alone: whole, then as the chunk after a full step of 32 (nothing taken from the prefix cache:
-    # the second copy runs whole again); greedy, then sampling (graphs of their own), whose chunks
-    # that sample nothing take the greedy path (False: not the prompt's last chunk)
+    # the second copy runs whole again), each copy's last chunk followed by its decode step at that
+    # context; greedy, then sampling (graphs of their own), whose chunks that sample nothing take
+    # the greedy path (False: not the prompt's last chunk)
+    decode = (1, 1, True)
+    prompts = [[(1, 8, True)], [(1, 32, False), (1, 8, True)], [(1, 32, True)], [(1, 32, False), (1, 32, True)],
+               [(1, 32, False), (1, 32, False), (1, 32, False), (1, 4, True)]]  # fmt: skip
     steps = [(1, 1, True), (1, 1, True), (3, 3, True), (3, 3, True), (8, 8, True), (8, 8, True),
-             (1, 8, True), (1, 8, True), (1, 32, False), (1, 8, True), (1, 32, False), (1, 8, True),
-             (1, 32, True), (1, 32, True), (1, 32, False), (1, 32, True), (1, 32, False), (1, 32, True),
-             *[(1, 32, False), (1, 32, False), (1, 32, False), (1, 4, True)] * 2]  # fmt: skip
+             *[step for chunks in prompts for step in [*chunks, decode] * 2]]  # fmt: skip
     assert seen == [("step_packed" if sampling and last else "launch_greedy_packed", n, t)
                     for sampling in (False, True) for n, t, last in steps]  # fmt: skip
     assert_no_leaks(engine)
