@@ -240,6 +240,73 @@ def run_steps(engine, prompts: list[list[int]], new: int) -> tuple[float, float,
     return t_first - t0, t_end - t_first, sum(counts.values()) - decoded_after
 
 
+# Where Engine.step spends a decode step's host time (``--phases``): (label, class holder, method).
+# The holders are read off the engine (its scheduler's and runner's classes) or named here.
+STEP_PHASES = (
+    ("schedule", "scheduler", "schedule"),
+    ("launch", "runner", "launch_greedy_packed"),
+    ("adopt", "runner", "adopt"),
+    ("launch_ahead", "runner", "launch_ahead"),
+    ("picks", "LaunchedStep", "picks"),  # waiting for the device, then the picks to numpy
+    ("accept", "Request", "accept"),  # tokens appended, detokenized, stop checks
+    ("account", "engine", "_account"),
+)
+
+
+def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:  # noqa: ANN001
+    """Mean microseconds per decode step in each of ``STEP_PHASES`` (and ``step``: the whole of
+    ``Engine.step``; ``other``: what no phase holds) over the steps after every request of ``prompts``
+    has its first token, each method timed by a wrapper on its class (restored afterwards). The
+    GPU's share hides in ``picks``: with steps launched ahead, a host faster than the device waits
+    there, a slower one does not."""
+    from mgx.runtime.model_runner import LaunchedStep
+    from mgx.runtime.request import Request
+    from mgx.runtime.sampler import SamplingParams
+
+    named = {"LaunchedStep": LaunchedStep, "Request": Request, "engine": type(engine),
+             "scheduler": type(engine.scheduler), "runner": type(engine.runner)}  # fmt: skip
+    spent = dict.fromkeys([label for label, _, _ in STEP_PHASES], 0.0)
+    on = [False]
+
+    def timed(label: str, fn):  # noqa: ANN001, ANN202
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if not on[0]:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t0
+
+        return run
+
+    originals = [(named[holder], method, named[holder].__dict__[method]) for _, holder, method in STEP_PHASES]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    steps, total = 0, 0.0
+    try:
+        for (label, _, _), (cls, method, fn) in zip(STEP_PHASES, originals):
+            setattr(cls, method, timed(label, fn))
+        started = {engine.add_request(p, params) for p in prompts}
+        while started:
+            started -= {o.request_id for o in engine.step()}
+        sync()
+        on[0] = True
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            total += time.perf_counter() - t0
+            steps += 1
+        sync()
+    finally:
+        on[0] = False
+        for cls, method, fn in originals:
+            setattr(cls, method, fn)
+    per = 1e6 / max(steps, 1)
+    out = {label: t * per for label, t in spent.items()}
+    out |= {"step": total * per, "other": (total - sum(spent.values())) * per, "steps": steps}
+    return out
+
+
 def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: int) -> None:  # noqa: ANN001
     from mgx.runtime import Engine, EngineConfig
 
@@ -313,6 +380,11 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     if args.profile:
         profile_steps(engine, args.profile, [rng.integers(3, vocab_hi, args.batch_prompt).tolist()
                                              for _ in range(args.profile)])  # fmt: skip
+    for b in args.batches[-1:] if args.phases else ():
+        phases = step_phases(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)],
+                             args.batch_new)  # fmt: skip
+        row[f"phases_b{b}_us"] = phases
+        log(f"  batch {b}, us a decode step: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "steps"))
     for _ in range(2):  # warm the prefill shapes (a prefill graph is captured at its bucket's second prompt)
         run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
     def prefills(e) -> list[float]:  # noqa: ANN001
@@ -698,6 +770,8 @@ def main() -> None:
     parser.add_argument("--cold-start", action="store_true", help="also time process start to first token")
     parser.add_argument("--profile", type=int, default=0, help="profile 5 decode steps at this batch (0: no)")
     parser.add_argument("--profile-prefill", action="store_true", help="profile one prefill step (kernel table)")
+    parser.add_argument("--phases", action="store_true",
+                        help="time Engine.step's phases (host and waiting) at the largest --batches batch")
     parser.add_argument("--nvcc-flip", action="append", default=[],
                         help="also time the batch-1 graph on native kernels built with this nvcc flag "
                              "(repeatable; with =: --nvcc-flip=-DMGX_IMMA_UNROLL=2)")  # fmt: skip

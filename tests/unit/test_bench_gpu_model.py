@@ -4,6 +4,7 @@ The GPU parts run on the H200 only; this checks the parsing, which is plain text
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -122,3 +123,33 @@ def test_serve_cold_runs_mgx_run_bench_in_new_processes_without_and_with_warm_up
     failing.append(True)
     bench.bench_serve_cold(Path("m.mgx"), "bf16", args, tmp_path)
     assert [r["warm_up"] for r in rows[2:]] == [False, True] and all("out of memory" in r["error"] for r in rows[2:])
+
+
+def test_step_phases_times_each_phase_of_the_decode_steps_and_puts_the_methods_back(bench, monkeypatch) -> None:  # noqa: ANN001
+    """``--phases``: each phase of Engine.step timed over the decode steps only (after every request's
+    first token), the rest of the step as ``other``, and the timed methods restored afterwards."""
+    from mgx.runtime import Engine, EngineConfig
+
+    from _tiny_graph import tiny_contents
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")  # no device to synchronize
+    engine = Engine.from_contents(tiny_contents(), config=EngineConfig(max_num_seqs=4))
+    holders = {"LaunchedStep": bench_module_class("mgx.runtime.model_runner", "LaunchedStep"),
+               "Request": bench_module_class("mgx.runtime.request", "Request"), "engine": type(engine),
+               "scheduler": type(engine.scheduler), "runner": type(engine.runner)}  # fmt: skip
+    before = {(h, m): holders[h].__dict__[m] for _, h, m in bench.STEP_PHASES}
+    phases = bench.step_phases(engine, [[5 + i, 6, 7] for i in range(4)], 6)
+    labels = [label for label, _, _ in bench.STEP_PHASES]
+    assert set(phases) == {*labels, "step", "other", "steps"}
+    assert phases["steps"] == 5  # the prefill step gives each request its first token; 5 decode steps follow
+    # the reference backend neither overlaps steps (nothing launched ahead or adopted) nor skips the others
+    assert phases["launch_ahead"] == phases["adopt"] == 0
+    assert all(phases[k] > 0 for k in ("schedule", "launch", "picks", "accept", "account", "step"))
+    assert sum(phases[k] for k in labels) + phases["other"] == pytest.approx(phases["step"])
+    assert sum(phases[k] for k in labels) < phases["step"]
+    assert {(h, m): holders[h].__dict__[m] for _, h, m in bench.STEP_PHASES} == before
+    assert not engine.has_unfinished()
+
+
+def bench_module_class(module: str, name: str) -> type:
+    return getattr(importlib.import_module(module), name)
