@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue 6 asks to run on a CUDA GPU, in the order that gets the most out of a short lease:
 #
-#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [serving]
+#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [serving] [phases]
 #
 # (no arguments: the first four). Logs and JSON land in $OUT; each part has its own time limit
 # (seconds, TESTS_S / KERNELS_S / MODEL_S), so one slow part cannot starve the next.
@@ -17,6 +17,9 @@
 # - serving: the 1B bf16 shape under a Poisson load (bench_gpu_model.py --serve, 8 req/s, in one
 #   process and in new ones with and without --warm-up, Triton's cache empty), then
 #   bench_compiles.py --warm-up with an empty Triton cache: what a warmed-up engine still compiles.
+# - phases: the 1B bf16 shape at batch 128 with --phases: where a decode step's wall time goes on the
+#   host (schedule, launches, accept, ...) and how long it waits for the device's picks, beside the
+#   graph's own time (the sixty-fifth run's step took 1.862 ms against a 1.632 ms graph).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -62,8 +65,16 @@ for part in "${parts[@]}"; do
       cut -c1-400 "$out/compiles.log"
       rm -rf "$cache"
       ;;
+    phases)
+      timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape llama-1b --schemes bf16 --hf '' --batches 128 \
+        --no-flips --phases --json "$out/phases.json" > "$out/phases.log" 2>&1
+      echo "phases: rc=$?"
+      grep -E 'us a decode step' "$out/phases.log" | cut -c1-400
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['rows'][0]; print({k: v for k, v in r.items() if 'b128' in k})" \
+        "$out/phases.json"
+      ;;
     *)
-      echo "unknown part $part (tests, kernels, model-1b, model-8b, serving)" >&2
+      echo "unknown part $part (tests, kernels, model-1b, model-8b, serving, phases)" >&2
       exit 2
       ;;
   esac
