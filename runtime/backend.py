@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +28,10 @@ from mgx.kernels import reference as ref
 from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache, PagedKVCache, kv_bytes_per_block, state_bytes_per_slot
+
+# The kinds of recorded steps a backend may keep (the CUDA backend's graphs): one sequence's prefill
+# alone, decode steps, and steps of several sequences mixing both.
+GRAPH_KINDS = ("decode", "prefill", "mixed")
 
 __all__ = [
     "Array",
@@ -142,6 +146,11 @@ class Backend(ABC):
         """Steps launched by path, graphs captured by kind and their host seconds, for backends that
         replay recorded steps (the CUDA backend's graphs); empty here."""
         return {}
+
+    def drop_graphs(self, kinds: Iterable[str] = GRAPH_KINDS) -> None:
+        """Forget the recorded steps of ``kinds`` (of ``GRAPH_KINDS``), to be recorded anew when next
+        needed; never while a launched step is in flight. Nothing is recorded here."""
+        return None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes over all attention layers, in this backend's cache dtype."""

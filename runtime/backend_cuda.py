@@ -81,7 +81,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -138,7 +138,7 @@ from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import Tunings
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
-from .backend import Array, AttentionAttrs, Backend, StepResult
+from .backend import GRAPH_KINDS, Array, AttentionAttrs, Backend, StepResult
 from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache
@@ -629,12 +629,16 @@ class CUDABackend(Backend):
         kind and the host seconds those captures took, since the backend was made."""
         return {"steps": dict(self.steps_by_path), "captures": dict(self.captures), "capture_s": dict(self.capture_s)}
 
-    def drop_graphs(self) -> None:
-        """Forget the captured decode, prefill and mixed steps, to be captured anew when next needed (after a
-        change of tunings or switches; never while a launched step is in flight)."""
-        self._decode_graphs.clear()
-        self._prefill_graphs.clear()
-        self._mixed_graphs.clear()
+    def drop_graphs(self, kinds: Iterable[str] = GRAPH_KINDS) -> None:
+        """Forget the captured steps of ``kinds`` (decode, prefill, mixed), to be captured anew when next
+        needed (after a change of tunings or switches, or ``Engine.warm_up``'s long prompts; never while
+        a launched step is in flight)."""
+        kinds = list(kinds)
+        for kind in kinds:
+            if kind not in GRAPH_KINDS:
+                raise ValueError(f"unknown graph kind {kind!r} (one of {', '.join(GRAPH_KINDS)})")
+        for kind in kinds:
+            getattr(self, f"_{kind}_graphs").clear()
 
     def replay_ms(self, bucket: int, replays: int = 50) -> float | None:
         """Milliseconds per replay of the captured decode step of ``bucket`` rows (the greedy one where

@@ -224,18 +224,19 @@ class Engine:
 
     def warm_up(self) -> tuple[int, float]:
         """Run throwaway requests (two tokens out each) so that no served request waits for the
-        captures and kernel compiles they take: one-token prompts at each batch size the backend
+        captures and kernel compiles they take. First prompts of each length the backend records
+        prefill steps for, each twice, alone, with nothing cached before it
+        (``Backend.warm_prompt_lengths``: the CUDA backend's prefill-graph buckets up to
+        ``max_tokens_per_step``), whole and as the chunk after a step's budget, as far as the context
+        and the KV cache hold them; each one's decode step attends over its whole context, up to two
+        budgets of tokens (the CUDA backend splits that attention in more pieces: other kernel
+        variants, and batch-1 graphs captured with wider block tables). Then the decode graphs are
+        dropped (``Backend.drop_graphs``), so that one-token prompts at each batch size the backend
         records decode steps for (``Backend.warm_batch_sizes``; the CUDA backend's graph buckets up
-        to ``max_num_seqs``), then prompts of each length it records prefill steps for, each twice,
-        alone, with nothing cached before it (``Backend.warm_prompt_lengths``: the CUDA backend's
-        prefill-graph buckets up to ``max_tokens_per_step``), whole and as the chunk after a step's
-        budget, as far as the context and the KV cache hold them. Each prompt's decode step then
-        attends over its whole context: up to two budgets of tokens, past the one-token prompts'
-        (the CUDA backend's batch-1 graph is recaptured with a wider block table, and its attention
-        is split in more pieces: other kernel variants). Greedy ones, then sampling ones (their
-        steps have graphs of their own: logits out instead of the fused argmax). Then the prefix
-        cache and the metrics start empty. The engine must be idle. Returns (batch sizes run,
-        seconds)."""
+        to ``max_num_seqs``) capture them as narrow as short contexts need: a longer context later
+        captures its bucket again, with no compile. Greedy requests, then sampling ones (their steps
+        have graphs of their own: logits out instead of the fused argmax). Then the prefix cache and
+        the metrics start empty. The engine must be idle. Returns (batch sizes run, seconds)."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine")
         t0 = time.perf_counter()
@@ -250,17 +251,20 @@ class Engine:
         arch = self.graph.arch
         special = {*arch.eos_token_ids, arch.bos_token_id, arch.pad_token_id}
         token = next(t for t in range(arch.vocab_size) if t not in special)
-        for temperature in (0.0, 1.0) if sizes or prompts else ():
-            params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, seed=0)
-            for n in sizes:
-                for _ in range(n):
-                    self.add_request([token], params)
-                self._drain()
+        kinds = [SamplingParams(max_tokens=2, temperature=t, ignore_eos=True, seed=0) for t in (0.0, 1.0)]
+        for params in kinds if prompts else ():
             for n in prompts:
                 for _ in range(2):  # a bucket's first prompt runs eagerly, its second captures
                     self.reset_prefix_cache()  # the same prompt again: nothing of it cached
                     self.add_request([token] * n, params)
                     self._drain()
+        if prompts:
+            backend.drop_graphs(("decode",))  # the batch-1 ones are as wide as the prompts' contexts
+        for params in kinds if sizes else ():
+            for n in sizes:
+                for _ in range(n):
+                    self.add_request([token], params)
+                self._drain()
         self.reset_prefix_cache()
         self.metrics.reset()
         return len(sizes), time.perf_counter() - t0

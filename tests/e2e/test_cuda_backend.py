@@ -1130,6 +1130,19 @@ def test_lone_sequence_prefills_replay_their_bucket_graph_and_other_steps_run_ea
     assert not backend._prefill_graphs
 
 
+def test_drop_graphs_forgets_the_kinds_it_is_given_and_names_an_unknown_one() -> None:
+    backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
+    for kind in ("decode", "prefill", "mixed"):
+        getattr(backend, f"_{kind}_graphs")[(1, True)] = kind  # stand-ins for captured steps
+    backend.drop_graphs(("decode",))  # Engine.warm_up's, after its long prompts
+    assert not backend._decode_graphs and backend._prefill_graphs and backend._mixed_graphs
+    with pytest.raises(ValueError, match="unknown graph kind 'prefil'.*decode, prefill, mixed"):
+        backend.drop_graphs(("prefill", "prefil"))
+    assert backend._prefill_graphs and backend._mixed_graphs  # nothing dropped before the error
+    backend.drop_graphs()
+    assert not (backend._decode_graphs or backend._prefill_graphs or backend._mixed_graphs)
+
+
 @pytest.mark.parametrize("kind", ["prefill", "mixed"])
 def test_a_graph_capture_out_of_memory_runs_the_step_eagerly_and_switches_that_kind_off(
     kind: str, monkeypatch: pytest.MonkeyPatch

@@ -384,20 +384,26 @@ def test_warm_up_runs_each_batch_size_and_prompt_length_the_backend_records_and_
 
     for name in ("launch_greedy_packed", "step_packed"):  # the greedy path (fused argmax) and the sampling one
         monkeypatch.setattr(runner, name, spy(name))
+    monkeypatch.setattr(backend, "drop_graphs", lambda kinds: seen.append(("drop_graphs", *kinds)))
     sizes, seconds = engine.warm_up()
     assert sizes == 3 and seconds >= 0
-    # each size's one-token prompts in one step, then its decode step; then each prompt length twice,
-    # alone: whole, then as the chunk after a full step of 32 (nothing taken from the prefix cache:
-    # the second copy runs whole again), each copy's last chunk followed by its decode step at that
-    # context; greedy, then sampling (graphs of their own), whose chunks that sample nothing take
-    # the greedy path (False: not the prompt's last chunk)
+    # each prompt length twice, alone: whole, then as the chunk after a full step of 32 (nothing taken
+    # from the prefix cache: the second copy runs whole again), each copy's last chunk followed by its
+    # decode step at that context; then the decode graphs dropped (the batch-1 ones are as wide as
+    # those contexts); then each size's one-token prompts in one step, then its decode step. Greedy,
+    # then sampling (graphs of their own), whose chunks that sample nothing take the greedy path
+    # (False: not the prompt's last chunk).
     decode = (1, 1, True)
     prompts = [[(1, 8, True)], [(1, 32, False), (1, 8, True)], [(1, 32, True)], [(1, 32, False), (1, 32, True)],
                [(1, 32, False), (1, 32, False), (1, 32, False), (1, 4, True)]]  # fmt: skip
-    steps = [(1, 1, True), (1, 1, True), (3, 3, True), (3, 3, True), (8, 8, True), (8, 8, True),
-             *[step for chunks in prompts for step in [*chunks, decode] * 2]]  # fmt: skip
-    assert seen == [("step_packed" if sampling and last else "launch_greedy_packed", n, t)
-                    for sampling in (False, True) for n, t, last in steps]  # fmt: skip
+    prompt_steps = [step for chunks in prompts for step in [*chunks, decode] * 2]
+    size_steps = [(1, 1, True), (1, 1, True), (3, 3, True), (3, 3, True), (8, 8, True), (8, 8, True)]
+
+    def path(sampling: bool, n: int, t: int, last: bool) -> tuple[str, int, int]:
+        return ("step_packed" if sampling and last else "launch_greedy_packed", n, t)
+
+    assert seen == [*[path(sampling, *s) for sampling in (False, True) for s in prompt_steps], ("drop_graphs", "decode"),
+                    *[path(sampling, *s) for sampling in (False, True) for s in size_steps]]  # fmt: skip
     assert_no_leaks(engine)
     assert engine.metrics.counters.steps == 0 and engine.metrics.snapshot()["requests_finished_total"] == 0
     engine.add_request([5, 6], SamplingParams(max_tokens=1))
