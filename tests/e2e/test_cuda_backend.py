@@ -1130,6 +1130,40 @@ def test_lone_sequence_prefills_replay_their_bucket_graph_and_other_steps_run_ea
     assert not backend._prefill_graphs
 
 
+@pytest.mark.gpu
+def test_gpu_warm_up_leaves_the_batch_1_decode_graphs_narrow_and_a_long_context_widens_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine.warm_up: its prompts' decodes over up to two step budgets of context capture the
+    batch-1 graphs wide (their kernels' variants compile then); it drops the decode graphs and the
+    batch-size sweep captures them at the narrowest width again. A longer context afterwards
+    captures its bucket wider and decodes the reference backend's tokens."""
+    from mgx.runtime import Engine, EngineConfig
+    from mgx.runtime.backend_cuda import GRAPH_MIN_TABLE_BLOCKS
+
+    from _tiny_graph import tiny_contents
+
+    contents = tiny_contents(max_position=1200)  # 75 blocks of 16: wider than the narrowest table
+    backend = CUDABackend(contents.graph, dtype="f32")
+    widths: list[tuple[int, int]] = []
+    real = backend._capture
+    monkeypatch.setattr(backend, "_capture", lambda run_ops, batch, bucket, width: widths.append((bucket, width))
+                        or real(run_ops, batch, bucket, width))  # fmt: skip
+    config = EngineConfig(max_num_seqs=2, max_tokens_per_step=512, block_size=16)
+    engine = Engine.from_contents(contents, backend=backend, config=config)
+    engine.warm_up()
+    # the 1,024-token prompt's decode (1,025 positions: 65 blocks) took the whole 75-block table,
+    # greedy and sampling; then the sweep: buckets 1 and 2 at the narrowest width, greedy and sampling
+    assert widths.count((1, 75)) == 2 and widths[-4:] == [(1, GRAPH_MIN_TABLE_BLOCKS), (2, GRAPH_MIN_TABLE_BLOCKS)] * 2
+    for greedy in (True, False):
+        assert backend._decode_graphs[(1, greedy)].step.block_tables.shape[1] == GRAPH_MIN_TABLE_BLOCKS
+    prompt = np.random.default_rng(3).integers(2, 300, 1100).tolist()
+    want = Engine.from_contents(contents, config=config).generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = engine.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert got.token_ids == want.token_ids
+    assert widths[-1] == (1, 75) and backend._decode_graphs[(1, True)].step.block_tables.shape[1] == 75
+
+
 def test_drop_graphs_forgets_the_kinds_it_is_given_and_names_an_unknown_one() -> None:
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     for kind in ("decode", "prefill", "mixed"):
