@@ -71,8 +71,20 @@ _warm_up_option = click.option(
 
 def _warm_up(engine: Any) -> None:
     """``--warm-up``: ``Engine.warm_up``, and a line on stderr of what it ran."""
+    backend = engine.runner.backend
+    before = backend.graph_stats().get("captures", {})
     sizes, seconds = engine.warm_up()
-    click.echo(f"warm-up: {sizes} batch sizes in {seconds:.1f} s", err=True)
+    click.echo(warm_up_line(sizes, seconds, before, backend.graph_stats().get("captures", {})), err=True)
+
+
+def warm_up_line(sizes: int, seconds: float, before: dict[str, int], after: dict[str, int]) -> str:
+    """What ``--warm-up`` prints: the batch sizes run, the seconds, and the graphs it captured by kind
+    (``before`` and ``after``: ``graph_stats()["captures"]`` around it; none where nothing is recorded)."""
+    taken = {kind: n - before.get(kind, 0) for kind, n in sorted(after.items()) if n > before.get(kind, 0)}
+    line = f"warm-up: {sizes} batch sizes in {seconds:.1f} s"
+    if taken:
+        line += "; graphs captured: " + ", ".join(f"{kind} {n}" for kind, n in taken.items())
+    return line
 
 
 def _scheduler_options(fn: F) -> F:

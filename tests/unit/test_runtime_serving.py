@@ -333,7 +333,7 @@ def test_mgx_run_bench(contents, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "tokens fit" in result.stderr and "req/s" in result.stdout and "ttft ms" in result.stdout
-    assert "warm-up: 0 batch sizes" in result.stderr  # the CPU backend records no steps
+    assert "warm-up: 0 batch sizes" in result.stderr and "graphs captured" not in result.stderr  # the CPU backend records no steps
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["requests"] == 12 and report["output_tokens"] >= 24
     assert report["prefix_hit_rate"] > 0 and 0 < report["peak_kv_use"] <= 1
@@ -451,3 +451,12 @@ def test_streamed_outputs_in_a_batch_equal_each_alone(contents, workload) -> Non
     assert engine.metrics.counters.preemptions > 0
     assert {s[-1][3] for s in alone} == {"stop", "length"}
     assert_no_leaks(engine)
+
+
+def test_the_warm_up_line_counts_the_graphs_it_captured_by_kind() -> None:
+    from mgx.runtime.cli import warm_up_line
+
+    before = {"decode": 2, "prefill": 0, "mixed": 1}
+    after = {"decode": 22, "prefill": 28, "mixed": 1}
+    assert warm_up_line(8, 23.24, before, after) == "warm-up: 8 batch sizes in 23.2 s; graphs captured: decode 20, prefill 28"
+    assert warm_up_line(0, 0.01, {}, {}) == "warm-up: 0 batch sizes in 0.0 s"
