@@ -4,6 +4,7 @@ cycles between a warp's instructions and occupancy -- what says whether a GEMV i
 or by its instructions.
 
     python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag=-D...] [--stalls]
+    python examples/ncu_gemv.py --kinds imma_w4,imma_w4+staged --schemes int4   # a kind's staged twin beside it
     python examples/ncu_gemv.py --parse report.csv --manifest launches.json   # a saved report, no GPU
 
 On a GPU host the script runs itself under ncu (``--launch``: build gemv.cu, launch every applicable
@@ -116,6 +117,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+STAGED_SUFFIX = "+staged"  # a kind's staged twin (gemv_staged on x staged once, as a model runs INT4)
+
+
+def split_kind(kind: str) -> tuple[str, bool]:
+    """(native kind, staged twin?) of a ``--kinds`` item: ``imma_w4`` or ``imma_w4+staged``."""
+    return (kind[: -len(STAGED_SUFFIX)], True) if kind.endswith(STAGED_SUFFIX) else (kind, False)
+
+
 def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifest_path: Path) -> None:
     """Under ncu: each applicable (scheme, product, kind) launched twice; the manifest records them in order."""
     import torch
@@ -140,11 +149,17 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
             x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
             weight_bytes = sum(t.numel() * t.element_size() for t in (w.weight, w.scales, w.zeros) if t is not None)
             for kind in kinds:
-                if not cg.gemv_applies(kernels, x, w, kind=kind):
+                base, staged = split_kind(kind)
+                if not (cg.staged_applies if staged else cg.gemv_applies)(kernels, x, w, kind=base):
                     continue
-                entry = cg.entry_for(kind, scheme).rsplit("_v", 1)[0]
+                # the stage kernel's name is not the filter's (mgx_imma_stage_...): it runs unprofiled
+                rec = cg.stage_x(x, scheme, kernels=kernels) if staged else None
+                entry = (cg.STAGED_ENTRIES[base, scheme] if staged else cg.entry_for(base, scheme)).rsplit("_v", 1)[0]
                 for _ in range(2):
-                    cg.gemv(x, w, kernels=kernels, silu_mul=silu, kind=kind)
+                    if staged:
+                        cg.gemv_staged(rec, w, kernels=kernels, kind=base, silu_mul=silu)
+                    else:
+                        cg.gemv(x, w, kernels=kernels, silu_mul=silu, kind=base)
                     manifest.append({"scheme": scheme, "n": n, "k": k, "kind": kind, "entry": entry,
                                      "weight_bytes": weight_bytes})  # fmt: skip
             torch.cuda.synchronize()
@@ -153,7 +168,8 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kinds", default="mma_pipelined,imma,imma_persistent", help="native kinds, comma-separated")
+    ap.add_argument("--kinds", default="mma_pipelined,imma,imma_persistent",
+                    help="native kinds, comma-separated; KIND+staged: its staged twin (imma, imma_w4, imma_w16)")
     ap.add_argument("--schemes", default="int4,w8a16")
     ap.add_argument("--nvcc-flag", action="append", default=[], help="a compile-time setting of gemv.cu, written --nvcc-flag=-DMGX_IMMA_CACHE=0")
     ap.add_argument("--csv", type=Path, help="keep ncu's report here")
@@ -163,13 +179,19 @@ def main() -> None:
     ap.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the child run under ncu
     args = ap.parse_args()
     kinds, schemes = args.kinds.split(","), args.schemes.split(",")
-    if args.launch:
-        launch(kinds, schemes, tuple(args.nvcc_flag), args.manifest)
-        return
     if args.parse is not None:
         if args.manifest is None:
             ap.error("--parse needs --manifest (the launches the report holds, in order)")
         print(table(summarize(parse_report(args.parse.read_text()), json.loads(args.manifest.read_text()))))
+        return
+    from mgx.kernels.cuda.gemv import KINDS, STAGED_KINDS
+
+    for kind in kinds:
+        base, staged = split_kind(kind)
+        if base not in (STAGED_KINDS if staged else KINDS):
+            ap.error(f"unknown kind {kind!r}: one of {', '.join(KINDS)}, or {', '.join(STAGED_KINDS)} with {STAGED_SUFFIX}")
+    if args.launch:
+        launch(kinds, schemes, tuple(args.nvcc_flag), args.manifest)
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not Path(ncu).exists():

@@ -97,3 +97,13 @@ def test_stall_reasons_are_read_and_the_largest_three_named() -> None:
     assert out.splitlines()[0].endswith("| top stalls (cycles a warp waits per issue)")
     assert out.splitlines()[1].endswith("| 62 | long_scoreboard 5.10, wait 1.25, math_pipe_throttle 0.80")
     assert "top stalls" not in ncu_gemv.table([{k: v for k, v in row.items() if not k.startswith("stall:")}])
+
+
+def test_a_kind_with_the_staged_suffix_names_its_staged_twin_and_an_unknown_kind_is_refused() -> None:
+    assert ncu_gemv.split_kind("imma_w4+staged") == ("imma_w4", True)
+    assert ncu_gemv.split_kind("imma_w4") == ("imma_w4", False)
+    # refused before ncu is looked for: gemv has no staged twin, "immaa" is no kind
+    for bad in ("gemv+staged", "immaa"):
+        done = subprocess.run([sys.executable, str(SCRIPT), "--kinds", f"imma,{bad}"], capture_output=True, text=True,
+                              check=False)  # fmt: skip
+        assert done.returncode == 2 and f"unknown kind '{bad}'" in done.stderr and "imma_w16 with +staged" in done.stderr
