@@ -634,9 +634,8 @@ class CUDABackend(Backend):
         needed (after a change of tunings or switches, or ``Engine.warm_up``'s long prompts; never while
         a launched step is in flight)."""
         kinds = list(kinds)
-        for kind in kinds:
-            if kind not in GRAPH_KINDS:
-                raise ValueError(f"unknown graph kind {kind!r} (one of {', '.join(GRAPH_KINDS)})")
+        if unknown := next((k for k in kinds if k not in GRAPH_KINDS), None):
+            raise ValueError(f"unknown graph kind {unknown!r} (one of {', '.join(GRAPH_KINDS)})")
         for kind in kinds:
             getattr(self, f"_{kind}_graphs").clear()
 

@@ -251,8 +251,8 @@ class Engine:
         arch = self.graph.arch
         special = {*arch.eos_token_ids, arch.bos_token_id, arch.pad_token_id}
         token = next(t for t in range(arch.vocab_size) if t not in special)
-        kinds = [SamplingParams(max_tokens=2, temperature=t, ignore_eos=True, seed=0) for t in (0.0, 1.0)]
-        for params in kinds if prompts else ():
+        samplings = [SamplingParams(max_tokens=2, temperature=t, ignore_eos=True, seed=0) for t in (0.0, 1.0)]
+        for params in samplings:
             for n in prompts:
                 for _ in range(2):  # a bucket's first prompt runs eagerly, its second captures
                     self.reset_prefix_cache()  # the same prompt again: nothing of it cached
@@ -260,7 +260,7 @@ class Engine:
                     self._drain()
         if prompts:
             backend.drop_graphs(("decode",))  # the batch-1 ones are as wide as the prompts' contexts
-        for params in kinds if sizes else ():
+        for params in samplings:
             for n in sizes:
                 for _ in range(n):
                     self.add_request([token], params)
