@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -258,7 +259,8 @@ def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:
     ``Engine.step``; ``other``: what no phase holds) over the steps after every request of ``prompts``
     has its first token, each method timed by a wrapper on its class (restored afterwards). The
     GPU's share hides in ``picks``: with steps launched ahead, a host faster than the device waits
-    there, a slower one does not."""
+    there, a slower one does not. On CUDA, also ``replay_spans`` of the graph replays in that window:
+    how long the device ran each, and how long it went from one to the next."""
     from mgx.runtime.model_runner import LaunchedStep
     from mgx.runtime.request import Request
     from mgx.runtime.sampler import SamplingParams
@@ -281,11 +283,29 @@ def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:
         return run
 
     originals = [(named[holder], method, named[holder].__dict__[method]) for _, holder, method in STEP_PHASES]
+    replays: list[tuple[Any, Any]] = []  # (start, end) events around each graph replay in the window
+    if DEVICE == "cuda":  # the device's side: each replay's span, and the gaps between them
+        replay = torch.cuda.CUDAGraph.__dict__["replay"]
+
+        def timed_replay(graph, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if not on[0]:
+                return replay(graph, *a, **k)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return replay(graph, *a, **k)
+            finally:
+                end.record()
+                replays.append((start, end))
+
+        originals.append((torch.cuda.CUDAGraph, "replay", replay))
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     steps, total = 0, 0.0
     try:
         for (label, _, _), (cls, method, fn) in zip(STEP_PHASES, originals):
             setattr(cls, method, timed(label, fn))
+        if DEVICE == "cuda":
+            torch.cuda.CUDAGraph.replay = timed_replay
         started = {engine.add_request(p, params) for p in prompts}
         while started:
             started -= {o.request_id for o in engine.step()}
@@ -304,7 +324,19 @@ def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:
     per = 1e6 / max(steps, 1)
     out = {label: t * per for label, t in spent.items()}
     out |= {"step": total * per, "other": (total - sum(spent.values())) * per, "steps": steps}
-    return out
+    return out | replay_spans(replays)
+
+
+def replay_spans(replays: list[tuple[Any, Any]]) -> dict[str, float]:
+    """From (start, end) events around consecutive graph replays (``elapsed_time`` in ms, as CUDA
+    events; synchronized): mean microseconds a replay ran on the device (``graph``) and the device's
+    mean time from one replay's end to the next one's start (``between_graphs``: the step's copies,
+    and any wait for the host's next launch). Empty without two replays."""
+    if len(replays) < 2:
+        return {}
+    runs = [start.elapsed_time(end) for start, end in replays]
+    gaps = [end.elapsed_time(nxt) for (_, end), (nxt, _) in zip(replays, replays[1:])]
+    return {"graph": 1e3 * sum(runs) / len(runs), "between_graphs": 1e3 * sum(gaps) / len(gaps), "replays": len(replays)}
 
 
 def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: int) -> None:  # noqa: ANN001
@@ -384,7 +416,7 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         phases = step_phases(engine, [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)],
                              args.batch_new)  # fmt: skip
         row[f"phases_b{b}_us"] = phases
-        log(f"  batch {b}, us a decode step: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "steps"))
+        log(f"  batch {b}, us a decode step: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k not in ("steps", "replays")))
     for _ in range(2):  # warm the prefill shapes (a prefill graph is captured at its bucket's second prompt)
         run_steps(engine, [rng.integers(3, vocab_hi, args.prefill).tolist()], 1)
     def prefills(e) -> list[float]:  # noqa: ANN001

@@ -153,3 +153,22 @@ def test_step_phases_times_each_phase_of_the_decode_steps_and_puts_the_methods_b
 
 def bench_module_class(module: str, name: str) -> type:
     return getattr(importlib.import_module(module), name)
+
+
+def test_replay_spans_are_the_mean_replay_and_the_mean_gap_between_replays(bench) -> None:  # noqa: ANN001
+    """``--phases`` on CUDA: events around each graph replay give the device's time per replay and
+    from one replay's end to the next one's start (events stood in by timestamps in ms)."""
+
+    class Stamp:
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def elapsed_time(self, later: Stamp) -> float:
+            return later.ms - self.ms
+
+    replays = [(Stamp(0.0), Stamp(1.5)), (Stamp(1.7), Stamp(3.3)), (Stamp(3.4), Stamp(5.1))]
+    spans = bench.replay_spans(replays)
+    assert spans["graph"] == pytest.approx(1e3 * (1.5 + 1.6 + 1.7) / 3)
+    assert spans["between_graphs"] == pytest.approx(1e3 * (0.2 + 0.1) / 2)
+    assert spans["replays"] == 3
+    assert bench.replay_spans(replays[:1]) == {}  # one replay has no gap to measure
