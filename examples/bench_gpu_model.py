@@ -549,7 +549,7 @@ def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa
 
     from mgx.runtime.sampler import SamplingParams
 
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     seen: set[str] = set()
@@ -559,12 +559,38 @@ def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa
         for _ in range(5):
             engine.step()
         sync()
+    # The device's timeline alone (the host's profiler slows the host, which shows as device idle)
+    with profile(activities=[ProfilerActivity.CUDA]) as device_only:
+        for _ in range(5):
+            engine.step()
+        sync()
     while engine.has_unfinished():
         engine.step()
     log(f"profile of 5 decode steps at batch {batch}:")
     log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
     log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
     log_kernel_positions(prof, engine.graph.arch.num_layers, steps=5)
+    log_device_gaps(device_only.events(), steps=5)
+
+
+def log_device_gaps(events, steps: int, top: int = 8) -> None:  # noqa: ANN001
+    """Where the device sat idle over ``steps`` profiled steps: the ``top`` longest gaps between its
+    activities (kernels, copies, sets), each with the activity before and after, and the idle time
+    per step. A gap ends at the next activity's start, measured from the latest end so far."""
+    acts = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)  # fmt: skip
+    if len(acts) < 2:
+        return
+    gaps, end, before = [], acts[0].time_range.end, acts[0].name
+    for e in acts[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, before, e.name))
+        if e.time_range.end >= end:
+            end, before = e.time_range.end, e.name
+    idle = sum(g for g, _, _ in gaps)
+    log(f"device idle {idle / steps:.1f} us a step over {steps} steps ({len(gaps)} gaps); the longest (us, after, before):")
+    for gap, after, nxt in sorted(gaps, reverse=True)[:top]:
+        log(f"  {gap:8.1f}  {after[:60]}  ->  {nxt[:60]}")
 
 
 def log_kernel_positions(prof, layers: int, steps: int) -> None:  # noqa: ANN001

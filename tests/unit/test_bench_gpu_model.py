@@ -172,3 +172,25 @@ def test_replay_spans_are_the_mean_replay_and_the_mean_gap_between_replays(bench
     assert spans["between_graphs"] == pytest.approx(1e3 * (0.2 + 0.1) / 2)
     assert spans["replays"] == 3
     assert bench.replay_spans(replays[:1]) == {}  # one replay has no gap to measure
+
+
+def test_device_gaps_are_measured_from_the_latest_end_and_ranked(bench, monkeypatch) -> None:  # noqa: ANN001
+    """``--profile``: the device's idle time between activities, overlapping ones merged (a gap ends
+    at a start after the latest end so far), the longest first with the activities around them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def act(name: str, start: float, end: float, device=cuda):  # noqa: ANN001, ANN202
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [act("graph_a", 0, 100), act("inner", 10, 20), act("host", 100, 400, cpu), act("Memcpy HtoD", 130, 135),
+              act("graph_b", 140, 240), act("Memcpy DtoH", 300, 302)]  # fmt: skip
+    lines: list[str] = []
+    monkeypatch.setattr(bench, "log", lines.append)
+    bench.log_device_gaps(events, steps=2)
+    assert lines[0].startswith("device idle 47.5 us a step over 2 steps (3 gaps)")
+    assert [line.split()[:4] for line in lines[1:]] == [
+        ["60.0", "graph_b", "->", "Memcpy"], ["30.0", "graph_a", "->", "Memcpy"], ["5.0", "Memcpy", "HtoD", "->"]]
