@@ -100,6 +100,12 @@ class StepResult:
         """Nobody will read this output (a step launched ahead that the schedule did not take)."""
 
 
+def picked(step: StepResult, rows: list[int] | None) -> np.ndarray:
+    """The greedy ids of ``step`` on the host (int64; waits for it), all or those at ``rows``."""
+    ids = np.asarray(step.result()[0], dtype=np.int64)
+    return ids if rows is None else ids[rows]
+
+
 class Backend(ABC):
     """Runs ops of one graph. Subclasses implement the per-kind methods below."""
 
@@ -175,15 +181,21 @@ class Backend(ABC):
         return run_ops(batch)
 
     def launch(
-        self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache, tokens_from: StepResult | None = None
+        self,
+        run_ops: Callable[[StepBatch], Array],
+        batch: StepBatch,
+        kv: KVCache,
+        tokens_from: StepResult | None = None,
+        rows: list[int] | None = None,
     ) -> StepResult:
         """``execute``, returning before the output reaches the host where the backend can.
 
         ``tokens_from``: the greedy step launched just before this one, whose picks (one per
-        sequence, in order) are this step's token ids; ``batch.token_ids`` is a placeholder then.
-        Here the step runs now, so those picks are read first."""
+        sequence, in order; those at ``rows`` when given) are this step's token ids;
+        ``batch.token_ids`` is a placeholder then. Here the step runs now, so those picks are read
+        first."""
         if tokens_from is not None:
-            batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
+            batch.token_ids = picked(tokens_from, rows)
         return StepResult(self.execute(run_ops, batch, kv))
 
     def run_op(self, op: Op, args: list[Array], batch: StepBatch, kv: KVCache) -> list[Array]:

@@ -138,7 +138,7 @@ from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import Tunings
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
-from .backend import GRAPH_KINDS, Array, AttentionAttrs, Backend, StepResult
+from .backend import GRAPH_KINDS, Array, AttentionAttrs, Backend, StepResult, picked
 from .batch import StepBatch
 from .errors import UnsupportedModelError
 from .kv_cache import KVCache
@@ -737,10 +737,16 @@ class CUDABackend(Backend):
         return self.launch(run_ops, batch, kv).result()
 
     def launch(
-        self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, kv: KVCache, tokens_from: StepResult | None = None
+        self,
+        run_ops: Callable[[StepBatch], Array],
+        batch: StepBatch,
+        kv: KVCache,
+        tokens_from: StepResult | None = None,
+        rows: list[int] | None = None,
     ) -> StepResult:
         """A greedy decode step replays its graph and returns without waiting: its picks reach a
-        pinned buffer behind it, and stay on the device for the next launch (``tokens_from``).
+        pinned buffer behind it, and stay on the device for the next launch (``tokens_from``; those
+        at ``rows`` when the next step leaves sequences out, gathered on the device).
         Other steps (prefill, mixed, sampling, beyond the largest bucket), and every step with
         ``overlaps_steps`` off (``MGX_CUDA_AHEAD=0``), run to the end first."""
         paged = batch.paged
@@ -759,8 +765,11 @@ class CUDABackend(Backend):
         if tokens_from is not None:
             if unwaited and tokens_from is self._last_launch:
                 fed = tokens_from.device_ids()
+                if fed is not None and rows is not None:
+                    at = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                    fed = fed.index_select(0, at.to(fed.device, non_blocking=True))
             if fed is None:
-                batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
+                batch.token_ids = picked(tokens_from, rows)
         self._last_launch = None
         with overlapped_launches(self._overlap):
             graph_out: StepResult | None = None
@@ -769,7 +778,7 @@ class CUDABackend(Backend):
                     "decode", s, lambda: self._launch_graph(run_ops, batch, fed) if unwaited else StepResult(self._replay(run_ops, batch))
                 )
                 if graph_out is None and fed is not None:  # eager after all: it needs the picks on the host
-                    batch.token_ids = np.asarray(tokens_from.result()[0], dtype=np.int64)
+                    batch.token_ids = picked(tokens_from, rows)
             elif prefill is not None:
                 graph_out = self._graph_or_none("prefill", prefill, lambda: StepResult(self._replay_prefill(run_ops, batch, prefill)))
             elif mixed is not None:

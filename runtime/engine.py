@@ -331,17 +331,19 @@ class Engine:
         return None
 
     def _launch_ahead(self, launched: LaunchedStep, reqs: list[Request]) -> LaunchedStep | None:
-        """On a backend that overlaps steps, the next decode step of every sequence of ``launched``,
-        fed its picks on the device, so the device runs it while the host handles this step's
-        picks; the next ``step`` adopts it when the schedule is the same. Not when the schedule
-        will differ anyway: a request waits and there is room to admit it, or one takes its last
-        token now."""
+        """On a backend that overlaps steps, the next decode step of the sequences of ``launched``
+        that go on, fed their picks on the device, so the device runs it while the host handles
+        this step's picks; the next ``step`` adopts it when the schedule is the same. A request that
+        takes its last token now (``max_tokens``) is left out of it: the schedule drops it too. Not
+        when the schedule will differ anyway: a request waits and there is room to admit it, or
+        will be once a request ends now."""
         sched = self.scheduler
         if sched.waiting and len(sched.running) < sched.config.max_num_seqs:
             return None
-        if any(r.tokens_left <= 1 for r in reqs):
+        rows = [i for i, r in enumerate(reqs) if r.tokens_left > 1]
+        if not rows or (len(rows) < len(reqs) and sched.waiting):
             return None
-        return self.runner.launch_ahead(launched)
+        return self.runner.launch_ahead(launched, None if len(rows) == len(reqs) else rows)
 
     def _sample(self, req: Request, logits: np.ndarray) -> RequestOutput:
         token = req.sampler.sample(logits, req.seq.token_ids, req.output_ids)

@@ -120,22 +120,24 @@ class ModelRunner:
         assert out is not None  # _launch raises when blocks run out
         return LaunchedStep(batch, out, starts)
 
-    def launch_ahead(self, prev: LaunchedStep) -> LaunchedStep | None:
-        """Launch the decode step after ``prev`` before its picks reach the host: every sequence of
-        ``prev`` adds the token ``prev`` picks for it, which goes to the step on the device.
+    def launch_ahead(self, prev: LaunchedStep, rows: list[int] | None = None) -> LaunchedStep | None:
+        """Launch the decode step after ``prev`` before its picks reach the host: each sequence of
+        ``prev`` (those at ``rows``, in order, when given) adds the token ``prev`` picks for it,
+        which goes to the step on the device.
 
         Nothing is committed until ``adopt`` (the host learns the tokens only then). None where it
         cannot be: ``prev`` not a greedy step in which every sequence picks, or no free block."""
         b = prev.batch
-        s = len(b.seq_ids)
-        if not b.greedy or b.sample_rows.size != s:
+        if not b.greedy or b.sample_rows.size != len(b.seq_ids):
             return None
+        seq_ids = b.seq_ids if rows is None else [b.seq_ids[i] for i in rows]
+        s = len(seq_ids)
         ones = [1] * s
-        room = self.blocks.prepare_step(b.seq_ids, ones)  # (also where each sequence stands)
+        room = self.blocks.prepare_step(seq_ids, ones)  # (also where each sequence stands)
         if room is None:
             return None
-        batch = StepBatch.packed(b.seq_ids, np.zeros(s, dtype=np.int64), ones, room.starts, [True] * s)
-        out = self._launch(batch, room.starts, ones, True, tokens_from=prev.out, room=room)
+        batch = StepBatch.packed(seq_ids, np.zeros(s, dtype=np.int64), ones, room.starts, [True] * s)
+        out = self._launch(batch, room.starts, ones, True, tokens_from=prev.out, room=room, rows=rows)
         return None if out is None else LaunchedStep(batch, out, room.starts)
 
     def adopt(self, ahead: LaunchedStep, token_ids: list[int]) -> None:
@@ -196,10 +198,12 @@ class ModelRunner:
         greedy: bool,
         tokens_from: StepResult | None = None,
         room: StepBlocks | None = None,
+        rows: list[int] | None = None,
     ) -> StepResult | None:
         """Blocks for ``batch`` (``room``: ``prepare_step``'s answer when the caller has it), the
-        launch, then the commit of its tokens (none with ``tokens_from``: the host does not know
-        them yet). Out of blocks: raises, or None with ``tokens_from``."""
+        launch, then the commit of its tokens (none with ``tokens_from``, whose picks at ``rows``
+        are the tokens: the host does not know them yet). Out of blocks: raises, or None with
+        ``tokens_from``."""
         blocks, seq_ids = self.blocks, batch.seq_ids
         batch.greedy = greedy
         if room is None:
@@ -211,7 +215,7 @@ class ModelRunner:
         tables = self._block_tables(room.tables)
         batch.paged = PagedStep.build(batch, room.tables, blocks.block_size, room.state_slots, tables)
         if tokens_from is not None:
-            return self.backend.launch(self.run_ops, batch, self.kv, tokens_from)
+            return self.backend.launch(self.run_ops, batch, self.kv, tokens_from, rows)
         if self.backend.overlaps_steps:
             out = self.backend.launch(self.run_ops, batch, self.kv)
         else:

@@ -773,6 +773,43 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
     logit: the position): a step fed by the launch just before it (``tokens_from``) gets that
     launch's picks on the device, unread by the host; fed by an older launch, the host's copy. A
     launch's pinned slot goes back to its graph once its picks are read or discarded."""
+    backend = _picking_backend(monkeypatch)
+    first = backend.launch(None, _decode_batch([5, 9], [3, 7]), None)
+    ahead_batch = _decode_batch([0, 0], [4, 8])
+    ahead = backend.launch(None, ahead_batch, None, tokens_from=first)
+    assert ahead_batch.token_ids.tolist() == [0, 0]  # the host never saw the picks it was fed
+    assert [a.tolist() for a in first.result()] == [[6, 10], [3.0, 7.0]]
+    assert [a.tolist() for a in ahead.result()] == [[7, 11], [4.0, 8.0]]
+    other = backend.launch(None, _decode_batch([1, 1], [5, 9]), None)
+    late_batch = _decode_batch([0, 0], [5, 9])
+    late = backend.launch(None, late_batch, None, tokens_from=ahead)  # not the last launch: via the host
+    assert late_batch.token_ids.tolist() == [7, 11] and late.result()[0].tolist() == [8, 12]
+    other.discard()
+    g = backend._decode_graphs[(2, True)]
+    assert len(g.free) == 2 and g.free[0] is not g.free[1]  # two launches were in flight at most
+
+
+@pytest.mark.interpreted
+def test_a_step_launched_ahead_without_some_sequences_is_fed_the_picks_of_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that takes its last token is left out of the step launched after it (``rows``):
+    the others' picks are gathered on the device from the launch just before, and read on the host
+    from an older one."""
+    backend = _picking_backend(monkeypatch)
+    first = backend.launch(None, _decode_batch([5, 9, 20], [3, 7, 11]), None)  # picks 6, 10, 21
+    fed = _decode_batch([0, 0], [4, 12])
+    ahead = backend.launch(None, fed, None, tokens_from=first, rows=[0, 2])
+    assert fed.token_ids.tolist() == [0, 0]  # on the device only
+    assert ahead.result()[0].tolist() == [7, 22]
+    other = backend.launch(None, _decode_batch([1, 1, 1], [5, 9, 13]), None)
+    late = _decode_batch([0], [8])
+    assert backend.launch(None, late, None, tokens_from=first, rows=[1]).result()[0].tolist() == [11]
+    assert late.token_ids.tolist() == [10]  # not the last launch: through the host
+    other.discard()
+
+
+def _picking_backend(monkeypatch: pytest.MonkeyPatch) -> CUDABackend:
+    """A CPU CUDA backend with decode graphs and overlapped steps whose stand-in graph's replay picks
+    token + 1 (its logit: the position)."""
     import types
 
     from mgx.runtime.backend_cuda import _decode_buffers, _Graph, _Step
@@ -794,20 +831,7 @@ def test_greedy_graph_launches_feed_their_picks_on_the_device(monkeypatch: pytes
         return _Graph(types.SimpleNamespace(replay=replay), st, (ids, top))
 
     monkeypatch.setattr(backend, "_capture", capture)
-
-    first = backend.launch(None, _decode_batch([5, 9], [3, 7]), None)
-    ahead_batch = _decode_batch([0, 0], [4, 8])
-    ahead = backend.launch(None, ahead_batch, None, tokens_from=first)
-    assert ahead_batch.token_ids.tolist() == [0, 0]  # the host never saw the picks it was fed
-    assert [a.tolist() for a in first.result()] == [[6, 10], [3.0, 7.0]]
-    assert [a.tolist() for a in ahead.result()] == [[7, 11], [4.0, 8.0]]
-    other = backend.launch(None, _decode_batch([1, 1], [5, 9]), None)
-    late_batch = _decode_batch([0, 0], [5, 9])
-    late = backend.launch(None, late_batch, None, tokens_from=ahead)  # not the last launch: via the host
-    assert late_batch.token_ids.tolist() == [7, 11] and late.result()[0].tolist() == [8, 12]
-    other.discard()
-    g = backend._decode_graphs[(2, True)]
-    assert len(g.free) == 2 and g.free[0] is not g.free[1]  # two launches were in flight at most
+    return backend
 
 
 def test_a_decode_graph_out_of_memory_runs_the_step_eagerly_on_the_picks_it_was_fed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,6 +79,26 @@ def test_a_batch_decodes_the_same_with_steps_launched_ahead() -> None:
     assert adopted >= 5 and dropped == 0
 
 
+def test_a_request_taking_its_last_token_is_left_out_of_the_step_launched_ahead() -> None:
+    """Requests ending on max_tokens at different steps: the step launched ahead leaves out the one
+    that ends (its picks gathered for the others), so after the first step no step waits for the
+    host to learn the picks, and the tokens are those of an engine launching nothing ahead."""
+
+    def script(engine: Engine, step: int) -> None:
+        if step == 0:
+            for p, n in zip(PROMPTS, (9, 5, 12, 1)):
+                engine.add_request(p, _greedy(n))
+
+    want = _drive(_engine(False), script)
+    engine = _engine(True)
+    plain: list[list[int]] = []  # the sequences of each step not launched ahead
+    launch = engine.runner.launch_greedy_packed
+    engine.runner.launch_greedy_packed = lambda *a: plain.append(list(a[0])) or launch(*a)
+    assert _drive(engine, script) == want
+    assert len(plain) == 1 and len(plain[0]) == 4  # the prompts' step only
+    assert engine.blocks.num_used_blocks == 0
+
+
 def test_requests_waiting_for_a_full_batch_do_not_stop_launching_ahead() -> None:
     """With the batch at max_num_seqs a waiting request cannot join before one finishes, so steps
     are still launched ahead (and dropped when one finishes and the next is admitted)."""
@@ -89,7 +109,8 @@ def test_requests_waiting_for_a_full_batch_do_not_stop_launching_ahead() -> None
                 engine.add_request(p, _greedy(n))
 
     adopted, dropped = _compare(script, EngineConfig(max_num_seqs=2))
-    assert adopted >= 10 and dropped == 0  # a request finishes on its last token: nothing was launched after it
+    # a request finishes on its last token and a waiting one takes its place: nothing was launched after it
+    assert adopted >= 10 and dropped == 0
 
 
 def test_a_stop_token_and_a_late_request_drop_the_step_launched_ahead() -> None:
