@@ -289,15 +289,26 @@ def test_llm_wrapper_is_thread_safe(contents, workload, solo) -> None:
             t.join()
         assert [results[i] for i in range(16)] == solo[:16]
         # Closing the stream early aborts the request. It must still be running when the stream
-        # closes: ask for as many tokens as the context holds and slow the loop's steps down, so the
-        # loop cannot finish it between the first token and close() however the threads are scheduled.
-        step = llm.engine.step
+        # closes, however the threads are scheduled: after the first token the loop waits until the
+        # close has begun (the abort's first act), and its steps are slowed down, so the loop cannot
+        # finish the request (as many tokens as the context holds) before the abort takes the lock.
+        step, loop_abort = llm.engine.step, llm._loop.abort
+        produced, closing = threading.Event(), threading.Event()
 
-        def slow_step():  # noqa: ANN202
+        def gated_step():  # noqa: ANN202
+            if produced.is_set():
+                assert closing.wait(60), "the stream was never closed"
             time.sleep(0.005)
-            return step()
+            outs = step()
+            if outs:
+                produced.set()
+            return outs
 
-        llm.engine.step = slow_step
+        def abort(request_id: str) -> bool:
+            closing.set()
+            return loop_abort(request_id)
+
+        llm.engine.step, llm._loop.abort = gated_step, abort
         prompt = [5, 6, 7]
         stream = llm.stream(prompt, SamplingParams(max_tokens=128 - len(prompt), **GREEDY))
         first = next(stream)
