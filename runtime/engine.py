@@ -318,15 +318,23 @@ class Engine:
         return outputs
 
     def _adopt(self, ahead: LaunchedStep, plan: StepPlan, seq_ids: list[int], token_ids: list[int]) -> LaunchedStep | None:
-        """``ahead`` when it is this plan's step (the same sequences, one token each, from the same
-        positions; its tokens are then the picks it was fed on the device), committed; else None.
+        """``ahead`` when it holds this plan's step (each of its sequences, one token each, from the
+        same positions; its tokens are then the picks it was fed on the device), committed; else
+        None. ``ahead`` may hold more sequences: requests that ended on a stop token or were aborted
+        after it was launched. Their rows are left unread.
 
         A step not taken is left to finish on the device unread: it wrote each of its sequences'
         K/V one position past the committed ones, which the next step that reaches there rewrites
         (and a freed block is handed out only to steps launched after it)."""
-        if ahead.batch.seq_ids == seq_ids and ahead.starts == plan.starts and len(token_ids) == len(seq_ids):
-            self.runner.adopt(ahead, token_ids)
-            return ahead
+        if len(token_ids) == len(seq_ids):
+            if ahead.batch.seq_ids == seq_ids:
+                if ahead.starts == plan.starts:
+                    return self.runner.adopt(ahead, token_ids)
+            else:
+                at = {seq_id: i for i, seq_id in enumerate(ahead.batch.seq_ids)}
+                rows = [at.get(seq_id, -1) for seq_id in seq_ids]
+                if -1 not in rows and [ahead.starts[i] for i in rows] == plan.starts:
+                    return self.runner.adopt(ahead, token_ids, rows)
         ahead.out.discard()
         return None
 

@@ -29,10 +29,14 @@ class LaunchedStep:
     batch: StepBatch
     out: StepResult
     starts: list[int]  # each sequence's first position in this step
+    # The rows of ``out`` that are this step's sequences (None: all of them): a step launched ahead
+    # with sequences that ended before the schedule took it (``ModelRunner.adopt``).
+    rows: list[int] | None = None
 
     def picks(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids [R] int64, their logits [R] float32) of the R sampling sequences; waits for the device."""
-        return ModelRunner._greedy(self.batch, self.out.result())
+        ids, top = ModelRunner._greedy(self.batch, self.out.result())
+        return (ids, top) if self.rows is None else (ids[self.rows], top[self.rows])
 
 
 class ModelRunner:
@@ -136,14 +140,27 @@ class ModelRunner:
         room = self.blocks.prepare_step(seq_ids, ones)  # (also where each sequence stands)
         if room is None:
             return None
+        if prev.rows is not None:  # where those sequences' picks are in ``prev.out``
+            rows = [prev.rows[i] for i in (range(s) if rows is None else rows)]
         batch = StepBatch.packed(seq_ids, np.zeros(s, dtype=np.int64), ones, room.starts, [True] * s)
         out = self._launch(batch, room.starts, ones, True, tokens_from=prev.out, room=room, rows=rows)
         return None if out is None else LaunchedStep(batch, out, room.starts)
 
-    def adopt(self, ahead: LaunchedStep, token_ids: list[int]) -> None:
-        """The schedule took ``ahead`` (``launch_ahead``) with these token ids: commit them."""
-        ahead.batch.token_ids = np.asarray(token_ids, dtype=np.int64)
+    def adopt(self, ahead: LaunchedStep, token_ids: list[int], rows: list[int] | None = None) -> LaunchedStep:
+        """The schedule took ``ahead`` (``launch_ahead``) with these token ids: commit them. With
+        ``rows``, it took the sequences at those rows only (the others ended after the launch; their
+        outputs are never read): returns the step as taken, whose picks are those rows'."""
+        assert ahead.rows is None, "a step launched ahead is adopted once"
+        if rows is not None:
+            seq_ids, starts = [ahead.batch.seq_ids[i] for i in rows], [ahead.starts[i] for i in rows]
+            s = len(seq_ids)
+            batch = StepBatch.packed(seq_ids, np.asarray(token_ids, dtype=np.int64), [1] * s, starts, [True] * s)
+            batch.greedy = True
+            ahead = LaunchedStep(batch, ahead.out, starts, rows)
+        else:
+            ahead.batch.token_ids = np.asarray(token_ids, dtype=np.int64)
         self.blocks.commit_step(ahead.batch.seq_ids, token_ids, [1] * len(token_ids))
+        return ahead
 
     @staticmethod
     def _greedy(batch: StepBatch, out: Any) -> tuple[np.ndarray, np.ndarray]:
