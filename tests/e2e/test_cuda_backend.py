@@ -1498,12 +1498,15 @@ def test_gpu_greedy_prefill_graph_matches_eager() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipeline", ["dense", "int4-tiled"])
 def test_gpu_engine_launching_steps_ahead_matches_waiting_for_each(pipeline: str) -> None:
-    """fp32 on the GPU: greedy requests (one stopping on a token, one added mid-run) through an
-    engine whose decode graphs run ahead of the host (the next step fed the picks on the device)
-    give the tokens of an engine without graphs; most decode steps were launched ahead."""
+    """fp32 on the GPU: greedy requests (one stopping on a token, one added mid-run, ends by length
+    at three steps) through an engine whose decode graphs run ahead of the host (the next step fed
+    the picks on the device, gathered for the rows that go on) give the tokens of an engine without
+    graphs; most decode steps were launched ahead, and the one after the stop was taken without the
+    stopped request's row."""
     engine_run, adopted = _engine_run(compiled("gqa", pipeline, target="cuda"), "cuda")
     assert engine_run(True) == engine_run(False)
     assert sum(a is not None for a in adopted) >= 10 and any(a is None for a in adopted)
+    assert any(a is not None and a.rows is not None for a in adopted)
 
 
 def _engine_run(graph, device: str):  # noqa: ANN001, ANN202
