@@ -327,6 +327,18 @@ def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:
     return out | replay_spans(replays)
 
 
+def whole_steps_tok_s(engine, prompts: list[list[int]], new: int) -> float:  # noqa: ANN001
+    """Decode tokens/s of ``prompts`` with steps launched ahead only of the same sequences (as before
+    17a4d91: a step in which a request ends by length, and one after a stop, wait for the host): the
+    A/B of ``Engine.ahead_subsets``, which is on again afterwards."""
+    engine.ahead_subsets = False
+    try:
+        _, dt, n = run_steps(engine, prompts, new)
+    finally:
+        engine.ahead_subsets = True
+    return n / dt
+
+
 def replay_spans(replays: list[tuple[Any, Any]]) -> dict[str, float]:
     """From (start, end) events around consecutive graph replays (``elapsed_time`` in ms, as CUDA
     events; synchronized): mean microseconds a replay ran on the device (``graph``) and the device's
@@ -409,6 +421,9 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         gpu_ms = replay_ms(engine, b)
         if gpu_ms is not None:
             row[f"graph_b{b}_ms"] = gpu_ms
+    for b in args.batches[-1:] if getattr(backend, "overlaps_steps", False) else ():
+        prompts = [rng.integers(3, vocab_hi, args.batch_prompt).tolist() for _ in range(b)]
+        row[f"decode_b{b}_tok_s_whole_steps"] = whole_steps_tok_s(engine, prompts, args.batch_new)
     if args.profile:
         profile_steps(engine, args.profile, [rng.integers(3, vocab_hi, args.batch_prompt).tolist()
                                              for _ in range(args.profile)])  # fmt: skip

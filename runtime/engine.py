@@ -111,6 +111,9 @@ class Engine:
         self._seq_ids = itertools.count()
         # The greedy decode step launched ahead of the schedule (``_launch_ahead``), not yet adopted.
         self._ahead: LaunchedStep | None = None
+        # Steps launched ahead without the requests that end now, and adopted without those that
+        # ended since (False: only steps of the same sequences; an A/B switch for benches).
+        self.ahead_subsets = True
 
     @classmethod
     def from_contents(
@@ -330,7 +333,7 @@ class Engine:
             if ahead.batch.seq_ids == seq_ids:
                 if ahead.starts == plan.starts:
                     return self.runner.adopt(ahead, token_ids)
-            else:
+            elif self.ahead_subsets:
                 at = {seq_id: i for i, seq_id in enumerate(ahead.batch.seq_ids)}
                 rows = [at.get(seq_id, -1) for seq_id in seq_ids]
                 if -1 not in rows and [ahead.starts[i] for i in rows] == plan.starts:
@@ -349,7 +352,7 @@ class Engine:
         if sched.waiting and len(sched.running) < sched.config.max_num_seqs:
             return None
         rows = [i for i, r in enumerate(reqs) if r.tokens_left > 1]
-        if not rows or (len(rows) < len(reqs) and sched.waiting):
+        if not rows or (len(rows) < len(reqs) and (sched.waiting or not self.ahead_subsets)):
             return None
         return self.runner.launch_ahead(launched, None if len(rows) == len(reqs) else rows)
 

@@ -194,3 +194,28 @@ def test_device_gaps_are_measured_from_the_latest_end_and_ranked(bench, monkeypa
     assert lines[0].startswith("device idle 47.5 us a step over 2 steps (3 gaps)")
     assert [line.split()[:4] for line in lines[1:]] == [
         ["60.0", "graph_b", "->", "Memcpy"], ["30.0", "graph_a", "->", "Memcpy"], ["5.0", "Memcpy", "HtoD", "->"]]
+
+
+def test_whole_steps_run_turns_subset_launches_off_for_its_run_only(bench, monkeypatch) -> None:  # noqa: ANN001
+    """The batch A/B: the same requests with steps launched ahead only of the same sequences (every
+    step in which a request ends waits, as it did before), then the switch back on."""
+    from mgx.runtime import Engine, EngineConfig
+
+    from _tiny_graph import tiny_contents
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    engine = Engine.from_contents(tiny_contents(), backend="cpu", config=EngineConfig(max_num_seqs=4, max_tokens_per_step=6))
+    engine.runner.backend.overlaps_steps = True  # the CPU backend stands in for one that overlaps
+    seen: list[bool] = []
+    step = engine.step
+    engine.step = lambda: seen.append(engine.ahead_subsets) or step()
+    plain: list[int] = []
+    launch = engine.runner.launch_greedy_packed
+    engine.runner.launch_greedy_packed = lambda *a: plain.append(len(a[0])) or launch(*a)
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]  # prefilled over 4 steps: they end in 4 waves
+    tok_s = bench.whole_steps_tok_s(engine, prompts, 8)
+    assert tok_s > 0 and seen and not any(seen) and engine.ahead_subsets
+    whole = len(plain)
+    plain.clear()
+    bench.run_steps(engine, prompts, 8)
+    assert len(plain) < whole  # with subsets, the steps where a wave ends were launched ahead too

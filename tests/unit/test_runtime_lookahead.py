@@ -151,12 +151,18 @@ def test_requests_stopping_one_after_another_keep_every_step_launched_ahead() ->
 
     want = _drive(_engine(False), script)
     assert len({len(t) for t, _ in want.values()}) >= 3  # they stop at several steps
-    engine = _engine(True)
-    plain: list[int] = []
-    launch = engine.runner.launch_greedy_packed
-    engine.runner.launch_greedy_packed = lambda *a: plain.append(len(a[0])) or launch(*a)
-    assert _drive(engine, script) == want
-    assert plain == [6] and engine.blocks.num_used_blocks == 0
+    for subsets in (True, False):
+        engine = _engine(True)
+        engine.ahead_subsets = subsets  # off: each stop drops the step launched ahead, as before
+        plain: list[int] = []
+        launch = engine.runner.launch_greedy_packed
+        engine.runner.launch_greedy_packed = lambda *a, plain=plain, launch=launch: plain.append(len(a[0])) or launch(*a)
+        assert _drive(engine, script) == want
+        assert engine.blocks.num_used_blocks == 0
+        if subsets:
+            assert plain == [6]
+        else:
+            assert plain[0] == 6 and len(plain) >= 4
 
 
 def test_an_adopted_step_without_some_rows_picks_and_feeds_only_the_others() -> None:
