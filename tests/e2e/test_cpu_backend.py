@@ -111,3 +111,25 @@ def test_step_greedy_is_the_argmax_of_the_logits(backend: str) -> None:
     for rows, (ids, top) in zip(logits, picked, strict=True):
         assert ids.tolist() == np.argmax(rows, axis=1).tolist()
         np.testing.assert_allclose(top, rows.max(axis=1), atol=TINY_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_step_in_which_no_sequence_samples_runs_on_the_cpu_backend(greedy: bool) -> None:
+    """A prompt longer than the step's token budget: its first chunks sample nothing, so the LM head
+    (fused with the argmax, or plain) gets no rows. numpy gives those an empty array with strides 0,
+    which the kernels' row check refused until the twenty-ninth session: every greedy or sampled
+    prompt past ``max_tokens_per_step`` (512 by default) failed on the CPU backend. Tokens as the
+    reference backend's."""
+    from mgx.runtime import Engine, EngineConfig
+
+    from _tiny_graph import tiny_contents
+
+    prompt = list(range(2, 40))  # 38 tokens: chunks of 16, 16 and 6
+    tokens = []
+    for backend in ("reference", "cpu"):
+        engine = Engine.from_contents(tiny_contents(), backend=backend, config=EngineConfig(max_num_seqs=2, max_tokens_per_step=16))
+        out = engine.generate(prompt, max_tokens=5, temperature=0.0 if greedy else 1.0, seed=7, ignore_eos=True)
+        tokens.append(out.token_ids)
+    assert len(tokens[1]) == 5
+    if greedy:
+        assert tokens[1] == tokens[0]
