@@ -172,7 +172,10 @@ def _source(raw: Any, base: Path) -> SourceSpec:
     pkg = _mapping("source.gguf_package", value)
     _check_keys("source.gguf_package", pkg, ("package", "file"))
     package = _typed("source.gguf_package.package", pkg.get("package"), str, "a Python package name")
-    found = importlib.util.find_spec(package)
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing; an empty or relative name
+        found = None
     if found is None or not found.submodule_search_locations:
         raise SpecError(
             f"source.gguf_package.package: Python package {package!r} is not installed "

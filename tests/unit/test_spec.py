@@ -54,6 +54,9 @@ def test_good_spec_parses(tmp_path: Path) -> None:
         ("name: x\nsource: {hf_dir: nowhere}\n", "has no config.json"),
         ("name: x\nsource: {gguf: missing.gguf}\n", "source.gguf: no such file"),
         ("name: x\nsource: {gguf_package: {package: no_such_pkg_mgx}}\n", "is not installed"),
+        ("name: x\nsource: {gguf_package: {package: no_such_pkg_mgx.Q4_1.gguf}}\n", "is not installed"),
+        ("name: x\nsource: {gguf_package: {package: ''}}\n", "is not installed"),
+        ("name: x\nsource: {gguf_package: {package: .relative}}\n", "is not installed"),
         ("name: x\nsource: {hf_dir: hf}\ngeneration: {top_p: 2}\n", "generation.top_p: must be in (0, 1]"),
         (
             "name: x\nsource: {hf_dir: hf}\ngeneration: {temprature: 1}\n",
