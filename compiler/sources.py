@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,8 @@ def load_source(source: SourceSpec) -> LoadedSource:
         folder, kwargs = str(source.path.parent), {"gguf_file": source.path.name}
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs)
-    except (ValueError, KeyError, OSError) as exc:
+    except (ValueError, KeyError, OSError, struct.error) as exc:
+        _check_gguf(source)
         raise SourceError(f"{source.description}: cannot read the model config: {_first_line(exc)}") from None
     from .lower import SUPPORTED_MODEL_TYPES
 
@@ -81,12 +83,14 @@ def load_source(source: SourceSpec) -> LoadedSource:
     config._attn_implementation = "sdpa"
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32, **kwargs)
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+    except (ValueError, KeyError, OSError, RuntimeError, struct.error) as exc:
+        _check_gguf(source)
         raise SourceError(f"{source.description}: cannot load the weights: {_first_line(exc)}") from None
     model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    except (ValueError, KeyError, OSError) as exc:
+    except (ValueError, KeyError, OSError, struct.error) as exc:
+        _check_gguf(source)
         raise SourceError(f"{source.description}: cannot load the tokenizer: {_first_line(exc)}") from None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -99,6 +103,24 @@ def load_source(source: SourceSpec) -> LoadedSource:
         source_hash=hash_files(_weight_files(source)),
         model_type=model_type,
     )
+
+
+def _check_gguf(source: SourceSpec) -> None:
+    """After transformers failed to read a GGUF source: its header and tensor table read whole (the
+    gguf package maps the file and views every tensor; 2.3 s for SmolLM2's, hence only then), so that
+    a foreign or cut-short file says so instead of the error from inside transformers' reader."""
+    if source.kind == "hf_dir":
+        return
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(source.path)
+    except (ValueError, KeyError, IndexError, struct.error, OSError) as exc:
+        size = source.path.stat().st_size
+        raise SourceError(
+            f"{source.description}: not a readable GGUF file ({_first_line(exc)}); "
+            f"it holds {size:,} bytes: a copy cut short fails this way"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -144,3 +144,22 @@ def test_missing_and_foreign_files(tmp_path: Path, tool: str) -> None:
         assert res.returncode != 0
         assert res.stderr.startswith("error: "), res.stderr
         assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        # a header cut short inside its first key: transformers' reader fails on a struct unpack
+        (b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (5).to_bytes(8, "little")
+         + (20).to_bytes(8, "little") + b"general.arch", "it holds 44 bytes"),
+        (b"not a gguf file", "GGUF magic invalid"),
+    ],
+)
+def test_mgxc_compile_names_a_gguf_file_it_cannot_read(tmp_path: Path, data: bytes, needle: str) -> None:
+    (tmp_path / "m.gguf").write_bytes(data)
+    spec = tmp_path / "m.yaml"
+    spec.write_text("name: g\nsource: {gguf: m.gguf}\n")
+    res = _run("mgxc", "compile", str(spec), "-o", str(tmp_path / "g.mgx"))
+    assert res.returncode == 1
+    assert "m.gguf: not a readable GGUF file (" in res.stderr and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
