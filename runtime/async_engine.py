@@ -9,10 +9,12 @@ can come and go from any thread while the batch keeps running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +41,8 @@ class EngineLoop:
         self.engine = engine
         self._lock = threading.Lock()  # held while the engine steps or changes
         self._wake = threading.Condition(self._lock)
+        self._callers = 0  # other threads waiting for the lock (``_between_steps``)
+        self._callers_lock = threading.Lock()
         self._inbox: list[tuple[str, list[int], SamplingParams]] = []  # added, not yet in the engine
         self._sinks: dict[str, Sink] = {}
         self._ids = itertools.count()
@@ -58,7 +62,7 @@ class EngineLoop:
     ) -> str:
         """Validate a request here (errors raise in the caller), queue it, and return its id."""
         prompt_ids, params = self.engine.prepare(prompt, params, chat=chat)
-        with self._wake:
+        with self._between_steps():
             if self._closed or self._error is not None:
                 raise EngineError(f"the engine is not running ({self._error or 'closed'})")
             request_id = f"async-{next(self._ids)}" if request_id is None else request_id
@@ -71,7 +75,7 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> bool:
         """Abort now (waiting at most for the step in flight); its blocks are free when this returns."""
-        with self._lock:
+        with self._between_steps():
             sink = self._sinks.pop(request_id, None)
             queued = [r for r in self._inbox if r[0] == request_id]
             for r in queued:
@@ -82,12 +86,12 @@ class EngineLoop:
         return sink is not None
 
     def metrics(self) -> dict[str, float]:
-        with self._lock:
+        with self._between_steps():
             return self.engine.metrics.snapshot()
 
     def graph_stats(self) -> dict[str, dict[str, float]]:
         """The backend's steps by path and graph captures (``Backend.graph_stats``), between steps."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.runner.backend.graph_stats()
 
     @property
@@ -97,7 +101,7 @@ class EngineLoop:
 
     def close(self) -> None:
         """Stop the thread; unfinished requests are aborted."""
-        with self._wake:
+        with self._between_steps():
             self._closed = True
             self._wake.notify()
         self._thread.join()
@@ -107,8 +111,33 @@ class EngineLoop:
             except Exception:  # a caller that is gone cannot be told
                 pass
 
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """The loop's lock, for a thread other than the loop's: the loop lets it in before its next
+        step. A lock alone is no queue: the loop thread takes it again right after each step, and
+        under load it won it step after step (an abort waited out a request of 124 steps)."""
+        with self._callers_lock:
+            self._callers += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._callers_lock:
+                self._callers -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _let_callers_in(self) -> None:
+        """Before a step: wait (at most 50 ms) until the threads waiting for the lock have taken it."""
+        deadline = time.monotonic() + 0.05
+        while self._callers and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
     def _run(self) -> None:
         while True:
+            if self._callers:
+                self._let_callers_in()
             with self._wake:
                 while not self._closed and not self._inbox and not self.engine.has_unfinished():
                     self._wake.wait()

@@ -289,26 +289,24 @@ def test_llm_wrapper_is_thread_safe(contents, workload, solo) -> None:
             t.join()
         assert [results[i] for i in range(16)] == solo[:16]
         # Closing the stream early aborts the request. It must still be running when the stream
-        # closes, however the threads are scheduled: after the first token the loop waits until the
-        # close has begun (the abort's first act), and its steps are slowed down, so the loop cannot
-        # finish the request (as many tokens as the context holds) before the abort takes the lock.
-        step, loop_abort = llm.engine.step, llm._loop.abort
-        produced, closing = threading.Event(), threading.Event()
+        # closes, however the threads are scheduled: after the first token the loop's step waits
+        # until the abort waits for the loop's lock, which the loop then hands it before its next
+        # step; the request (as many tokens as the context holds) is far from done then.
+        step, loop = llm.engine.step, llm._loop
+        produced = threading.Event()
 
         def gated_step():  # noqa: ANN202
             if produced.is_set():
-                assert closing.wait(60), "the stream was never closed"
-            time.sleep(0.005)
+                deadline = time.monotonic() + 60
+                while not loop._callers:
+                    assert time.monotonic() < deadline, "the stream was never closed"
+                    time.sleep(0.001)
             outs = step()
             if outs:
                 produced.set()
             return outs
 
-        def abort(request_id: str) -> bool:
-            closing.set()
-            return loop_abort(request_id)
-
-        llm.engine.step, llm._loop.abort = gated_step, abort
+        llm.engine.step = gated_step
         prompt = [5, 6, 7]
         stream = llm.stream(prompt, SamplingParams(max_tokens=128 - len(prompt), **GREEDY))
         first = next(stream)
@@ -471,3 +469,36 @@ def test_the_warm_up_line_counts_the_graphs_it_captured_by_kind() -> None:
     after = {"decode": 22, "prefill": 28, "mixed": 1}
     assert warm_up_line(8, 23.24, before, after) == "warm-up: 8 batch sizes in 23.2 s; graphs captured: decode 20, prefill 28"
     assert warm_up_line(0, 0.01, {}, {}) == "warm-up: 0 batch sizes in 0.0 s"
+
+
+def test_a_caller_waiting_for_the_engine_loop_gets_in_before_its_next_step(contents) -> None:  # noqa: ANN001
+    """``EngineLoop`` hands its lock to a thread waiting for it (an abort, a submission, metrics)
+    before its next step: a lock alone is no queue, and under load the loop thread, taking it again
+    right after each step, kept it for a whole request's steps while an abort waited."""
+    from mgx.runtime.async_engine import EngineLoop
+
+    engine = Engine.from_contents(contents)
+    loop = EngineLoop(engine)
+    events: list[str] = []
+    step = engine.step
+    waiting = threading.Event()
+
+    def gated_step():  # noqa: ANN202
+        events.append("step")
+        if len(events) == 3:  # hold this step until the caller waits for the lock
+            waiting.set()
+            deadline = time.monotonic() + 60
+            while not loop._callers:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        return step()
+
+    engine.step = gated_step
+    done = threading.Event()
+    loop.submit([5, 6, 7], SamplingParams(max_tokens=40, **GREEDY), lambda out: out.finished and done.set())
+    assert waiting.wait(60)
+    with loop._between_steps():  # as abort() and metrics() take the lock: it waits while step 3 runs
+        events.append("caller")
+    assert done.wait(60)
+    loop.close()
+    assert events[:4] == ["step", "step", "step", "caller"], events[:6]
