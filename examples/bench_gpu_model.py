@@ -479,21 +479,32 @@ def bench_serving(path: Path, scheme: str, args) -> None:  # noqa: ANN001
     def workload(rate: float) -> Workload:
         return Workload(num_prompts=args.serve_prompts, prompt_len=prompt, output_len=output, request_rate=rate)
 
-    finite = [r for r in args.serve if r != float("inf")]
-    plan = [("warm-up", mixed, max(finite, default=32.0)) for mixed in (True, False)]
-    plan += [(f"{rate:g} req/s", mixed, rate) for rate in args.serve for mixed in (False, True)]
-    for label, mixed, rate in plan:
+    for label, mixed, rate, subsets in serving_plan(args.serve, getattr(backend, "overlaps_steps", False)):
         backend.mixed_graphs = mixed and backend.use_graphs
+        engine.ahead_subsets = subsets
         r = run_bench(engine, workload(rate))
-        log(f"  serving {label}, mixed steps {'as graphs' if mixed else 'op by op'}:\n{format_report(r)}")
+        how = "" if subsets else ", steps launched ahead only of the same sequences"
+        log(f"  serving {label}, mixed steps {'as graphs' if mixed else 'op by op'}{how}:\n{format_report(r)}")
         if label != "warm-up":
             add_row({"engine": f"mgx {scheme} serving", "request_rate": rate, "mixed_graphs": mixed,
-                     "requests_per_s": r["requests_per_s"], "output_tok_s": r["output_tokens_per_s"],
-                     "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"], "step_ms": r["step_ms"],
-                     "graphs": r["graphs"]})  # fmt: skip
+                     "ahead_subsets": subsets, "requests_per_s": r["requests_per_s"],
+                     "output_tok_s": r["output_tokens_per_s"], "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"],
+                     "step_ms": r["step_ms"], "graphs": r["graphs"]})  # fmt: skip
+    engine.ahead_subsets = True
     del engine
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def serving_plan(rates: list[float], overlaps: bool) -> list[tuple[str, bool, float, bool]]:
+    """``--serve``'s passes, (label, mixed steps as graphs, rate, ``Engine.ahead_subsets``): a warm-up
+    each way at the highest finite rate, then each rate op by op and as graphs, and on a backend that
+    launches steps ahead, as graphs again with steps launched ahead only of the same sequences (the
+    A/B of 17a4d91 and 7796e8a: its requests end by length, each at its own step)."""
+    finite = [r for r in rates if r != float("inf")]
+    plan = [("warm-up", mixed, max(finite, default=32.0), True) for mixed in (True, False)]
+    plan += [(f"{rate:g} req/s", mixed, rate, True) for rate in rates for mixed in (False, True)]
+    return plan + [(f"{rate:g} req/s", True, rate, False) for rate in rates if overlaps]
 
 
 def bench_serve_cold(path: Path, scheme: str, args, work: Path) -> None:  # noqa: ANN001

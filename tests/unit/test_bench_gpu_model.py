@@ -219,3 +219,14 @@ def test_whole_steps_run_turns_subset_launches_off_for_its_run_only(bench, monke
     plain.clear()
     bench.run_steps(engine, prompts, 8)
     assert len(plain) < whole  # with subsets, the steps where a wave ends were launched ahead too
+
+
+def test_serving_plan_adds_the_whole_steps_pass_where_steps_are_launched_ahead(bench) -> None:  # noqa: ANN001
+    inf = float("inf")
+    plan = bench.serving_plan([4.0, inf], overlaps=True)
+    assert plan[:2] == [("warm-up", True, 4.0, True), ("warm-up", False, 4.0, True)]
+    assert plan[2:6] == [("4 req/s", False, 4.0, True), ("4 req/s", True, 4.0, True),
+                         ("inf req/s", False, inf, True), ("inf req/s", True, inf, True)]  # fmt: skip
+    assert plan[6:] == [("4 req/s", True, 4.0, False), ("inf req/s", True, inf, False)]
+    assert bench.serving_plan([8.0], overlaps=False) == [
+        ("warm-up", True, 8.0, True), ("warm-up", False, 8.0, True), ("8 req/s", False, 8.0, True), ("8 req/s", True, 8.0, True)]
