@@ -282,7 +282,8 @@ def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:
 
         return run
 
-    originals = [(named[holder], method, named[holder].__dict__[method]) for _, holder, method in STEP_PHASES]
+    installs = [(named[holder], method, timed(label, named[holder].__dict__[method]))
+                for label, holder, method in STEP_PHASES]  # fmt: skip
     replays: list[tuple[Any, Any]] = []  # (start, end) events around each graph replay in the window
     if DEVICE == "cuda":  # the device's side: each replay's span, and the gaps between them
         replay = torch.cuda.CUDAGraph.__dict__["replay"]
@@ -298,14 +299,13 @@ def step_phases(engine, prompts: list[list[int]], new: int) -> dict[str, float]:
                 end.record()
                 replays.append((start, end))
 
-        originals.append((torch.cuda.CUDAGraph, "replay", replay))
+        installs.append((torch.cuda.CUDAGraph, "replay", timed_replay))
+    originals = [(cls, method, cls.__dict__[method]) for cls, method, _ in installs]
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     steps, total = 0, 0.0
     try:
-        for (label, _, _), (cls, method, fn) in zip(STEP_PHASES, originals):
-            setattr(cls, method, timed(label, fn))
-        if DEVICE == "cuda":
-            torch.cuda.CUDAGraph.replay = timed_replay
+        for cls, method, wrapper in installs:
+            setattr(cls, method, wrapper)
         started = {engine.add_request(p, params) for p in prompts}
         while started:
             started -= {o.request_id for o in engine.step()}
@@ -490,7 +490,6 @@ def bench_serving(path: Path, scheme: str, args) -> None:  # noqa: ANN001
                      "ahead_subsets": subsets, "requests_per_s": r["requests_per_s"],
                      "output_tok_s": r["output_tokens_per_s"], "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"],
                      "step_ms": r["step_ms"], "graphs": r["graphs"]})  # fmt: skip
-    engine.ahead_subsets = True
     del engine
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

@@ -148,8 +148,9 @@ def _rows(x: np.ndarray, name: str, width: int | None = None) -> None:
         raise ValueError(f"{name} must be 2-D [tokens, features], got shape {x.shape}")
     if width is not None and x.shape[1] != width:
         raise ValueError(f"{name} has {x.shape[1]} features, expected {width}")
-    if x.shape[1] > 1 and x.strides[1] != 4 and x.shape[0] > 0:  # no rows: nothing is read (numpy
-        raise ValueError(f"{name} must have contiguous rows (strides {x.strides})")  # gives them strides 0)
+    # No rows: nothing is read (numpy gives the rows of an empty index strides 0).
+    if x.shape[1] > 1 and x.strides[1] != 4 and x.shape[0] > 0:
+        raise ValueError(f"{name} must have contiguous rows (strides {x.strides})")
 
 
 def _vector(a: np.ndarray, dtype: type, name: str) -> np.ndarray:

@@ -297,10 +297,7 @@ def test_llm_wrapper_is_thread_safe(contents, workload, solo) -> None:
 
         def gated_step():  # noqa: ANN202
             if produced.is_set():
-                deadline = time.monotonic() + 60
-                while not loop._callers:
-                    assert time.monotonic() < deadline, "the stream was never closed"
-                    time.sleep(0.001)
+                _until_a_caller_waits(loop)  # the stream's close
             outs = step()
             if outs:
                 produced.set()
@@ -487,10 +484,7 @@ def test_a_caller_waiting_for_the_engine_loop_gets_in_before_its_next_step(conte
         events.append("step")
         if len(events) == 3:  # hold this step until the caller waits for the lock
             waiting.set()
-            deadline = time.monotonic() + 60
-            while not loop._callers:
-                assert time.monotonic() < deadline
-                time.sleep(0.001)
+            _until_a_caller_waits(loop)
         return step()
 
     engine.step = gated_step
@@ -502,3 +496,11 @@ def test_a_caller_waiting_for_the_engine_loop_gets_in_before_its_next_step(conte
     assert done.wait(60)
     loop.close()
     assert events[:4] == ["step", "step", "step", "caller"], events[:6]
+
+
+def _until_a_caller_waits(loop) -> None:  # noqa: ANN001
+    """Inside an engine step (the loop's lock held): until another thread waits for that lock."""
+    deadline = time.monotonic() + 60
+    while not loop._callers:
+        assert time.monotonic() < deadline, "no caller came"
+        time.sleep(0.001)
