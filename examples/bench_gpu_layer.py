@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--self-merge-max", default="", help="most pieces the last one merges, comma-separated "
                     "limits to time (default: the backend's SELF_MERGE_MAX_SPLITS)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which chains, of {', '.join(PARTS)}")
-    ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable; with =: --nvcc-flag=-D...)")
+    ap.add_argument("--nvcc-flag", action="append", default=[], help="also on kernels built with this flag (repeatable; with =: --nvcc-flag=-D...; "
+                    "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
     ap.add_argument("--replays", type=int, default=50)
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_layer needs an NVIDIA GPU")
     builds = {"stored flags": load_kernels(())}
-    builds.update({flag: load_kernels((flag,)) for flag in args.nvcc_flag})
+    builds.update({flag: load_kernels(tuple(flag.split())) for flag in args.nvcc_flag})  # "-DA=1 -DB=2": both
     from mgx.runtime.backend_cuda import SELF_MERGE_MAX_SPLITS
 
     chain = Chain(args.scheme, args.context, table_blocks=args.table_blocks)

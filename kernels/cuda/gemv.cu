@@ -78,6 +78,12 @@ __device__ __forceinline__ float load_now(const float* p) {
   return v;
 }
 
+__device__ __forceinline__ float4 load_now(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ uint32_t load_now(const uint8_t* p) {
   uint16_t v;
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
@@ -733,6 +739,18 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #ifndef MGX_IMMA_UNROLL
 #define MGX_IMMA_UNROLL 1
 #endif
+// Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): the int4 imma kernels read
+// their weights in tiles of one warp's step instead of row-major (gemv.py's imma_tiles builds them).
+// Bit 1: each step's scales and zeros of the warp's 16 rows as one 128-byte line, a float4 (scale lo,
+// zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
+// lane where there were four scattered scalar loads (8 lines each). Bit 2: the codes of a step's 16
+// rows as 1,024 contiguous bytes ((group * steps + step) * 1024: rows lo 0-7, then hi, 64 bytes each),
+// so a warp's load is 512 contiguous bytes, not 64 bytes of 8 rows. Same sums, same bits.
+#ifndef MGX_IMMA_TILES
+#define MGX_IMMA_TILES 0
+#endif
+constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
+constexpr bool kTileCodes = (MGX_IMMA_TILES & 2) != 0;
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1114,8 +1132,11 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
-      const uint4* a = reinterpret_cast<const uint4*>(w + (w_lo + static_cast<uint32_t>(s) * (64u * kW)));
-      const uint4* b = reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * (64u * kW)));
+      const uint32_t tile = static_cast<uint32_t>(at.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(s);
+      const uint4* a = reinterpret_cast<const uint4*>(
+          w + (kInt4 && kTileCodes ? (tile << 10) + 16u * lane : w_lo + static_cast<uint32_t>(s) * (64u * kW)));
+      const uint4* b = kInt4 && kTileCodes ? a + 32
+                                           : reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * (64u * kW)));
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
 #pragma unroll
@@ -1123,7 +1144,13 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         p.lo[kW * u + v] = in ? load_stream_fetch(a + 4 * v) : zero;
         p.hi[kW * u + v] = in ? load_stream_fetch(b + 4 * v) : zero;
       }
-      if constexpr (kInt4) {
+      if constexpr (kInt4 && kTileScales) {
+        const float4 sz = in ? load_now(reinterpret_cast<const float4*>(scales) + (tile * 8u + g)) : make_float4(0.f, 8.f, 0.f, 8.f);
+        p.s_lo[u] = sz.x;
+        p.z_lo[u] = __float_as_uint(sz.y);
+        p.s_hi[u] = sz.z;
+        p.z_hi[u] = __float_as_uint(sz.w);
+      } else if constexpr (kInt4) {
         const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
         const uint32_t i_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_s) + grp;
         const uint32_t i_hi = static_cast<uint32_t>(hi) * static_cast<uint32_t>(stride_s) + grp;
@@ -1201,8 +1228,10 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
       if constexpr (kInt4) {  // s (sum q X - z sum X), the zero's part once a quad (lane t = 0)
         const float zx = t == 0 ? sum_x : 0.0f;
-        acc_lo = fmaf(factor * p.s_lo[u], fmaf(-static_cast<float>(p.z_lo[u]), zx, imma_value(d, weigh)), acc_lo);
-        acc_hi = fmaf(factor * p.s_hi[u], fmaf(-static_cast<float>(p.z_hi[u]), zx, imma_value(e, weigh)), acc_hi);
+        const float z_lo = kTileScales ? __uint_as_float(p.z_lo[u]) : static_cast<float>(p.z_lo[u]);
+        const float z_hi = kTileScales ? __uint_as_float(p.z_hi[u]) : static_cast<float>(p.z_hi[u]);
+        acc_lo = fmaf(factor * p.s_lo[u], fmaf(-z_lo, zx, imma_value(d, weigh)), acc_lo);
+        acc_hi = fmaf(factor * p.s_hi[u], fmaf(-z_hi, zx, imma_value(e, weigh)), acc_hi);
       } else {
         acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
         acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
@@ -1510,3 +1539,11 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (,
   }
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
+
+// Markers of an MGX_IMMA_TILES build (gemv.py: the int4 imma kinds then read tiles it builds).
+#if MGX_IMMA_TILES & 1
+extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}
+#endif
+#if MGX_IMMA_TILES & 2
+extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_codes)() {}
+#endif

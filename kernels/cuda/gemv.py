@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "imma_tiles"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -416,6 +416,43 @@ def gemv_staged(
     return out
 
 
+# An MGX_IMMA_TILES build of gemv.cu (an experiment): its int4 imma kinds read the weight in tiles of a
+# warp's step, which ``imma_tiles`` builds from the row-major tensors (once per weight and launch
+# shape, kept here beside them; the Triton kernels still read the row-major ones).
+TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}", "codes": f"mgx_imma_tile_codes_v{KERNEL_ABI}"}
+_IMMA_BASES = ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
+_tiles: dict[tuple[int, bool, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def imma_tiles(w: GpuWeight, silu_mul: bool, what: str) -> torch.Tensor:
+    """W's int4 scales and zeros (``what="scales"``: float32 [groups, steps, 8, 4], per lane row g the
+    scale and zero of rows lo and hi) or codes (``"codes"``: uint8 [groups, steps, 16, 64], rows lo
+    then hi) in the order gemv.cu's MGX_IMMA_TILES kernels read them; rows as gemv_imma's row_lo and
+    row_hi (clamped past the end; with ``silu_mul`` lo the gate rows, hi the up rows)."""
+    key = (w.weight.data_ptr(), silu_mul, what)
+    got = _tiles.get(key)
+    if got is not None and got[0] is w.weight:
+        return got[1]
+    n_out = w.n // 2 if silu_mul else w.n
+    per = 8 if silu_mul else 16
+    groups, steps = -(-n_out // per), w.k // MMA_COLUMNS
+    dev = w.weight.device
+    b, g = torch.arange(groups, device=dev)[:, None], torch.arange(8, device=dev)[None, :]
+    lo = torch.clamp(b * per + g, max=n_out - 1)
+    hi = n_out + lo if silu_mul else torch.clamp(b * 16 + g + 8, max=w.n - 1)
+    rows = torch.cat([lo, hi], dim=1)  # [groups, 16]
+    if what == "codes":
+        tiles = w.weight[rows].view(groups, 16, steps, 64).permute(0, 2, 1, 3).contiguous()
+    else:
+        grp = (torch.arange(steps, device=dev) * MMA_COLUMNS) // w.group_size
+        sc = w.scales[:, grp]  # [N, steps]
+        z = torch.full_like(sc, 8.0) if w.symmetric else w.zeros[:, grp].float()
+        parts = [sc[lo], z[lo], sc[hi], z[hi]]  # each [groups, 8, steps]
+        tiles = torch.stack(parts, dim=-1).permute(0, 2, 1, 3).contiguous()  # [groups, steps, 8, 4]
+    _tiles[key] = (w.weight, tiles)
+    return tiles
+
+
 def _out_row(w: GpuWeight, silu_mul: bool, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """``out``, or a new bf16 row for the GEMV's outputs ([1, N], or [1, N/2] with the SiLU product)."""
     if silu_mul and w.n % 2:
@@ -464,6 +501,11 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(w.scales), _ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
+    if w.scheme == "int4" and base in _IMMA_BASES:
+        if kernels.has(TILE_MARKERS["codes"]):
+            args[2] = _ptr(imma_tiles(w, silu_mul, "codes"))
+        if kernels.has(TILE_MARKERS["scales"]):
+            args[3:5] = [_ptr(imma_tiles(w, silu_mul, "scales")), _ptr(None)]
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k

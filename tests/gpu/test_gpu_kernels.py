@@ -276,6 +276,53 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
                                       kind=kind)).all()  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def tiled():
+    """The native kernels built with MGX_IMMA_TILES=3 (the int4 imma kinds on tiled codes, scales and zeros)."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    arch = device_arch()
+    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=("-DMGX_IMMA_TILES=3",)), arch)
+    assert kernels is not None
+    return kernels
+
+
+@pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
+                         [(28672, 4096, True, 128, False), (4096, 14336, False, 128, True), (6144, 4096, False, 256, False),
+                          (2 * 1000, 1024, True, 128, True), (33, 512, False, 128, False)])  # fmt: skip
+def test_native_imma_on_tiled_int4_weights_gives_the_row_major_bits(native, tiled, n: int, k: int, silu: bool,
+                                                                    group: int, symmetric: bool) -> None:  # noqa: ANN001
+    """An MGX_IMMA_TILES=3 build (an experiment: codes, scales and zeros in tiles of a warp's step, which
+    gemv.py's ``imma_tiles`` builds) gives the default build's bits for every int4 imma kind, plain,
+    staged, with the RMSNorm prologue and as the greedy LM head, on ragged and SiLU-fused shapes."""
+    from mgx.kernels.cuda import gemv as cg
+
+    assert tiled.has(cg.TILE_MARKERS["codes"]) and tiled.has(cg.TILE_MARKERS["scales"])
+    assert not native.has(cg.TILE_MARKERS["codes"]) and not native.has(cg.TILE_MARKERS["scales"])
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = make_weight("int4", n, k, device="cuda", generator=gen, group_size=group, symmetric=symmetric)
+    x = torch.randn(1, k, device="cuda", generator=gen)
+    x[0, 3] = 700.0
+    x = x.to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    norm = cg.NormPrologue(None, g, 1e-5)
+    rec = cg.stage_x(x, "int4", kernels=native)
+    runs = 0
+    for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
+        assert cg.gemv_applies(native, x, w, kind=kind)
+        pairs = [lambda kk: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu)]
+        if kind in cg.STAGED_KINDS:
+            pairs.append(lambda kk: cg.gemv_staged(rec, w, kernels=kk, kind=kind, silu_mul=silu))
+        if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
+            pairs.append(lambda kk: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
+        if not silu:
+            pairs.append(lambda kk: torch.cat([t.float() for t in cg.gemv_argmax(x, w, kernels=kk, kind=kind)]))
+        for run in pairs:
+            assert torch.equal(run(tiled), run(native)), kind
+            runs += 1
+    assert runs >= 12
+
+
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize(("k", "with_delta"), [(4096, True), (4096, False), (2176, True), (256, True)])
 def test_native_norm_stage_writes_the_norm_and_the_record_stage_x_would(native, scheme: str, k: int, with_delta: bool) -> None:  # noqa: ANN001

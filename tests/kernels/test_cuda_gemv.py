@@ -116,6 +116,33 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
     assert not cg.norm_stage_applies(None, x, norm, "int4") and not cg.norm_stage_applies(every, x, norm, "none")
 
 
+@pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
+                         [(40, 512, False, 128, False), (2 * 20, 256, True, 256, True), (33, 384, False, 128, True)])
+def test_imma_tiles_hold_each_lanes_rows_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
+                                                                       symmetric: bool) -> None:  # fmt: skip
+    """``imma_tiles`` (for gemv.cu's MGX_IMMA_TILES build): tile (b, s) holds, at 64 r.., the 64 code
+    bytes of step s of row lo(b, r) (r < 8) or hi(b, r - 8), and at [b, s, g] the scales and zeros of
+    rows lo(b, g) and hi(b, g) for the step's group (8 when symmetric), with the rows of gemv_imma:
+    16 a group, or 8 gate rows and the 8 up rows beside them with ``silu_mul``; past N the last row."""
+    w = make_weight("int4", n, k, group_size=group, symmetric=symmetric)
+    codes, sz = cg.imma_tiles(w, silu, "codes"), cg.imma_tiles(w, silu, "scales")
+    n_out, per = (n // 2, 8) if silu else (n, 16)
+    groups, steps = -(-n_out // per), k // 128
+    assert codes.shape == (groups, steps, 16, 64) and codes.dtype == torch.uint8
+    assert sz.shape == (groups, steps, 8, 4) and sz.dtype == torch.float32
+    for b in range(groups):
+        for g in range(8):
+            lo = min(b * per + g, n_out - 1)
+            hi = n_out + lo if silu else min(b * 16 + g + 8, n - 1)
+            for s in range(steps):
+                for half, row in ((0, lo), (1, hi)):
+                    assert torch.equal(codes[b, s, 8 * half + g], w.weight[row, 64 * s:64 * s + 64])
+                    zero = 8.0 if symmetric else float(w.zeros[row, 128 * s // group])
+                    assert sz[b, s, g, 2 * half].item() == w.scales[row, 128 * s // group].item()
+                    assert sz[b, s, g, 2 * half + 1].item() == zero
+    assert cg.imma_tiles(w, silu, "codes") is codes  # built once per weight
+
+
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
