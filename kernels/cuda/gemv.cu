@@ -745,12 +745,16 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 // zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
 // lane where there were four scattered scalar loads (8 lines each). Bit 2: the codes of a step's 16
 // rows as 1,024 contiguous bytes ((group * steps + step) * 1024: rows lo 0-7, then hi, 64 bytes each),
-// so a warp's load is 512 contiguous bytes, not 64 bytes of 8 rows. Same sums, same bits.
+// so a warp's load is 512 contiguous bytes, not 64 bytes of 8 rows. Bit 4: W8A16 codes likewise (each
+// of a lane's two words per row a load of 512 contiguous bytes). Same sums, same bits.
 #ifndef MGX_IMMA_TILES
 #define MGX_IMMA_TILES 0
 #endif
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
 constexpr bool kTileCodes = (MGX_IMMA_TILES & 2) != 0;
+constexpr bool kTileCodes8 = (MGX_IMMA_TILES & 4) != 0;  // bit 4: W8A16 codes, 2,048 bytes a step's 16 rows
+                                                          // (rows lo, then hi; in each, byte 64 v + 16 t of
+                                                          // the 8 rows g at 512 v + 16 (4 g + t))
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1133,16 +1137,17 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
       const uint32_t tile = static_cast<uint32_t>(at.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(s);
+      constexpr bool kTiled = kInt4 ? kTileCodes : kTileCodes8;
       const uint4* a = reinterpret_cast<const uint4*>(
-          w + (kInt4 && kTileCodes ? (tile << 10) + 16u * lane : w_lo + static_cast<uint32_t>(s) * (64u * kW)));
-      const uint4* b = kInt4 && kTileCodes ? a + 32
-                                           : reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * (64u * kW)));
+          w + (kTiled ? tile * (1024u * kW) + 16u * lane : w_lo + static_cast<uint32_t>(s) * (64u * kW)));
+      const uint4* b = kTiled ? a + 32 * kW
+                              : reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * (64u * kW)));
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
 #pragma unroll
-      for (int v = 0; v < kW; ++v) {
-        p.lo[kW * u + v] = in ? load_stream_fetch(a + 4 * v) : zero;
-        p.hi[kW * u + v] = in ? load_stream_fetch(b + 4 * v) : zero;
+      for (int v = 0; v < kW; ++v) {  // tiled: each word's 32 lanes read 512 contiguous bytes
+        p.lo[kW * u + v] = in ? load_stream_fetch(a + (kTiled ? 32 : 4) * v) : zero;
+        p.hi[kW * u + v] = in ? load_stream_fetch(b + (kTiled ? 32 : 4) * v) : zero;
       }
       if constexpr (kInt4 && kTileScales) {
         const float4 sz = in ? load_now(reinterpret_cast<const float4*>(scales) + (tile * 8u + g)) : make_float4(0.f, 8.f, 0.f, 8.f);
@@ -1546,4 +1551,7 @@ extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}
 #endif
 #if MGX_IMMA_TILES & 2
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_codes)() {}
+#endif
+#if MGX_IMMA_TILES & 4
+extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_codes_w8a16)() {}
 #endif

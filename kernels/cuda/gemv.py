@@ -419,16 +419,19 @@ def gemv_staged(
 # An MGX_IMMA_TILES build of gemv.cu (an experiment): its int4 imma kinds read the weight in tiles of a
 # warp's step, which ``imma_tiles`` builds from the row-major tensors (once per weight and launch
 # shape, kept here beside them; the Triton kernels still read the row-major ones).
-TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}", "codes": f"mgx_imma_tile_codes_v{KERNEL_ABI}"}
+TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}", "codes": f"mgx_imma_tile_codes_v{KERNEL_ABI}",
+                "codes_w8a16": f"mgx_imma_tile_codes_w8a16_v{KERNEL_ABI}"}
 _IMMA_BASES = ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
 _tiles: dict[tuple[int, bool, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def imma_tiles(w: GpuWeight, silu_mul: bool, what: str) -> torch.Tensor:
     """W's int4 scales and zeros (``what="scales"``: float32 [groups, steps, 8, 4], per lane row g the
-    scale and zero of rows lo and hi) or codes (``"codes"``: uint8 [groups, steps, 16, 64], rows lo
-    then hi) in the order gemv.cu's MGX_IMMA_TILES kernels read them; rows as gemv_imma's row_lo and
-    row_hi (clamped past the end; with ``silu_mul`` lo the gate rows, hi the up rows)."""
+    scale and zero of rows lo and hi) or codes (``"codes"``: int4 uint8 [groups, steps, 16, 64], rows
+    lo then hi, each a step's 64 bytes; W8A16 int8 [groups, steps, 32, 64], at 64 (16 h + 8 v + g)
+    bytes 64 v .. of row g of half h) in the order gemv.cu's MGX_IMMA_TILES kernels read them; rows as
+    gemv_imma's row_lo and row_hi (clamped past the end; with ``silu_mul`` lo the gate rows, hi the up
+    rows)."""
     key = (w.weight.data_ptr(), silu_mul, what)
     got = _tiles.get(key)
     if got is not None and got[0] is w.weight:
@@ -442,7 +445,9 @@ def imma_tiles(w: GpuWeight, silu_mul: bool, what: str) -> torch.Tensor:
     hi = n_out + lo if silu_mul else torch.clamp(b * 16 + g + 8, max=w.n - 1)
     rows = torch.cat([lo, hi], dim=1)  # [groups, 16]
     if what == "codes":
-        tiles = w.weight[rows].view(groups, 16, steps, 64).permute(0, 2, 1, 3).contiguous()
+        words = 2 if w.scheme == "w8a16" else 1  # 16-byte words of a row a lane loads per step (kW)
+        tiles = (w.weight[rows].view(groups, 2, 8, steps, words, 4, 16).permute(0, 3, 1, 4, 2, 5, 6)
+                 .reshape(groups, steps, 16 * words, 64))  # fmt: skip
     else:
         grp = (torch.arange(steps, device=dev) * MMA_COLUMNS) // w.group_size
         sc = w.scales[:, grp]  # [N, steps]
@@ -501,6 +506,8 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(w.scales), _ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
+    if w.scheme == "w8a16" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["codes_w8a16"]):
+        args[2] = _ptr(imma_tiles(w, silu_mul, "codes"))
     if w.scheme == "int4" and base in _IMMA_BASES:
         if kernels.has(TILE_MARKERS["codes"]):
             args[2] = _ptr(imma_tiles(w, silu_mul, "codes"))

@@ -278,35 +278,37 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
 
 @pytest.fixture(scope="module")
 def tiled():
-    """The native kernels built with MGX_IMMA_TILES=3 (the int4 imma kinds on tiled codes, scales and zeros)."""
+    """The native kernels built with MGX_IMMA_TILES=7 (the imma kinds on tiled codes, int4 scales and zeros)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     arch = device_arch()
-    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=("-DMGX_IMMA_TILES=3",)), arch)
+    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=("-DMGX_IMMA_TILES=7",)), arch)
     assert kernels is not None
     return kernels
 
 
-@pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
-                         [(28672, 4096, True, 128, False), (4096, 14336, False, 128, True), (6144, 4096, False, 256, False),
-                          (2 * 1000, 1024, True, 128, True), (33, 512, False, 128, False)])  # fmt: skip
-def test_native_imma_on_tiled_int4_weights_gives_the_row_major_bits(native, tiled, n: int, k: int, silu: bool,
-                                                                    group: int, symmetric: bool) -> None:  # noqa: ANN001
-    """An MGX_IMMA_TILES=3 build (an experiment: codes, scales and zeros in tiles of a warp's step, which
-    gemv.py's ``imma_tiles`` builds) gives the default build's bits for every int4 imma kind, plain,
+@pytest.mark.parametrize(("scheme", "n", "k", "silu", "group", "symmetric"),
+                         [("int4", 28672, 4096, True, 128, False), ("int4", 4096, 14336, False, 128, True),
+                          ("int4", 6144, 4096, False, 256, False), ("int4", 2 * 1000, 1024, True, 128, True),
+                          ("int4", 33, 512, False, 128, False), ("w8a16", 28672, 4096, True, 0, True),
+                          ("w8a16", 4096, 14336, False, 0, True), ("w8a16", 33, 512, False, 0, True)])  # fmt: skip
+def test_native_imma_on_tiled_weights_gives_the_row_major_bits(native, tiled, scheme: str, n: int, k: int, silu: bool,
+                                                              group: int, symmetric: bool) -> None:  # noqa: ANN001
+    """An MGX_IMMA_TILES=7 build (an experiment: codes, int4 scales and zeros in tiles of a warp's step,
+    which gemv.py's ``imma_tiles`` builds) gives the default build's bits for every imma kind, plain,
     staged, with the RMSNorm prologue and as the greedy LM head, on ragged and SiLU-fused shapes."""
     from mgx.kernels.cuda import gemv as cg
 
-    assert tiled.has(cg.TILE_MARKERS["codes"]) and tiled.has(cg.TILE_MARKERS["scales"])
-    assert not native.has(cg.TILE_MARKERS["codes"]) and not native.has(cg.TILE_MARKERS["scales"])
+    assert all(tiled.has(m) and not native.has(m) for m in cg.TILE_MARKERS.values())
     gen = torch.Generator(device="cuda").manual_seed(n + k)
-    w = make_weight("int4", n, k, device="cuda", generator=gen, group_size=group, symmetric=symmetric)
+    kw = {"group_size": group, "symmetric": symmetric} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
     x = torch.randn(1, k, device="cuda", generator=gen)
     x[0, 3] = 700.0
     x = x.to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
     norm = cg.NormPrologue(None, g, 1e-5)
-    rec = cg.stage_x(x, "int4", kernels=native)
+    rec = cg.stage_x(x, scheme, kernels=native)
     runs = 0
     for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
         assert cg.gemv_applies(native, x, w, kind=kind)

@@ -143,6 +143,26 @@ def test_imma_tiles_hold_each_lanes_rows_as_the_tiled_build_reads_them(n: int, k
     assert cg.imma_tiles(w, silu, "codes") is codes  # built once per weight
 
 
+@pytest.mark.parametrize(("n", "silu"), [(48, False), (2 * 24, True), (33, False)])
+def test_imma_tiles_hold_w8a16_codes_as_each_warp_word_reads_them(n: int, silu: bool) -> None:
+    """W8A16 tiles (MGX_IMMA_TILES bit 4): in tile (b, s), 64 bytes at 64 (16 h + 8 v + g) are bytes
+    64 v .. of step s of row lo(b, g) (h = 0) or hi(b, g) (h = 1), so the 32 lanes' word v of one half
+    is 512 contiguous bytes."""
+    w = make_weight("w8a16", n, 384)
+    codes = cg.imma_tiles(w, silu, "codes")
+    n_out, per = (n // 2, 8) if silu else (n, 16)
+    assert codes.shape == (-(-n_out // per), 3, 32, 64) and codes.dtype == torch.int8
+    for b in range(codes.shape[0]):
+        for g in range(8):
+            lo = min(b * per + g, n_out - 1)
+            hi = n_out + lo if silu else min(b * 16 + g + 8, n - 1)
+            for s in range(3):
+                for h, row in ((0, lo), (1, hi)):
+                    for v in range(2):
+                        at = 128 * s + 64 * v
+                        assert torch.equal(codes[b, s, 16 * h + 8 * v + g], w.weight[row, at:at + 64])
+
+
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
     """``mma_persistent`` launches the ``mma`` entry (and its ``_norm`` twin) on fewer blocks: a kind
     for the autotune pass to time, not new code in the artifact (the launch itself: tests/gpu);
