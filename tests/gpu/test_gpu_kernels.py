@@ -312,13 +312,13 @@ def test_native_imma_on_tiled_weights_gives_the_row_major_bits(native, tiled, sc
     runs = 0
     for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
         assert cg.gemv_applies(native, x, w, kind=kind)
-        pairs = [lambda kk: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu)]
+        pairs = [lambda kk, kind=kind: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu)]
         if kind in cg.STAGED_KINDS:
-            pairs.append(lambda kk: cg.gemv_staged(rec, w, kernels=kk, kind=kind, silu_mul=silu))
+            pairs.append(lambda kk, kind=kind: cg.gemv_staged(rec, w, kernels=kk, kind=kind, silu_mul=silu))
         if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
-            pairs.append(lambda kk: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
+            pairs.append(lambda kk, kind=kind: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
         if not silu:
-            pairs.append(lambda kk: torch.cat([t.float() for t in cg.gemv_argmax(x, w, kernels=kk, kind=kind)]))
+            pairs.append(lambda kk, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, w, kernels=kk, kind=kind)]))
         for run in pairs:
             assert torch.equal(run(tiled), run(native)), kind
             runs += 1
