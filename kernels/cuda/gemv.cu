@@ -739,7 +739,7 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #ifndef MGX_IMMA_UNROLL
 #define MGX_IMMA_UNROLL 1
 #endif
-// Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): the int4 imma kernels read
+// Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): the imma kernels read
 // their weights in tiles of one warp's step instead of row-major (gemv.py's imma_tiles builds them).
 // Bit 1: each step's scales and zeros of the warp's 16 rows as one 128-byte line, a float4 (scale lo,
 // zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
@@ -1545,7 +1545,7 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (,
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
 
-// Markers of an MGX_IMMA_TILES build (gemv.py: the int4 imma kinds then read tiles it builds).
+// Markers of an MGX_IMMA_TILES build (gemv.py: the imma kinds then read the tiles it builds).
 #if MGX_IMMA_TILES & 1
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}
 #endif

@@ -416,9 +416,10 @@ def gemv_staged(
     return out
 
 
-# An MGX_IMMA_TILES build of gemv.cu (an experiment): its int4 imma kinds read the weight in tiles of a
-# warp's step, which ``imma_tiles`` builds from the row-major tensors (once per weight and launch
-# shape, kept here beside them; the Triton kernels still read the row-major ones).
+# An MGX_IMMA_TILES build of gemv.cu (an experiment, for bench_gpu_layer.py and the GPU tests): its imma
+# kinds read the weight in tiles of a warp's step, which ``imma_tiles`` builds from the row-major
+# tensors on first use and keeps for the process's life (a second copy of the codes: not for serving;
+# the Triton kernels still read the row-major ones). Default builds hold no marker and skip this.
 TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}", "codes": f"mgx_imma_tile_codes_v{KERNEL_ABI}",
                 "codes_w8a16": f"mgx_imma_tile_codes_w8a16_v{KERNEL_ABI}"}
 _IMMA_BASES = ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
