@@ -26,14 +26,19 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     return list(tokenizer(text).input_ids)
 
 
-def greedy_reference(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy ids and each step's top-1 logit from the HF model, with its KV cache, ignoring EOS."""
+def hf_cache_keyword(model: Any) -> str:
+    """The keyword by which a transformers model's ``forward`` takes its KV cache: ``cache`` since
+    transformers renamed ``past_key_values`` (which it then deprecated), else ``past_key_values``."""
     import inspect
 
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def greedy_reference(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy ids and each step's top-1 logit from the HF model, with its KV cache, ignoring EOS."""
     import torch
 
-    # transformers renamed past_key_values to cache; accept both generations of the API.
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = hf_cache_keyword(model)
     ids: list[int] = []
     top1: list[float] = []
     with torch.no_grad():

@@ -276,6 +276,10 @@ def worker_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         model(torch.tensor([tokens]), use_cache=True)
         return time.perf_counter() - start
 
+    from mgx.compiler.golden import hf_cache_keyword
+
+    cache_kw = hf_cache_keyword(model)
+
     @torch.inference_mode()
     def decode_time() -> float:
         (tokens,) = _prompts(vocab, 1, CONTEXT_PROMPT)
@@ -283,7 +287,7 @@ def worker_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         start = time.perf_counter()
         for _ in range(args.steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(token, use_cache=True, **{cache_kw: out.past_key_values})
         return time.perf_counter() - start
 
     prompt_time(16)

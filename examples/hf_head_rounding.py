@@ -26,12 +26,15 @@ def greedy(model, prompt: list[int], n: int, *, rounded: bool) -> tuple[list[int
     number of steps at which the two argmaxes differ."""
     import torch
 
+    from mgx.compiler.golden import hf_cache_keyword
+
+    cache_kw = hf_cache_keyword(model.base_model)
     ids, past = torch.tensor([prompt]), None
     head = model.get_output_embeddings().weight.float()
     tokens, flips = [], 0
     with torch.no_grad():
         for _ in range(n):
-            out = model.base_model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            out = model.base_model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{cache_kw: past})
             past = out.past_key_values
             logits = out.last_hidden_state[0, -1].float() @ head.T
             exact, coarse = int(logits.argmax()), int(logits.to(model.dtype).float().argmax())

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from mgx.compiler.golden import hf_cache_keyword
 from mgx.runtime.backend_cuda import CUDABackend
 from mgx.runtime.batch import SeqChunk
 from mgx.runtime.errors import UnsupportedModelError
@@ -455,7 +456,8 @@ def _hf_greedy(hf, prompt: list[int], n: int, *, cache: bool = True) -> tuple[li
     with torch.no_grad():
         for _ in range(n):
             if cache:
-                out = hf.base_model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                out = hf.base_model(input_ids=ids if past is None else ids[:, -1:], use_cache=True,
+                                    **{hf_cache_keyword(hf.base_model): past})  # fmt: skip
                 past = out.past_key_values
             else:
                 out = hf.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
@@ -565,7 +567,7 @@ def _hf_forced_hidden(hf, ids: list[int], n_prompt: int) -> torch.Tensor:  # noq
         out = hf.base_model(input_ids=t[:, :n_prompt], use_cache=True)
         rows.append(out.last_hidden_state[0, -1].float())
         for i in range(n_prompt, len(ids)):
-            out = hf.base_model(input_ids=t[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = hf.base_model(input_ids=t[:, i : i + 1], use_cache=True, **{hf_cache_keyword(hf.base_model): out.past_key_values})
             rows.append(out.last_hidden_state[0, -1].float())
     return torch.stack(rows)
 
