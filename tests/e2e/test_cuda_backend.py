@@ -453,11 +453,11 @@ def _hf_greedy(hf, prompt: list[int], n: int, *, cache: bool = True) -> tuple[li
     ids = torch.tensor([prompt], device=device)
     head = hf.get_output_embeddings().weight.float()
     tokens, logits, past = [], [], None
+    cache_kw = hf_cache_keyword(hf.base_model)
     with torch.no_grad():
         for _ in range(n):
             if cache:
-                out = hf.base_model(input_ids=ids if past is None else ids[:, -1:], use_cache=True,
-                                    **{hf_cache_keyword(hf.base_model): past})  # fmt: skip
+                out = hf.base_model(input_ids=ids if past is None else ids[:, -1:], use_cache=True, **{cache_kw: past})
                 past = out.past_key_values
             else:
                 out = hf.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
@@ -562,12 +562,13 @@ def _hf_forced_hidden(hf, ids: list[int], n_prompt: int) -> torch.Tensor:  # noq
     ``ids``, decoding them one at a time against its KV cache (teacher-forced)."""
     device = next(hf.parameters()).device
     rows = []
+    cache_kw = hf_cache_keyword(hf.base_model)
     with torch.no_grad():
         t = torch.tensor([ids], device=device)
         out = hf.base_model(input_ids=t[:, :n_prompt], use_cache=True)
         rows.append(out.last_hidden_state[0, -1].float())
         for i in range(n_prompt, len(ids)):
-            out = hf.base_model(input_ids=t[:, i : i + 1], use_cache=True, **{hf_cache_keyword(hf.base_model): out.past_key_values})
+            out = hf.base_model(input_ids=t[:, i : i + 1], use_cache=True, **{cache_kw: out.past_key_values})
             rows.append(out.last_hidden_state[0, -1].float())
     return torch.stack(rows)
 
