@@ -352,6 +352,75 @@ def test_native_norm_stage_writes_the_norm_and_the_record_stage_x_would(native, 
     assert torch.equal(cg.gemv_staged(rec, w, kernels=native, kind="imma_w4"), cg.gemv(out, w, kernels=native, kind="imma_w4"))
 
 
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (256, 512), (8192, 1024)])
+@pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
+@pytest.mark.parametrize("scheme", ["w8a16", "int4"])
+def test_native_gemv_norm_tail_adds_normalizes_and_stages_in_the_gemvs_kernel(native, scheme: str, kind: str, n: int,
+                                                                           k: int) -> None:  # noqa: ANN001
+    """``gemv_norm_tail``: the kind's product to the bit, residual + product exact, the RMSNorm of that
+    within one bf16 rounding of the reference and of ``norm_stage``'s, the record ``stage_x`` of the
+    normalized row to the bit; the counter is left zero, so launches repeat and replay in a CUDA graph
+    (a new x, the same answers as eager launches); no weight, and no record, also run."""
+    from mgx.kernels.cuda import gemv as cg
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + 29)
+    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    res = (3 * torch.randn(1, n, device="cuda", generator=gen)).to(torch.bfloat16)
+    res[0, 5] = 400.0
+    g = (1 + 0.2 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert cg.tail_applies(native, x, w, bias, kind, res, g)
+
+    def check(x: torch.Tensor, got: tuple) -> None:
+        out, total, normed, rec = got
+        assert torch.equal(out, cg.gemv(x, w, bias, kernels=native, kind=kind))
+        assert torch.equal(total, (res.float() + out.float()).to(torch.bfloat16))
+        assert rel_err(normed, trms.rms_norm_ref(total, g, 1e-5)) < 4e-3
+        staged, _ = cg.norm_stage(out, cg.NormPrologue(res, g, 1e-5, torch.empty_like(res)), scheme, kernels=native)
+        assert (normed.float() - staged.float()).abs().max() <= normed.float().abs().max() / 128  # one rounding
+        assert rec is not None and torch.equal(rec, cg.stage_x(normed, scheme, kernels=native))
+        assert int(counter.item()) == 0
+
+    run = lambda: cg.gemv_norm_tail(x, w, bias, kernels=native, kind=kind, residual=res, weight=g, eps=1e-5,  # noqa: E731
+                                    counter=counter, stage=True)  # fmt: skip
+    first = run()
+    check(x, first)
+    again = run()
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run()
+    x.copy_(torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16))
+    for _ in range(3):
+        graph.replay()
+    check(x, replayed)
+    out, total, normed, rec = cg.gemv_norm_tail(x, w, None, kernels=native, kind=kind, residual=res, weight=None, eps=1e-6,
+                                                counter=counter)  # fmt: skip
+    assert rec is None and int(counter.item()) == 0
+    assert rel_err(normed, trms.rms_norm_ref((res.float() + out.float()).to(torch.bfloat16), None, 1e-6)) < 4e-3
+
+
+def test_native_gemv_norm_tail_declines_what_it_cannot_take(native) -> None:  # noqa: ANN001
+    from mgx.kernels.cuda import gemv as cg
+
+    w = make_weight("int4", 4096, 1024, device="cuda", group_size=128, symmetric=False)
+    x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
+    res, g = torch.randn(1, 4096, device="cuda").to(torch.bfloat16), torch.ones(4096, device="cuda").to(torch.bfloat16)
+    assert cg.tail_applies(native, x, w, None, "imma_w16", res, g)
+    assert not cg.tail_applies(native, x, w, None, "imma_persistent", res, g)  # no tail entry
+    assert not cg.tail_applies(native, x, w, None, "imma", res.float(), g)
+    assert not cg.tail_applies(native, x, w, None, "imma", res[:, :2048], g)
+    assert not cg.tail_applies(native, x, w, None, "imma", res, g[:2048])
+    odd = make_weight("int4", 4000, 1024, device="cuda", group_size=128, symmetric=False)  # N % 128
+    assert not cg.tail_applies(native, x, odd, None, "imma", res[:, :4000].contiguous(), g[:4000].contiguous())
+    wide = make_weight("w8a16", cg.MAX_NORM_K + 128, 1024, device="cuda")
+    assert not cg.tail_applies(native, x, wide, None, "imma",
+                               torch.zeros(1, cg.MAX_NORM_K + 128, device="cuda", dtype=torch.bfloat16), None)  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize("k", [4096, 8192])
