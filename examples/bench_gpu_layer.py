@@ -104,8 +104,6 @@ class Chain:
         self.norm_stages = False  # the norms before QKV and gate/up write the records (gemv.norm_stage)
         self.records: dict[str, object] = {}
         self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
-        self.tails = False  # o and down add the residual and run the norm after them in their kernels (--tail)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)  # their last-block counter (one at a time)
 
     def _norm(self, name: str, x, res, g, kernels):  # noqa: ANN001, ANN202
         """The add + RMSNorm before projection ``name``: (its x, the new residual, its record or None)."""
@@ -117,17 +115,6 @@ class Chain:
         total = self.totals[0] if res.data_ptr() != self.totals[0].data_ptr() else self.totals[1]
         out, rec = norm_stage(res, NormPrologue(x, g, 1e-5, total), self.scheme, kernels=kernels)
         return out, total, rec
-
-    def _tail(self, name: str, x, w: dict, res, g, kernels, kind: str, reader: str):  # noqa: ANN001, ANN202
-        """Projection ``name`` (o or down) with the add + RMSNorm before ``reader`` in its kernel
-        (``gemv.gemv_norm_tail``, staging the row where the norms stage ``reader``'s): (the reader's x,
-        the new residual, its record or None)."""
-        from mgx.kernels.cuda.gemv import gemv_norm_tail
-
-        stage = self.norm_stages and reader in self.staged
-        _, total, normed, rec = gemv_norm_tail(x, w[name], None, kernels=kernels, kind=kind, residual=res, weight=g,
-                                               eps=1e-5, counter=self.counter, stage=stage)  # fmt: skip
-        return normed, total, rec
 
     def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False, rec=None):  # noqa: ANN001, ANN202
         """One projection, as --staged says: the kind itself, or x staged once (``rec``: by the norm)
@@ -147,17 +134,14 @@ class Chain:
             stage_x(x, w[name].scheme, kernels=kernels, out=rec)
         return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
 
-    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str, nxt: dict) -> None:  # noqa: ANN001
+    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
         gemvs, norms = part in ("all", "gemvs"), part in ("all", "others", "norms")
         attend = part in ("all", "others", "attention")
-        tails = self.tails and gemvs and norms  # o and down run the norms after them
         res = self.x["res"]
         x, rec = self.x["d"], None
-        if tails and "tail" in self.x:  # the layer before's down normalized x
-            x, res, rec = self.x.pop("tail")
-        elif norms:
+        if norms:
             x, res, rec = self._norm("qkv", x, res, w["g1"], kernels)
         qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"], rec=rec) if gemvs else self.stand_in["qkv"]
         a = self.stand_in["attention"]
@@ -167,25 +151,18 @@ class Chain:
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
                                        counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
-        if tails:
-            x2, res, rec = self._tail("o", a, w, res, w["g2"], kernels, kinds["o"], "gate_up")
-        else:
-            o = self._gemv("o", a, w, kernels, kinds["o"]) if gemvs else self.stand_in["down"]
-            x2, rec = o, None
-            if norms:
-                x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
+        o = self._gemv("o", a, w, kernels, kinds["o"]) if gemvs else self.stand_in["down"]
+        x2, rec = o, None
+        if norms:
+            x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
         h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if gemvs else self.stand_in["gate_up"]
-        if tails:
-            self.x["tail"] = self._tail("down", h, w, res, nxt["g1"], kernels, kinds["down"], "qkv")
-            res = self.x["tail"][1]
-        else:
-            self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
+        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
         self.x["res"] = res
 
     def step(self, kernels, kinds: dict[str, str], part: str) -> Callable[[], None]:  # noqa: ANN001
         def run() -> None:
-            for i, w in enumerate(self.layers):
-                self.layer(w, kernels, kinds, part, self.layers[(i + 1) % LAYERS])
+            for w in self.layers:
+                self.layer(w, kernels, kinds, part)
 
         return run
 
@@ -245,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
                     "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
-    ap.add_argument("--tail", action="store_true", help="also with o and down running the add + RMSNorm after them "
-                    "in their kernels (gemv.gemv_norm_tail; their kinds: imma, imma_w4 or imma_w16)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
@@ -258,10 +233,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if bad := [p for p in staged if p not in kinds or kinds[p] not in STAGED_KINDS]:
         ap.error(f"--staged: {', '.join(bad)} not a projection on one of {', '.join(STAGED_KINDS)}")
-    from mgx.kernels.cuda.gemv import TAIL_KINDS
-
-    if args.tail and (bad := [p for p in ("o", "down") if kinds[p] not in TAIL_KINDS]):
-        ap.error(f"--tail: {', '.join(bad)} not on one of {', '.join(TAIL_KINDS)}")
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
@@ -284,21 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     for limit in limits:
         chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
         merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
-        variants = [("", set(), True, False, False)]
+        variants = [("", set(), True, False)]
         if staged:
-            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False, False),
-                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False, False)]  # fmt: skip
+            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False),
+                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
             if {"qkv", "gate_up"} & set(staged):
-                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True, False))
-        if args.tail:
-            variants.append((" [norms in o's and down's tails]", set(), True, False, True))
-            if {"qkv", "gate_up"} & set(staged):
-                variants.append((f" [norms in o's and down's tails, staging {'+'.join(staged)}]", set(staged), True, True,
-                                 True))  # fmt: skip
+                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
         for label, kernels in builds.items():
-            for how, chain.staged, chain.stage_in_graph, chain.norm_stages, chain.tails in variants:
+            for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
-                chain.x.pop("tail", None)
                 for part in parts:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
                     print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)

@@ -287,12 +287,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // from 64 to 70 registers (sm_90a; one block an SM fewer), 2 keeps 64 (twentieth session, cuobjdump).
 constexpr int kNormBatch = 2;
 
-// kWarps: the most warps a block calling it has (the imma_w16 blocks' GEMV tails: 16). kFresh: delta
-// was written by the calling kernel's other blocks (a GEMV tail's own output): loaded through L2 (ld.cg),
-// not the read-only path. `writes`: whether this block writes res + delta to res_out.
-template <int kWarps = kMaxThreads / 32, bool kFresh = false>
-__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, bool writes) {
-  __shared__ float part[kWarps];
+__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k) {
+  __shared__ float part[kMaxThreads / 32];
   const int words = k >> 3;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   float ss = 0.0f;
@@ -307,8 +303,7 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, b
     for (int u = 0; u < kNormBatch; ++u) {
       const int j = j0 + u * blockDim.x;
       a[u] = j < words ? __ldg(reinterpret_cast<const uint4*>(in.res) + j) : zero;
-      const uint4* d = reinterpret_cast<const uint4*>(in.delta) + j;
-      b[u] = j < words && in.delta != nullptr ? (kFresh ? __ldcg(d) : __ldg(d)) : zero;
+      b[u] = j < words && in.delta != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.delta) + j) : zero;
     }
 #pragma unroll
     for (int u = 0; u < kNormBatch; ++u) {
@@ -320,7 +315,7 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, b
                        pack_bf16(lo_bf16(s.y) + lo_bf16(b[u].y), hi_bf16(s.y) + hi_bf16(b[u].y)),
                        pack_bf16(lo_bf16(s.z) + lo_bf16(b[u].z), hi_bf16(s.z) + hi_bf16(b[u].z)),
                        pack_bf16(lo_bf16(s.w) + lo_bf16(b[u].w), hi_bf16(s.w) + hi_bf16(b[u].w)));
-        if (writes) reinterpret_cast<uint4*>(in.res_out)[j] = s;
+        if (blockIdx.x == 0) reinterpret_cast<uint4*>(in.res_out)[j] = s;
       }
       const uint32_t v[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
@@ -393,7 +388,7 @@ __device__ void gemv_rows(__nv_bfloat16* __restrict__ out, const uint4* __restri
             if (t < words) prefetch_l2(reinterpret_cast<const Word*>(w + row[r] * stride_w) + t);
         }
         mgx_pdl_wait();
-        norm_prologue(const_cast<uint4*>(x), *norm, k, blockIdx.x == 0);
+        norm_prologue(const_cast<uint4*>(x), *norm, k);
       }
     }
     float acc[R];
@@ -565,7 +560,7 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
       if (blk == blockIdx.x) {  // as in gemv_rows
         prefetch_steps<kW>(w_lo, w_hi, warp, min(steps, warp + kPass), t);
         mgx_pdl_wait();
-        norm_prologue(const_cast<uint4*>(x), *norm, k, blockIdx.x == 0);
+        norm_prologue(const_cast<uint4*>(x), *norm, k);
       }
     }
     const uint32_t ones = 0x3F803F80u;  // bf16 pair (1, 1)
@@ -1084,47 +1079,9 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   uint8_t* buf = imma_buffer<kMaxThreads / 32>(warp);
   reinterpret_cast<uint32_t*>(buf + imma_column(2))[threadIdx.x & 31] = 0x01010101u;  // column 2: ones
   mgx_pdl_wait();
-  norm_prologue(xs, in, k, true);  // ends with a block barrier: xs is complete
+  norm_prologue(xs, in, k);  // ends with a block barrier: xs is complete
   for (int j = threadIdx.x; j < (k >> 3); j += blockDim.x) reinterpret_cast<uint4*>(out)[j] = xs[j];
   for (int s = warp; s < steps; s += blockDim.x >> 5) imma_stage_step<kInt4, true>(rec, buf, xs, s, steps);
-}
-
-// The add + RMSNorm after a projection, in the projection's own kernel (kinds' _tail entries): every
-// block, its groups stored, arrives at `counter`; the last to arrive (all outputs are in memory then)
-// adds the residual to the output row and normalizes it as norm_stage_row does -- res + out to
-// `total`, rms_norm(res + out) * g to `normed` and, with `rec`, its staged record for the next imma
-// GEMV of this scheme -- and zeroes the counter for the next launch. One kernel instead of the GEMV's
-// and the norm's: the norm's launch and its wait for the GEMV go, its work stays (on one block).
-// The sums of squares run on this block's threads (128 to 512), so 1/rms may differ in the last bit
-// from norm_stage's (256 threads); total is the same to the bit.
-struct TailIn {
-  int* counter;              // zero before the launch; the last block leaves it zero
-  const __nv_bfloat16* res;  // [N] the residual
-  const __nv_bfloat16* g;    // [N] the norm's weight; nullptr: none
-  __nv_bfloat16* total;      // [N] res + out
-  __nv_bfloat16* normed;     // [N]
-  uint4* rec;                // the record of normed (ImmaStaged, N % 128 == 0); nullptr: none
-  float eps;
-};
-
-template <bool kInt4, int W>
-__device__ void imma_tail(const __nv_bfloat16* out, const TailIn& tail, int n) {
-  extern __shared__ uint4 xs[];  // 2N bytes
-  __shared__ int last;
-  __threadfence();  // this block's outputs before its arrival
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(tail.counter, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // every block's outputs: read through L2 (kFresh)
-  const NormIn in{tail.res, out, tail.g, tail.total, tail.eps};
-  norm_prologue<W, true>(xs, in, n, true);  // ends with a block barrier: xs is complete
-  for (int j = threadIdx.x; j < (n >> 3); j += blockDim.x) reinterpret_cast<uint4*>(tail.normed)[j] = xs[j];
-  if (tail.rec != nullptr) {  // the GEMV's own staging buffers (column 2 of ones set at its start)
-    const int warp = threadIdx.x >> 5, steps = n >> 7;
-    for (int s = warp; s < steps; s += W) imma_stage_step<kInt4, true>(tail.rec, imma_buffer<W>(warp), xs, s, steps);
-  }
-  if (threadIdx.x == 0) *tail.counter = 0;
 }
 
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
@@ -1133,13 +1090,11 @@ __device__ void imma_tail(const __nv_bfloat16* out, const TailIn& tail, int n) {
 // kStaged: x is not the row but its steps as imma_stage_rows staged them (ImmaStaged): each lane loads
 // its B words and the step's factor and sum X instead of staging x itself (the same values, so the
 // same bits as the kernel without it).
-// kTail: the add + RMSNorm after the product (imma_tail; no SiLU product, no prologue).
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false,
-          bool kTail = false>
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
-                          int group_shift, int silu_f, const NormIn* norm, const TailIn* tail = nullptr) {
+                          int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -1300,7 +1255,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   if constexpr (kNorm) {  // as in gemv_rows
     prefetch_steps<kW>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
     mgx_pdl_wait();
-    norm_prologue(const_cast<uint4*>(x), *norm, k, blockIdx.x == 0);
+    norm_prologue(const_cast<uint4*>(x), *norm, k);
   }
   Pass even, odd;  // two passes' registers, by turns
   // Only the first pass's codes before the wait: asking L2 for the block's whole first group there
@@ -1322,7 +1277,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     compute(at, odd);
     at = later;
   }
-  if constexpr (kTail) imma_tail<kInt4, W>(out, *tail, n);
 }
 
 // One function per entry pair below; x is global memory (kNorm false) or the block's shared row that
@@ -1377,17 +1331,12 @@ __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x
 }
 
 // kArgmax: the entries of the greedy LM head (imma_finish; no SiLU product).
-// kTail: the add + RMSNorm after the product (imma_tail; silu_f must be 0).
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false,
-          bool kTail = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
-                                                const NormIn* norm, const TailIn* tail = nullptr) {
+                                                const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
-  if constexpr (kTail) {
-    gemv_imma<false, false, false, false, W, false, false, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0,
-                                                                 0, 0, nullptr, tail);
-  } else if constexpr (kArgmax) {
+  if constexpr (kArgmax) {
     gemv_imma<false, false, kNorm, kMulti, W, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, 0, norm);
   } else if (silu_f > 0) {
     gemv_imma<false, true, kNorm, kMulti, W, false, kStaged>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0,
@@ -1398,16 +1347,12 @@ __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4*
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false,
-          bool kTail = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
-                                               const NormIn* norm, const TailIn* tail = nullptr) {
-  if constexpr (kTail) {
-    gemv_imma<true, false, false, false, W, false, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
-                                                                group_shift, 0, nullptr, tail);
-  } else if constexpr (kArgmax) {
+                                               const NormIn* norm) {
+  if constexpr (kArgmax) {
     gemv_imma<true, false, kNorm, kMulti, W, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
                                                 0, norm);
   } else if (silu_f > 0) {
@@ -1599,33 +1544,6 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (,
   }
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
-
-// The imma kinds with the add + RMSNorm after the product (kTail, imma_tail; kinds imma, imma_w4 and
-// imma_w16 in gemv.py): NAME(out, x, <the scheme's parameters>, counter, res, g, total, normed, rec, eps)
-// with silu_f 0, the kinds' grids and blocks, and 2N bytes of dynamic shared memory (N % 128 == 0, N <=
-// MAX_NORM_K). counter: an int zero before the launch (left zero); g and rec may be null. At most 64
-// registers a thread, as the kinds' own entries.
-#define MGX_TAIL_ENTRY(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                                   \
-  extern "C" __global__ void __launch_bounds__(THREADS, 65536 / (64 * (THREADS)))                             \
-      MGX_ENTRY(NAME)(__nv_bfloat16* out, const __nv_bfloat16* x, MGX_UNPAREN PARAMS, int* counter,            \
-                      const __nv_bfloat16* res, const __nv_bfloat16* g, __nv_bfloat16* total,                   \
-                      __nv_bfloat16* normed, uint4* rec, float eps) {                                          \
-    const mgx_gemv::TailIn tail{counter, res, g, total, normed, rec, eps};                                      \
-    mgx_gemv::FN<false MGX_UNPAREN FLAGS>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS, nullptr, &tail); \
-  }
-
-MGX_TAIL_ENTRY(mgx_gemv_int4_imma_tail_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
-               (, false, mgx_gemv::kImmaWarps, false, false, true), MGX_INT4_PARAMS, MGX_INT4_ARGS)
-MGX_TAIL_ENTRY(mgx_gemv_int4_imma4_tail_bf16, 4 * 32, gemv_int4_imma, (, false, 4, false, false, true), MGX_INT4_PARAMS,
-               MGX_INT4_ARGS)
-MGX_TAIL_ENTRY(mgx_gemv_int4_imma16_tail_bf16, 16 * 32, gemv_int4_imma, (, false, 16, false, false, true),
-               MGX_INT4_PARAMS, MGX_INT4_ARGS)
-MGX_TAIL_ENTRY(mgx_gemv_w8a16_imma_tail_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
-               (, false, mgx_gemv::kImmaWarps, false, false, true), MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-MGX_TAIL_ENTRY(mgx_gemv_w8a16_imma4_tail_bf16, 4 * 32, gemv_w8a16_imma, (, false, 4, false, false, true),
-               MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-MGX_TAIL_ENTRY(mgx_gemv_w8a16_imma16_tail_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, false, true),
-               MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 // Markers of an MGX_IMMA_TILES build (gemv.py: the imma kinds then read the tiles it builds).
 #if MGX_IMMA_TILES & 1

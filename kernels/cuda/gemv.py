@@ -43,8 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "imma_tiles",
-           "TAIL_ENTRIES", "TAIL_KINDS", "gemv_norm_tail", "tail_applies"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "imma_tiles"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -107,13 +106,6 @@ STAGED_ENTRIES = {(kind, scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(f"_
 _STAGED = {(_ENTRY_KIND[kind], scheme): name for (kind, scheme), name in STAGED_ENTRIES.items()}  # as _launch looks up
 STAGE_ENTRIES = {"int4": f"mgx_imma_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_imma_stage_w8a16_v{KERNEL_ABI}"}
 STAGE_WARPS = 4  # kStageWarps in gemv.cu: warps (steps) a block of the stage kernel
-# The add + RMSNorm after a projection in the projection's own kernel (gemv.cu: imma_tail, the _tail
-# entries; ``gemv_norm_tail``): the last block to finish adds the residual, normalizes the row and
-# stages it for the next imma GEMV.
-TAIL_KINDS = ("imma", "imma_w4", "imma_w16")
-TAIL_ENTRIES = {(kind, scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(f"_bf16_v{KERNEL_ABI}", f"_tail_bf16_v{KERNEL_ABI}")
-                for kind in TAIL_KINDS for scheme in ("int4", "w8a16")}  # fmt: skip
-_TAIL = {(_ENTRY_KIND[kind], scheme): name for (kind, scheme), name in TAIL_ENTRIES.items()}  # as _launch looks up
 # The RMSNorm that also writes the record (``norm_stage``: one kernel instead of the norm's and the stage's).
 NORM_STAGE_ENTRIES = {"int4": f"mgx_norm_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_norm_stage_w8a16_v{KERNEL_ABI}"}
 MMA_ROWS = 16  # outputs per block of the tensor-core kernel (8 gate/up pairs with silu_mul)
@@ -424,51 +416,6 @@ def gemv_staged(
     return out
 
 
-def _row_operand(t: torch.Tensor | None, x: torch.Tensor, n: int) -> bool:
-    """Whether t is None or n contiguous, 16-byte aligned bf16 values on x's device."""
-    return t is None or (t.dtype == torch.bfloat16 and t.numel() == n and t.is_contiguous() and t.device == x.device
-                         and t.data_ptr() % 16 == 0)  # fmt: skip
-
-
-def tail_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None, kind: str,
-                 residual: torch.Tensor, weight: torch.Tensor | None) -> bool:  # fmt: skip
-    """Whether ``gemv_norm_tail`` of ``kind`` runs the row x through W with the add of ``residual``
-    ([1, N]) and the RMSNorm (``weight`` [N] or None) after it here: ``kind`` has a tail entry among the
-    loaded kernels and takes the product itself (``gemv_applies``), N % 128 == 0 and N <= MAX_NORM_K."""
-    return (kind in TAIL_KINDS and kernels is not None and kernels.has(TAIL_ENTRIES[kind, w.scheme])
-            and w.n % MMA_COLUMNS == 0 and w.n <= MAX_NORM_K and residual.shape == (1, w.n)
-            and _row_operand(residual, x, w.n) and _row_operand(weight, x, w.n)
-            and gemv_applies(kernels, x, w, bias, kind=kind))  # fmt: skip
-
-
-def gemv_norm_tail(
-    x: torch.Tensor,
-    w: GpuWeight,
-    bias: torch.Tensor | None,
-    *,
-    kernels: CudaKernels,
-    kind: str,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    counter: torch.Tensor,
-    stage: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``gemv`` of ``kind`` (out = x @ W^T + bias, [1, N]), then in the same kernel the add and the RMSNorm
-    after it: (out, total = residual + out, rms_norm(total) * weight, and with ``stage`` the record of
-    that row for ``gemv_staged`` on W's scheme, else None). Roundings as ``norm_stage``'s (total to
-    bf16, the normalized value before the weight); the sum of squares runs on the kind's block, so 1/rms
-    may differ from ``norm_stage``'s in the last bit. ``counter``: an int32 on the device, zero (the
-    kernel leaves it zero); launches sharing it must not run at the same time. The caller checks
-    ``tail_applies`` first."""
-    out = _out_row(w, False, None, x.device)
-    total, normed = torch.empty_like(out), torch.empty_like(out)
-    rec = torch.empty(staged_bytes(w.n), dtype=torch.uint8, device=x.device) if stage else None
-    tail = [_ptr(counter), _ptr(residual), _ptr(weight), _ptr(total), _ptr(normed), _ptr(rec), ctypes.c_float(eps)]
-    _launch(x, w, bias, kernels, kind, out, False, None, _TAIL, tail)
-    return out, total, normed, rec
-
-
 # An MGX_IMMA_TILES build of gemv.cu (an experiment, for bench_gpu_layer.py and the GPU tests): its imma
 # kinds read the weight in tiles of a warp's step, which ``imma_tiles`` builds from the row-major
 # tensors on first use and keeps for the process's life (a second copy of the codes: not for serving;
@@ -541,10 +488,8 @@ def _launch(
     silu_mul: bool,
     norm: NormPrologue | None,
     entries: dict[tuple[str, str], str],
-    tail: list[ctypes.c_void_p | ctypes.c_float] | None = None,
 ) -> None:
-    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``; ``tail``:
-    the _tail entries' parameters after the scheme's (with 2N bytes of shared memory)."""
+    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``."""
     n_out = w.n // 2 if silu_mul else w.n
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
@@ -574,8 +519,6 @@ def _launch(
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k
         blocks = equal_shares(blocks, norm_most(kernels, kind, w.scheme, w.k, x.device))
         args[1:2] = [_ptr(norm.total), _ptr(x), _ptr(norm.delta), _ptr(norm.weight), ctypes.c_float(norm.eps)]
-    elif tail is not None:
-        args, shared = args + tail, 2 * w.n
     elif kind == "mma_persistent":
         blocks = min(blocks, MMA_BLOCKS_PER_SM * num_sms(x.device))
     elif kind in _EQUAL_SHARES:

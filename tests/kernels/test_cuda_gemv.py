@@ -116,28 +116,6 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
     assert not cg.norm_stage_applies(None, x, norm, "int4") and not cg.norm_stage_applies(every, x, norm, "none")
 
 
-def test_norm_tail_entries_are_their_kinds_entries_declared_in_the_source() -> None:
-    """``gemv_norm_tail``'s entries: one per kind of TAIL_KINDS (imma, imma_w4, imma_w16) and scheme,
-    named after the kind's own entry, each declared by gemv.cu's MGX_TAIL_ENTRY on the kind's block
-    size; ``tail_applies`` needs the entry, a tail kind and a CUDA row (never on the CPU)."""
-    assert set(cg.TAIL_ENTRIES) == {(k, s) for k in ("imma", "imma_w4", "imma_w16") for s in ("int4", "w8a16")}
-    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
-    declared = dict(re.findall(r"^MGX_TAIL_ENTRY\((\w+), ([^,]+),", source, re.M))
-    threads = {"mgx_gemv::kImmaWarps * 32": cg.IMMA_THREADS, "4 * 32": 128, "16 * 32": 512}
-    for (kind, scheme), name in cg.TAIL_ENTRIES.items():
-        assert name == cg.entry_for(kind, scheme).replace("_bf16_v", "_tail_bf16_v")
-        base = name.removesuffix(f"_v{cg.KERNEL_ABI}")
-        assert base in declared, name
-        assert threads[declared[base]] == cg.block_threads(kind, 4096)
-    assert len(declared) == len(cg.TAIL_ENTRIES)
-    x, res = torch.randn(1, 256).to(torch.bfloat16), torch.randn(1, 128).to(torch.bfloat16)
-    w = make_weight("int4", 128, 256, group_size=128)
-    every = FakeKernels(*cg.ENTRIES.values(), *cg.TAIL_ENTRIES.values())
-    assert not cg.tail_applies(every, x, w, None, "imma", res, None)  # a CPU row
-    assert not cg.tail_applies(None, x, w, None, "imma", res, None)
-    assert not cg.tail_applies(every, x, w, None, "imma_persistent", res, None)
-
-
 @pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
                          [(40, 512, False, 128, False), (2 * 20, 256, True, 256, True), (33, 384, False, 128, True)])
 def test_imma_tiles_hold_each_lanes_rows_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
