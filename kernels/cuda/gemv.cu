@@ -755,6 +755,13 @@ constexpr bool kTileCodes = (MGX_IMMA_TILES & 2) != 0;
 constexpr bool kTileCodes8 = (MGX_IMMA_TILES & 4) != 0;  // bit 4: W8A16 codes, 2,048 bytes a step's 16 rows
                                                           // (rows lo, then hi; in each, byte 64 v + 16 t of
                                                           // the 8 rows g at 512 v + 16 (4 g + t))
+// Build flag MGX_IMMA_AHEAD (an experiment, 32nd session; 0 by default): as a warp loads a pass it
+// asks L2 (prefetch.global.L2) for the codes of the pass MGX_IMMA_AHEAD passes after it, so that more
+// bytes are on their way than two passes' registers hold (an int4 warp has 1 KB in flight, a W8A16 one 2).
+#ifndef MGX_IMMA_AHEAD
+#define MGX_IMMA_AHEAD 0
+#endif
+constexpr int kImmaAhead = MGX_IMMA_AHEAD;
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1133,6 +1140,25 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     // imma_persistent_w4 27.6 -> 26.3, down imma_w16 19.0 -> 18.7; W8A16 within +-0.5 us either way.
     const uint32_t w_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_w) + 16u * t;
     const uint32_t w_hi = static_cast<uint32_t>(hi) * static_cast<uint32_t>(stride_w) + 16u * t;
+    if constexpr (kImmaAhead > 0) {  // L2 asked for the codes of the pass kImmaAhead passes on
+      int2 ah = at;
+#pragma unroll
+      for (int i = 0; i < kImmaAhead; ++i) ah = next(ah.x, ah.y);
+      if (ah.x < groups && ah.y < steps) {
+        constexpr bool kTiled = kInt4 ? kTileCodes : kTileCodes8;
+        const uint32_t tile = static_cast<uint32_t>(ah.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(ah.y);
+        const uint32_t a_lo = static_cast<uint32_t>(row_lo(ah.x)) * static_cast<uint32_t>(stride_w) + 16u * t;
+        const uint32_t a_hi = static_cast<uint32_t>(row_hi(ah.x)) * static_cast<uint32_t>(stride_w) + 16u * t;
+        const uint8_t* pa = w + (kTiled ? tile * (1024u * kW) + 16u * lane : a_lo + static_cast<uint32_t>(ah.y) * (64u * kW));
+        const uint8_t* pb = kTiled ? pa + 512 * kW : w + (a_hi + static_cast<uint32_t>(ah.y) * (64u * kW));
+        prefetch_l2(pa);  // row-major: a lane's words of a row share its 128-byte line
+        prefetch_l2(pb);
+        if constexpr (kTiled && kW == 2) {
+          prefetch_l2(pa + 512);
+          prefetch_l2(pb + 512);
+        }
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;

@@ -319,8 +319,9 @@ def test_native_imma_on_tiled_weights_gives_the_row_major_bits(native, tiled, sc
             pairs.append(lambda kk, kind=kind: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
         if not silu:
             pairs.append(lambda kk, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, w, kernels=kk, kind=kind)]))
-        for run in pairs:
-            assert torch.equal(run(tiled), run(native)), kind
+        for i, run in enumerate(pairs):
+            got, want = run(tiled), run(native)
+            assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
             runs += 1
     assert runs >= 12
 
