@@ -103,6 +103,7 @@ class Chain:
         self.stage_in_graph = True  # False: their records are staged before the graph (stale, for timing)
         self.norm_stages = False  # the norms before QKV and gate/up write the records (gemv.norm_stage)
         self.records: dict[str, object] = {}
+        self.tiled: list[dict] | None = None  # the layers in cuda_tile16 (layers_for)
         self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
 
     def _norm(self, name: str, x, res, g, kernels):  # noqa: ANN001, ANN202
@@ -159,9 +160,24 @@ class Chain:
         self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
         self.x["res"] = res
 
+    def layers_for(self, kernels) -> list[dict]:  # noqa: ANN001
+        """The layers' weights as ``kernels`` read them: in the cuda_tile16 layout for a MGX_IMMA_TILE16
+        build (tiled once, kept beside the row-major ones), else row-major."""
+        from mgx.kernels.cuda.gemv import reads_tile16
+        from mgx.kernels.triton.testing import tile16
+
+        if not reads_tile16(kernels, self.scheme):
+            return self.layers
+        if self.tiled is None:
+            names = ("qkv", "o", "gate_up", "down")
+            self.tiled = [{**w, **{p: tile16(w[p]) for p in names}} for w in self.layers]
+        return self.tiled
+
     def step(self, kernels, kinds: dict[str, str], part: str) -> Callable[[], None]:  # noqa: ANN001
+        layers = self.layers_for(kernels)
+
         def run() -> None:
-            for w in self.layers:
+            for w in layers:
                 self.layer(w, kernels, kinds, part)
 
         return run

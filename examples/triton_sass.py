@@ -101,11 +101,12 @@ _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)", re.MULTILINE)
 _USAGE = re.compile(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+)")
 
 
-def native_report(arch: str, match: str) -> list[str]:
-    """One line per native entry point whose name holds ``match``: registers, stack, loop sizes."""
+def native_report(arch: str, match: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """One line per native entry point whose name holds ``match``: registers, stack, loop sizes (of a
+    build with nvcc ``flags``)."""
     from mgx.kernels.cuda.build import build_cuda_kernels
 
-    usage, sass = cuobjdump(build_cuda_kernels(arch), "-res-usage", "-sass")
+    usage, sass = cuobjdump(build_cuda_kernels(arch, extra_flags=flags), "-res-usage", "-sass")
     regs = {name: (int(r), int(st)) for name, r, st in _USAGE.findall(usage)}
     parts = _FUNCTION.split(sass)  # [before, name, body, name, body, ...]
     lines = []
@@ -130,12 +131,14 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
     parser.add_argument("--native", metavar="ARCH", help="the native kernels for ARCH (e.g. sm_90a) instead")
     parser.add_argument("--match", default="gemv", help="with --native: entry points whose name holds this")
+    parser.add_argument("--nvcc-flag", action="append", default=[], help="with --native: build with this flag too "
+                        "(repeatable; with =: --nvcc-flag=-D...)")
     args = parser.parse_args()
     if args.native:
         from mgx.kernels.cuda.build import CudaBuildError
 
         try:
-            lines = native_report(args.native, args.match)
+            lines = native_report(args.native, args.match, tuple(args.nvcc_flag))
         except CudaBuildError as e:
             sys.exit(f"triton_sass: {e}")
         print("\n".join(lines) if lines else f"no entry point holds {args.match!r}")

@@ -739,22 +739,27 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #ifndef MGX_IMMA_UNROLL
 #define MGX_IMMA_UNROLL 1
 #endif
-// Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): the imma kernels read
-// their weights in tiles of one warp's step instead of row-major (gemv.py's imma_tiles builds them).
-// Bit 1: each step's scales and zeros of the warp's 16 rows as one 128-byte line, a float4 (scale lo,
+// Build flag MGX_IMMA_TILE16 (0 by default; the cuda_kernels pass sets it for an artifact whose int4 or
+// W8A16 weights reorder_weights put in the cuda_tile16 layout): the imma kinds read their codes in that
+// layout (formats/layouts.py) instead of row-major. Byte b of row r lies at
+//   ((r / 16) S + b / (64 kW)) 1024 kW + ((b / 64) % kW) 1024 + (r % 16) 64 + b % 64
+// (S = K / 128 steps; kW = 1 int4, 2 W8A16), so a warp's load of 8 rows' step (or of a word of them)
+// is 512 contiguous bytes instead of 64 bytes of 8 rows, with the SiLU product's gate and up rows too.
+// Same sums, same bits. On the H200 (31st/32nd sessions, as the experiment that became it) the 8B
+// layer chain took INT4 1.733 -> 1.699 ms and W8A16 2.303 -> 2.267.
+// Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): bit 1, the int4 imma kernels
+// read each step's scales and zeros of the warp's 16 rows as one 128-byte line, a float4 (scale lo,
 // zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
-// lane where there were four scattered scalar loads (8 lines each). Bit 2: the codes of a step's 16
-// rows as 1,024 contiguous bytes ((group * steps + step) * 1024: rows lo 0-7, then hi, 64 bytes each),
-// so a warp's load is 512 contiguous bytes, not 64 bytes of 8 rows. Bit 4: W8A16 codes likewise (each
-// of a lane's two words per row a load of 512 contiguous bytes). Same sums, same bits.
+// lane where there were four scattered scalar loads (8 lines each), from a table gemv.py's imma_tiles
+// builds beside the weight (8B INT4 layer chain with the codes tiled too: -3.8% against -2% without).
+#ifndef MGX_IMMA_TILE16
+#define MGX_IMMA_TILE16 0
+#endif
 #ifndef MGX_IMMA_TILES
 #define MGX_IMMA_TILES 0
 #endif
+constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
-constexpr bool kTileCodes = (MGX_IMMA_TILES & 2) != 0;
-constexpr bool kTileCodes8 = (MGX_IMMA_TILES & 4) != 0;  // bit 4: W8A16 codes, 2,048 bytes a step's 16 rows
-                                                          // (rows lo, then hi; in each, byte 64 v + 16 t of
-                                                          // the 8 rows g at 512 v + 16 (4 g + t))
 // Build flag MGX_IMMA_AHEAD (an experiment, 32nd session; 0 by default): as a warp loads a pass it
 // asks L2 (prefetch.global.L2) for the codes of the pass MGX_IMMA_AHEAD passes after it, so that more
 // bytes are on their way than two passes' registers hold (an int4 warp has 1 KB in flight, a W8A16 one 2).
@@ -1131,6 +1136,21 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   // across the end of a group, whose sums the block then adds and stores while those loads are on
   // their way. A warp with no step in a group (K below 128 x 8) still takes one empty pass of it.
   const auto next = [&](int b, int s0) { return s0 + kPass < steps ? make_int2(b, s0 + kPass) : make_int2(b + gridDim.x, warp); };
+  // A lane's first code byte of row r at step 0 (then + s kStepBytes at step s, + kWordBytes for its
+  // second word of W8A16), row-major or in cuda_tile16 (kTile16; N % 16 == 0 and K % 128 == 0 there).
+  constexpr uint32_t kStepBytes = kTile16 ? 1024u * kW : 64u * kW;
+  constexpr uint32_t kWordBytes = kTile16 ? 1024u : 64u;
+  // In cuda_tile16 the 8 rows of a half (rows r0 .. r0 + 7, r0 a multiple of 8: gemv_imma's rows
+  // unclamped, since N % 16 == 0 and the SiLU product's F % 8 == 0 there) are 512 contiguous bytes a
+  // unit, lane (g, t) at 16 lane.
+  const auto code_at = [&](int b, bool high) {
+    if constexpr (kTile16) {
+      const uint32_t r0 = static_cast<uint32_t>(kSilu ? (high ? silu_f : 0) + 8 * b : 16 * b + (high ? 8 : 0));
+      return (r0 >> 4) * (static_cast<uint32_t>(steps) * kStepBytes) + (r0 & 15u) * 64u + 16u * lane;
+    } else {
+      return static_cast<uint32_t>(high ? row_hi(b) : row_lo(b)) * static_cast<uint32_t>(stride_w) + 16u * t;
+    }
+  };
   const auto load_w = [&](int2 at, Pass& p) {
     const int lo = row_lo(at.x), hi = row_hi(at.x);
     // Offsets in 32 bits (gemv_applies refuses codes or scales past 2^31 bytes and entries): one IMAD
@@ -1138,24 +1158,19 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     // addresses take 66 SASS instructions against 100 with 64-bit products. On the H200 (cold L2,
     // twentieth session; build flag MGX_IMMA_INDEX32 until then) int4 gate/up imma_w4 28.7 -> 27.5 us,
     // imma_persistent_w4 27.6 -> 26.3, down imma_w16 19.0 -> 18.7; W8A16 within +-0.5 us either way.
-    const uint32_t w_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_w) + 16u * t;
-    const uint32_t w_hi = static_cast<uint32_t>(hi) * static_cast<uint32_t>(stride_w) + 16u * t;
+    const uint32_t w_lo = code_at(at.x, false), w_hi = code_at(at.x, true);
     if constexpr (kImmaAhead > 0) {  // L2 asked for the codes of the pass kImmaAhead passes on
       int2 ah = at;
 #pragma unroll
       for (int i = 0; i < kImmaAhead; ++i) ah = next(ah.x, ah.y);
       if (ah.x < groups && ah.y < steps) {
-        constexpr bool kTiled = kInt4 ? kTileCodes : kTileCodes8;
-        const uint32_t tile = static_cast<uint32_t>(ah.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(ah.y);
-        const uint32_t a_lo = static_cast<uint32_t>(row_lo(ah.x)) * static_cast<uint32_t>(stride_w) + 16u * t;
-        const uint32_t a_hi = static_cast<uint32_t>(row_hi(ah.x)) * static_cast<uint32_t>(stride_w) + 16u * t;
-        const uint8_t* pa = w + (kTiled ? tile * (1024u * kW) + 16u * lane : a_lo + static_cast<uint32_t>(ah.y) * (64u * kW));
-        const uint8_t* pb = kTiled ? pa + 512 * kW : w + (a_hi + static_cast<uint32_t>(ah.y) * (64u * kW));
+        const uint8_t* pa = w + (code_at(ah.x, false) + static_cast<uint32_t>(ah.y) * kStepBytes);
+        const uint8_t* pb = w + (code_at(ah.x, true) + static_cast<uint32_t>(ah.y) * kStepBytes);
         prefetch_l2(pa);  // row-major: a lane's words of a row share its 128-byte line
         prefetch_l2(pb);
-        if constexpr (kTiled && kW == 2) {
-          prefetch_l2(pa + 512);
-          prefetch_l2(pb + 512);
+        if constexpr (kTile16 && kW == 2) {
+          prefetch_l2(pa + kWordBytes);
+          prefetch_l2(pb + kWordBytes);
         }
       }
     }
@@ -1163,17 +1178,14 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
       const uint32_t tile = static_cast<uint32_t>(at.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(s);
-      constexpr bool kTiled = kInt4 ? kTileCodes : kTileCodes8;
-      const uint4* a = reinterpret_cast<const uint4*>(
-          w + (kTiled ? tile * (1024u * kW) + 16u * lane : w_lo + static_cast<uint32_t>(s) * (64u * kW)));
-      const uint4* b = kTiled ? a + 32 * kW
-                              : reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * (64u * kW)));
+      const uint4* a = reinterpret_cast<const uint4*>(w + (w_lo + static_cast<uint32_t>(s) * kStepBytes));
+      const uint4* b = reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * kStepBytes));
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
 #pragma unroll
-      for (int v = 0; v < kW; ++v) {  // tiled: each word's 32 lanes read 512 contiguous bytes
-        p.lo[kW * u + v] = in ? load_stream_fetch(a + (kTiled ? 32 : 4) * v) : zero;
-        p.hi[kW * u + v] = in ? load_stream_fetch(b + (kTiled ? 32 : 4) * v) : zero;
+      for (int v = 0; v < kW; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
+        p.lo[kW * u + v] = in ? load_stream_fetch(a + kWordBytes / 16 * v) : zero;
+        p.hi[kW * u + v] = in ? load_stream_fetch(b + kWordBytes / 16 * v) : zero;
       }
       if constexpr (kInt4 && kTileScales) {
         const float4 sz = in ? load_now(reinterpret_cast<const float4*>(scales) + (tile * 8u + g)) : make_float4(0.f, 8.f, 0.f, 8.f);
@@ -1575,9 +1587,6 @@ MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
 #if MGX_IMMA_TILES & 1
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}
 #endif
-#if MGX_IMMA_TILES & 2
-extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_codes)() {}
-#endif
-#if MGX_IMMA_TILES & 4
-extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_codes_w8a16)() {}
+#if MGX_IMMA_TILE16
+extern "C" __global__ void MGX_ENTRY(mgx_imma_tile16)() {}
 #endif

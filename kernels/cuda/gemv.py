@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "imma_tiles"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -292,8 +292,10 @@ def gemv_applies(
     if argmax and norm is not None:
         return False
     entry = entry_for(kind, w.scheme, norm is not None, argmax)
-    if kernels is None or entry is None or w.layout != "row_major" or not kernels.has(entry):
+    if kernels is None or entry is None or not kernels.has(entry):
         return False
+    if w.layout != ("cuda_tile16" if base.startswith("imma") and reads_tile16(kernels, w.scheme) else "row_major"):
+        return False  # the imma kinds of a MGX_IMMA_TILE16 build read int4 and W8A16 in cuda_tile16 only
     if not _one_row(kernels, x) or w.k % 8 or x.shape[1] != w.k:
         return False
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
@@ -416,24 +418,31 @@ def gemv_staged(
     return out
 
 
-# An MGX_IMMA_TILES build of gemv.cu (an experiment, for bench_gpu_layer.py and the GPU tests): its imma
-# kinds read the weight in tiles of a warp's step, which ``imma_tiles`` builds from the row-major
-# tensors on first use and keeps for the process's life (a second copy of the codes: not for serving;
-# the Triton kernels still read the row-major ones). Default builds hold no marker and skip this.
-TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}", "codes": f"mgx_imma_tile_codes_v{KERNEL_ABI}",
-                "codes_w8a16": f"mgx_imma_tile_codes_w8a16_v{KERNEL_ABI}"}
+# A MGX_IMMA_TILE16 build of gemv.cu (the cuda_kernels pass's, for an artifact whose int4 or W8A16
+# weights are in the cuda_tile16 layout): its imma kinds read those schemes' codes in that layout only.
+TILE16_MARKER = f"mgx_imma_tile16_v{KERNEL_ABI}"
+
+
+def reads_tile16(kernels: CudaKernels, scheme: str) -> bool:
+    """Whether the imma kinds of ``kernels`` read ``scheme``'s codes in the cuda_tile16 layout."""
+    return scheme in ("int4", "w8a16") and kernels.has(TILE16_MARKER)
+
+
+# An MGX_IMMA_TILES=1 build of gemv.cu (an experiment, for bench_gpu_layer.py and the GPU tests): its int4
+# imma kinds read each step's scales and zeros from a table that ``imma_tiles`` builds from the weight on
+# first use and keeps for the process's life (a second copy: not for serving). Default builds hold no
+# marker and skip this.
+TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}"}
 _IMMA_BASES = ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
-_tiles: dict[tuple[int, bool, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_tiles: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def imma_tiles(w: GpuWeight, silu_mul: bool, what: str) -> torch.Tensor:
-    """W's int4 scales and zeros (``what="scales"``: float32 [groups, steps, 8, 4], per lane row g the
-    scale and zero of rows lo and hi) or codes (``"codes"``: int4 uint8 [groups, steps, 16, 64], rows
-    lo then hi, each a step's 64 bytes; W8A16 int8 [groups, steps, 32, 64], at 64 (16 h + 8 v + g)
-    bytes 64 v .. of row g of half h) in the order gemv.cu's MGX_IMMA_TILES kernels read them; rows as
-    gemv_imma's row_lo and row_hi (clamped past the end; with ``silu_mul`` lo the gate rows, hi the up
-    rows)."""
-    key = (w.weight.data_ptr(), silu_mul, what)
+def imma_tiles(w: GpuWeight, silu_mul: bool) -> torch.Tensor:
+    """W's int4 scales and zeros as float32 [groups, steps, 8, 4] (per lane row g of the kernel's group,
+    the scale and zero of rows lo and hi for the step's group) in the order gemv.cu's MGX_IMMA_TILES=1
+    kernels read them; rows as gemv_imma's row_lo and row_hi (clamped past the end; with ``silu_mul``
+    lo the gate rows, hi the up rows)."""
+    key = (w.weight.data_ptr(), silu_mul)
     got = _tiles.get(key)
     if got is not None and got[0] is w.weight:
         return got[1]
@@ -444,17 +453,11 @@ def imma_tiles(w: GpuWeight, silu_mul: bool, what: str) -> torch.Tensor:
     b, g = torch.arange(groups, device=dev)[:, None], torch.arange(8, device=dev)[None, :]
     lo = torch.clamp(b * per + g, max=n_out - 1)
     hi = n_out + lo if silu_mul else torch.clamp(b * 16 + g + 8, max=w.n - 1)
-    rows = torch.cat([lo, hi], dim=1)  # [groups, 16]
-    if what == "codes":
-        words = 2 if w.scheme == "w8a16" else 1  # 16-byte words of a row a lane loads per step (kW)
-        tiles = (w.weight[rows].view(groups, 2, 8, steps, words, 4, 16).permute(0, 3, 1, 4, 2, 5, 6)
-                 .reshape(groups, steps, 16 * words, 64))  # fmt: skip
-    else:
-        grp = (torch.arange(steps, device=dev) * MMA_COLUMNS) // w.group_size
-        sc = w.scales[:, grp]  # [N, steps]
-        z = torch.full_like(sc, 8.0) if w.symmetric else w.zeros[:, grp].float()
-        parts = [sc[lo], z[lo], sc[hi], z[hi]]  # each [groups, 8, steps]
-        tiles = torch.stack(parts, dim=-1).permute(0, 2, 1, 3).contiguous()  # [groups, steps, 8, 4]
+    grp = (torch.arange(steps, device=dev) * MMA_COLUMNS) // w.group_size
+    sc = w.scales[:, grp]  # [N, steps]
+    z = torch.full_like(sc, 8.0) if w.symmetric else w.zeros[:, grp].float()
+    parts = [sc[lo], z[lo], sc[hi], z[hi]]  # each [groups, 8, steps]
+    tiles = torch.stack(parts, dim=-1).permute(0, 2, 1, 3).contiguous()  # [groups, steps, 8, 4]
     _tiles[key] = (w.weight, tiles)
     return tiles
 
@@ -507,13 +510,8 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(w.scales), _ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
-    if w.scheme == "w8a16" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["codes_w8a16"]):
-        args[2] = _ptr(imma_tiles(w, silu_mul, "codes"))
-    if w.scheme == "int4" and base in _IMMA_BASES:
-        if kernels.has(TILE_MARKERS["codes"]):
-            args[2] = _ptr(imma_tiles(w, silu_mul, "codes"))
-        if kernels.has(TILE_MARKERS["scales"]):
-            args[3:5] = [_ptr(imma_tiles(w, silu_mul, "scales")), _ptr(None)]
+    if w.scheme == "int4" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["scales"]):
+        args[3:5] = [_ptr(imma_tiles(w, silu_mul)), _ptr(None)]
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k

@@ -68,7 +68,8 @@ __all__ = [
 ]
 
 SCHEME_IDS = {"none": 0, "w8a16": 1, "int4": 2, "sparse24": 3, "sparse24_int4": 4}
-LAYOUTS = {"row_major", "sparse24_nibble_meta"}
+LAYOUTS = {"row_major", "sparse24_nibble_meta", "cuda_tile16"}
+_LAYOUT_SCHEMES = {"sparse24_nibble_meta": ("sparse24", "sparse24_int4"), "cuda_tile16": ("int4", "w8a16")}
 # Only a single row takes the CUDA-core GEMV path: with 2..8 rows the GEMV re-read the weights per
 # row (an LM head at R=8 ran at 30% of bandwidth, at R=32 through tl.dot at 98%).
 GEMV_MAX_M = 1
@@ -87,14 +88,16 @@ class GpuWeight:
     meta: torch.Tensor | None = None  # sparse24 [N, K/4] u8 (row_major) or [N, K/8] (nibble layout)
     group_size: int = 0  # int4 group along K (along the kept values for sparse24_int4)
     symmetric: bool = True  # int4: z = 8 when True
-    layout: str = "row_major"  # "row_major" or "sparse24_nibble_meta"
+    layout: str = "row_major"  # "row_major", "sparse24_nibble_meta" or "cuda_tile16"
 
     def __post_init__(self) -> None:
         s, n, k = self.scheme, self.n, self.k
         if s not in SCHEME_IDS:
             raise ValueError(f"no GPU linear kernel for scheme {s!r}; known: {', '.join(SCHEME_IDS)}")
-        if self.layout not in LAYOUTS or (self.layout == "sparse24_nibble_meta" and not s.startswith("sparse24")):
+        if self.layout not in LAYOUTS or s not in _LAYOUT_SCHEMES.get(self.layout, (s,)):
             raise ValueError(f"no GPU linear kernel for scheme {s!r} in layout {self.layout!r}")
+        if self.layout == "cuda_tile16" and (n % 16 or k % 128):
+            raise ValueError(f"cuda_tile16 needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}")
         want = {"none": (n, k), "w8a16": (n, k), "int4": (n, k // 2), "sparse24": (n, k // 2),
                 "sparse24_int4": (n, k // 4)}[s]  # fmt: skip
         _expect(self.weight, "weight", want)

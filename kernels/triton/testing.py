@@ -56,6 +56,17 @@ def make_weight(
     raise ValueError(f"unknown scheme {scheme!r}")
 
 
+def tile16(w: GpuWeight) -> GpuWeight:
+    """An int4 or W8A16 weight in the ``cuda_tile16`` layout (``mgx.formats.layouts``), on its device: the
+    same values, the codes' bytes tiled as that layout packs them."""
+    from dataclasses import replace
+
+    units = {"int4": 1, "w8a16": 2}[w.scheme]
+    n, row = w.weight.shape
+    tiled = w.weight.reshape(n // 16, 16, row // (64 * units), units, 64).permute(0, 2, 3, 1, 4).reshape(n, row)
+    return replace(w, weight=tiled.contiguous(), layout="cuda_tile16")
+
+
 def _int4(w: torch.Tensor, g: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Group-quantize w [n, c] (c % g == 0) -> (bytes [n, c/2], scales [n, c/g] f32, zeros u8 or None)."""
     n, c = w.shape

@@ -278,11 +278,13 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
 
 @pytest.fixture(scope="module")
 def tiled():
-    """The native kernels built with MGX_IMMA_TILES=7 (the imma kinds on tiled codes, int4 scales and zeros)."""
+    """The native kernels built with MGX_IMMA_TILE16=1 (the imma kinds read int4 and W8A16 codes in the
+    cuda_tile16 layout) and MGX_IMMA_TILES=1 (int4 scales and zeros from ``imma_tiles``' table)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     arch = device_arch()
-    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=("-DMGX_IMMA_TILES=7",)), arch)
+    flags = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_TILES=1")
+    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=flags), arch)
     assert kernels is not None
     return kernels
 
@@ -290,19 +292,23 @@ def tiled():
 @pytest.mark.parametrize(("scheme", "n", "k", "silu", "group", "symmetric"),
                          [("int4", 28672, 4096, True, 128, False), ("int4", 4096, 14336, False, 128, True),
                           ("int4", 6144, 4096, False, 256, False), ("int4", 2 * 1000, 1024, True, 128, True),
-                          ("int4", 33, 512, False, 128, False), ("w8a16", 28672, 4096, True, 0, True),
-                          ("w8a16", 4096, 14336, False, 0, True), ("w8a16", 33, 512, False, 0, True)])  # fmt: skip
-def test_native_imma_on_tiled_weights_gives_the_row_major_bits(native, tiled, scheme: str, n: int, k: int, silu: bool,
-                                                              group: int, symmetric: bool) -> None:  # noqa: ANN001
-    """An MGX_IMMA_TILES=7 build (an experiment: codes, int4 scales and zeros in tiles of a warp's step,
-    which gemv.py's ``imma_tiles`` builds) gives the default build's bits for every imma kind, plain,
-    staged, with the RMSNorm prologue and as the greedy LM head, on ragged and SiLU-fused shapes."""
+                          ("int4", 48, 512, False, 128, False), ("w8a16", 28672, 4096, True, 0, True),
+                          ("w8a16", 4096, 14336, False, 0, True), ("w8a16", 2 * 1000, 512, True, 0, True),
+                          ("w8a16", 48, 512, False, 0, True)])  # fmt: skip
+def test_native_imma_on_tile16_weights_gives_the_row_major_bits(native, tiled, scheme: str, n: int, k: int, silu: bool,
+                                                                group: int, symmetric: bool) -> None:  # noqa: ANN001
+    """A MGX_IMMA_TILE16 build on weights in the cuda_tile16 layout gives the default build's bits on the
+    row-major weights, for every imma kind, plain, staged, with the RMSNorm prologue and as the greedy
+    LM head, on SiLU-fused shapes (F = 1000: up rows from the middle of a tile) and group-256 ones;
+    each build refuses the other's layout, and no other kind takes tiled weights."""
     from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.testing import tile16
 
-    assert all(tiled.has(m) and not native.has(m) for m in cg.TILE_MARKERS.values())
+    assert tiled.has(cg.TILE16_MARKER) and not native.has(cg.TILE16_MARKER)
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     kw = {"group_size": group, "symmetric": symmetric} if scheme == "int4" else {}
     w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
+    wt = tile16(w)
     x = torch.randn(1, k, device="cuda", generator=gen)
     x[0, 3] = 700.0
     x = x.to(torch.bfloat16)
@@ -311,19 +317,23 @@ def test_native_imma_on_tiled_weights_gives_the_row_major_bits(native, tiled, sc
     rec = cg.stage_x(x, scheme, kernels=native)
     runs = 0
     for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
-        assert cg.gemv_applies(native, x, w, kind=kind)
-        pairs = [lambda kk, kind=kind: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu)]
+        assert cg.gemv_applies(native, x, w, kind=kind) and cg.gemv_applies(tiled, x, wt, kind=kind)
+        assert not cg.gemv_applies(native, x, wt, kind=kind) and not cg.gemv_applies(tiled, x, w, kind=kind)
+        pairs = [lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu)]
         if kind in cg.STAGED_KINDS:
-            pairs.append(lambda kk, kind=kind: cg.gemv_staged(rec, w, kernels=kk, kind=kind, silu_mul=silu))
+            pairs.append(lambda kk, ww, kind=kind: cg.gemv_staged(rec, ww, kernels=kk, kind=kind, silu_mul=silu))
         if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
-            pairs.append(lambda kk, kind=kind: cg.gemv(x, w, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
+            pairs.append(lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
         if not silu:
-            pairs.append(lambda kk, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, w, kernels=kk, kind=kind)]))
+            pairs.append(lambda kk, ww, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, ww, kernels=kk,
+                                                                                                 kind=kind)]))  # fmt: skip
         for i, run in enumerate(pairs):
-            got, want = run(tiled), run(native)
+            got, want = run(tiled, wt), run(native, w)
             assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
             runs += 1
     assert runs >= 12
+    for kind in ("gemv", "mma", "mma_pipelined"):
+        assert not cg.gemv_applies(tiled, x, wt, kind=kind)
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])

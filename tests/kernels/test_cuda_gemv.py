@@ -118,17 +118,15 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
 
 @pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
                          [(40, 512, False, 128, False), (2 * 20, 256, True, 256, True), (33, 384, False, 128, True)])
-def test_imma_tiles_hold_each_lanes_rows_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
-                                                                       symmetric: bool) -> None:  # fmt: skip
-    """``imma_tiles`` (for gemv.cu's MGX_IMMA_TILES build): tile (b, s) holds, at 64 r.., the 64 code
-    bytes of step s of row lo(b, r) (r < 8) or hi(b, r - 8), and at [b, s, g] the scales and zeros of
-    rows lo(b, g) and hi(b, g) for the step's group (8 when symmetric), with the rows of gemv_imma:
-    16 a group, or 8 gate rows and the 8 up rows beside them with ``silu_mul``; past N the last row."""
+def test_imma_tiles_hold_each_lanes_scales_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
+                                                                         symmetric: bool) -> None:  # fmt: skip
+    """``imma_tiles`` (for gemv.cu's MGX_IMMA_TILES=1 build): at [b, s, g] the scales and zeros of rows
+    lo(b, g) and hi(b, g) for step s's group (8 when symmetric), with the rows of gemv_imma: 16 a
+    group, or 8 gate rows and the 8 up rows beside them with ``silu_mul``; past N the last row."""
     w = make_weight("int4", n, k, group_size=group, symmetric=symmetric)
-    codes, sz = cg.imma_tiles(w, silu, "codes"), cg.imma_tiles(w, silu, "scales")
+    sz = cg.imma_tiles(w, silu)
     n_out, per = (n // 2, 8) if silu else (n, 16)
     groups, steps = -(-n_out // per), k // 128
-    assert codes.shape == (groups, steps, 16, 64) and codes.dtype == torch.uint8
     assert sz.shape == (groups, steps, 8, 4) and sz.dtype == torch.float32
     for b in range(groups):
         for g in range(8):
@@ -136,31 +134,44 @@ def test_imma_tiles_hold_each_lanes_rows_as_the_tiled_build_reads_them(n: int, k
             hi = n_out + lo if silu else min(b * 16 + g + 8, n - 1)
             for s in range(steps):
                 for half, row in ((0, lo), (1, hi)):
-                    assert torch.equal(codes[b, s, 8 * half + g], w.weight[row, 64 * s:64 * s + 64])
                     zero = 8.0 if symmetric else float(w.zeros[row, 128 * s // group])
                     assert sz[b, s, g, 2 * half].item() == w.scales[row, 128 * s // group].item()
                     assert sz[b, s, g, 2 * half + 1].item() == zero
-    assert cg.imma_tiles(w, silu, "codes") is codes  # built once per weight
+    assert cg.imma_tiles(w, silu) is sz  # built once per weight
 
 
-@pytest.mark.parametrize(("n", "silu"), [(48, False), (2 * 24, True), (33, False)])
-def test_imma_tiles_hold_w8a16_codes_as_each_warp_word_reads_them(n: int, silu: bool) -> None:
-    """W8A16 tiles (MGX_IMMA_TILES bit 4): in tile (b, s), 64 bytes at 64 (16 h + 8 v + g) are bytes
-    64 v .. of step s of row lo(b, g) (h = 0) or hi(b, g) (h = 1), so the 32 lanes' word v of one half
-    is 512 contiguous bytes."""
-    w = make_weight("w8a16", n, 384)
-    codes = cg.imma_tiles(w, silu, "codes")
-    n_out, per = (n // 2, 8) if silu else (n, 16)
-    assert codes.shape == (-(-n_out // per), 3, 32, 64) and codes.dtype == torch.int8
-    for b in range(codes.shape[0]):
-        for g in range(8):
-            lo = min(b * per + g, n_out - 1)
-            hi = n_out + lo if silu else min(b * 16 + g + 8, n - 1)
-            for s in range(3):
-                for h, row in ((0, lo), (1, hi)):
-                    for v in range(2):
-                        at = 128 * s + 64 * v
-                        assert torch.equal(codes[b, s, 16 * h + 8 * v + g], w.weight[row, at:at + 64])
+@pytest.mark.parametrize(("scheme", "n", "k"), [("int4", 48, 384), ("w8a16", 32, 256), ("w8a16", 2 * 1000, 128)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_tile16_layout_puts_each_imma_lanes_word_where_the_tile16_build_loads_it(scheme: str, n: int, k: int,
+                                                                               silu: bool) -> None:  # fmt: skip
+    """The cuda_tile16 layout (``testing.tile16``, as ``layouts.pack`` writes it) against gemv.cu's
+    MGX_IMMA_TILE16 addressing, emulated: lane (g, t) of group b loads, for its rows lo and hi (8
+    rows from r0 = 16 b and 16 b + 8, or with the SiLU product 8 b and F + 8 b), step s and word v,
+    the 16 bytes at (r0 / 16) S kStep + (r0 % 16) 64 + 16 lane + s kStep + v 1024 (kStep = 1024 kW):
+    bytes 64 v + 16 t .. of step s of row r0 + g, and 32 lanes' word is 512 contiguous bytes."""
+    from mgx.kernels.triton.testing import tile16
+
+    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
+    assert "(r0 >> 4) * (static_cast<uint32_t>(steps) * kStepBytes) + (r0 & 15u) * 64u + 16u * lane" in source
+    assert "kStepBytes = kTile16 ? 1024u * kW" in source and "kWordBytes = kTile16 ? 1024u" in source
+    kw = {"group_size": 128} if scheme == "int4" else {}
+    w = make_weight(scheme, n, k, **kw)
+    flat = tile16(w).weight.view(torch.uint8).reshape(-1)
+    rows = w.weight.view(torch.uint8)
+    words, steps = (2 if scheme == "w8a16" else 1), k // 128
+    step_bytes, n_out = 1024 * words, (n // 2 if silu else n)
+    for b in range(n_out // 8 if silu else n // 16):
+        for high in (False, True):
+            r0 = ((n_out if high else 0) + 8 * b) if silu else 16 * b + (8 if high else 0)
+            base = (r0 // 16) * steps * step_bytes + (r0 % 16) * 64
+            for s in range(steps):
+                for v in range(words):
+                    at = base + s * step_bytes + v * 1024
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        got = flat[at + 16 * lane:at + 16 * lane + 16]
+                        want = rows[r0 + g, 64 * words * s + 64 * v + 16 * t:][:16]
+                        assert torch.equal(got, want), (b, high, s, v, lane)
 
 
 def test_persistent_tensor_core_kind_has_no_entry_of_its_own() -> None:
