@@ -51,7 +51,7 @@ def compile_sass(scheme: str, block_n: int, block_k: int, warps: int, split: int
     """SASS of ``_linear_kernel`` as the one-row GEMV of ``scheme`` with that configuration."""
     names = linear._linear_kernel.arg_names
     const = dict(SCHEME=linear.SCHEME_IDS[scheme], GROUP=128 if scheme == "int4" else 1, SYMMETRIC=False,
-                 META_PACKED=False, HAS_BIAS=False, SILU_MUL=False, USE_DOT=False, DOT_PREC="ieee", BLOCK_M=1,
+                 LAYOUT=0, HAS_BIAS=False, SILU_MUL=False, USE_DOT=False, DOT_PREC="ieee", BLOCK_M=1,
                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True, SPLIT_K=split, SWAP=False, FAST_CVT=True,
                  OVERLAP=False, RES_SQ=False, NORM_IN=norm, NORM_W=norm, BLOCK_SQ=256)  # fmt: skip
     sig = {}

@@ -69,6 +69,7 @@ __all__ = [
 
 SCHEME_IDS = {"none": 0, "w8a16": 1, "int4": 2, "sparse24": 3, "sparse24_int4": 4}
 LAYOUTS = {"row_major", "sparse24_nibble_meta", "cuda_tile16"}
+LAYOUT_IDS = {"row_major": 0, "sparse24_nibble_meta": 1, "cuda_tile16": 2}  # the kernels' LAYOUT
 _LAYOUT_SCHEMES = {"sparse24_nibble_meta": ("sparse24", "sparse24_int4"), "cuda_tile16": ("int4", "w8a16")}
 # Only a single row takes the CUDA-core GEMV path: with 2..8 rows the GEMV re-read the weights per
 # row (an LM head at R=8 ran at 30% of bandwidth, at R=32 through tl.dot at 98%).
@@ -137,11 +138,26 @@ def _expect(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: to
 
 
 @triton.jit
+def _code_at(row, b, stride_w, LAYOUT: tl.constexpr, UNITS: tl.constexpr):
+    """Offsets of bytes b [1, C] of rows row [R, 1] (int64) of a weight's codes: row-major (stride_w
+    bytes a row), or in the cuda_tile16 layout (LAYOUT 2; ``mgx.formats.layouts``: 16-row tiles of
+    UNITS 64-byte units a 128-column step, 1 for int4 and 2 for W8A16, where 16 stride_w is a row
+    of tiles). The tiled offsets run in 64 contiguous bytes, so the loads stay 16-byte vectors."""
+    if LAYOUT == 2:
+        return ((row >> 4) * (16 * stride_w) + (row & 15) * 64 + (b // (64 * UNITS)) * (1024 * UNITS)
+                + ((b // 64) % UNITS) * 1024 + b % 64)  # fmt: skip
+    else:
+        return row * stride_w + b
+
+
+@triton.jit
 def _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, c0, C, stride_w, stride_s,
-               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+               LAYOUT: tl.constexpr = 0):  # fmt: skip
     """fp32 [BLOCK_N, BLOCK_C]: int4 codes of columns c0.. of C, dequantized per group of GROUP columns."""
     kb = c0 // 2 + tl.arange(0, BLOCK_C // 2)
-    p = tl.load(w_ptr + row * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < C // 2)[None, :], other=0)
+    p = tl.load(w_ptr + _code_at(row, kb[None, :], stride_w, LAYOUT, 1), mask=n_mask[:, None] & (kb < C // 2)[None, :],
+                other=0)  # fmt: skip
     p = p.to(tl.int32)
     # OR-ing a nibble into the mantissa of 2^23 and subtracting 2^23 converts it exactly, without I2F.
     lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
@@ -159,9 +175,9 @@ def _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, c0, C, stride_w, stride_s,
 
 @triton.jit
 def _expand_24(vals, meta_ptr, row, n_mask, k0, K, stride_m,
-               META_PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Dense [BLOCK_N, BLOCK_K] from the kept values [BLOCK_N, BLOCK_K/2] of columns k0.. and their meta."""
-    if META_PACKED:
+    if LAYOUT == 1:  # sparse24_nibble_meta
         kmb = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mb = tl.load(meta_ptr + row * stride_m + kmb[None, :], mask=n_mask[:, None] & (kmb < K // 8)[None, :], other=0)
         mb = mb.to(tl.int32)
@@ -180,29 +196,30 @@ def _expand_24(vals, meta_ptr, row, n_mask, k0, K, stride_m,
 @triton.jit
 def _w_tile(
     w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
     """Rows rn [BLOCK_N], columns k0.. of W as a [BLOCK_N, BLOCK_K] tile of OUT (w8a16 still unscaled)."""
     row = rn.to(tl.int64)[:, None]
     if SCHEME == 0 or SCHEME == 1:
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + row * stride_w + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0)
+        w = tl.load(w_ptr + _code_at(row, k[None, :], stride_w, LAYOUT, 2), mask=n_mask[:, None] & (k < K)[None, :],
+                    other=0)  # fmt: skip
         if SCHEME == 1:
             w = w.to(tl.float32)  # int8 -> fp32 is exact; straight to bf16 is wrong in the interpreter
         w = w.to(OUT)
     elif SCHEME == 2:
         w = _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, k0, K, stride_w, stride_s, GROUP, SYMMETRIC,
-                       BLOCK_N, BLOCK_K).to(OUT)  # fmt: skip
+                       BLOCK_N, BLOCK_K, LAYOUT).to(OUT)  # fmt: skip
     elif SCHEME == 3:
         kv = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         v = tl.load(w_ptr + row * stride_w + kv[None, :], mask=n_mask[:, None] & (kv < K // 2)[None, :], other=0)
-        w = _expand_24(v.to(OUT), meta_ptr, row, n_mask, k0, K, stride_m, META_PACKED, BLOCK_N, BLOCK_K).to(OUT)
+        w = _expand_24(v.to(OUT), meta_ptr, row, n_mask, k0, K, stride_m, LAYOUT, BLOCK_N, BLOCK_K).to(OUT)
     else:
         # sparse24_int4: int4 codes of the K/2 kept values, grouped along them, then placed by meta.
         v = _int4_tile(w_ptr, s_ptr, z_ptr, row, n_mask, k0 // 2, K // 2, stride_w, stride_s, GROUP, SYMMETRIC,
                        BLOCK_N, BLOCK_K // 2)  # fmt: skip
-        w = _expand_24(v.to(OUT), meta_ptr, row, n_mask, k0, K, stride_m, META_PACKED, BLOCK_N, BLOCK_K).to(OUT)
+        w = _expand_24(v.to(OUT), meta_ptr, row, n_mask, k0, K, stride_m, LAYOUT, BLOCK_N, BLOCK_K).to(OUT)
     return w
 
 
@@ -309,7 +326,7 @@ def _nibbles_f32(p):
 @triton.jit
 def _gemv_row(
     xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi, rstd, nw_ptr,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, NORM_IN: tl.constexpr, NORM_W: tl.constexpr,
 ):  # fmt: skip
     """fp32 [1, BLOCK_N]: one activation row (xrow) times W[rn]^T over columns k_lo..k_hi, on the CUDA cores.
@@ -335,11 +352,12 @@ def _gemv_row(
                 c0 = k0 + gi * GROUP
                 b = c0 // 2 + tl.arange(0, GROUP // 2)
                 g = c0 // GROUP
+                at = _code_at(row, b[None, :], stride_w, LAYOUT, 1)
                 if EVEN:
-                    p = tl.load(w_ptr + row * stride_w + b[None, :])
+                    p = tl.load(w_ptr + at)
                     s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g)
                 else:
-                    p = tl.load(w_ptr + row * stride_w + b[None, :], mask=nm & (b < K // 2)[None, :], other=0)
+                    p = tl.load(w_ptr + at, mask=nm & (b < K // 2)[None, :], other=0)
                     s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0.0)
                 if SYMMETRIC:
                     zb = tl.full([BLOCK_N], 8.0 + 8388608.0, tl.float32)
@@ -384,15 +402,16 @@ def _gemv_row(
                                  xrow.dtype.element_ty)  # fmt: skip
             if SCHEME == 1:
                 if EVEN:
-                    q = tl.load(w_ptr + row * stride_w + k[None, :])
+                    q = tl.load(w_ptr + _code_at(row, k[None, :], stride_w, LAYOUT, 2))
                 else:
-                    q = tl.load(w_ptr + row * stride_w + k[None, :], mask=nm & (k < K)[None, :], other=0)
+                    q = tl.load(w_ptr + _code_at(row, k[None, :], stride_w, LAYOUT, 2), mask=nm & (k < K)[None, :],
+                                other=0)  # fmt: skip
                 w = _w8_f32(q)
             elif SCHEME == 0 and EVEN:
                 w = tl.load(w_ptr + row * stride_w + k[None, :]).to(tl.float32)
             else:
                 w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
-                            SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
+                            SCHEME, GROUP, SYMMETRIC, LAYOUT, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
             acc2 += w * xk
         acc = tl.sum(acc2, axis=1)
         if SCHEME == 1:
@@ -451,7 +470,7 @@ def _nibbles_bf16(p, FLIP_HIGH: tl.constexpr, FAST_CVT: tl.constexpr):
 def _swap_tile(
     x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn, n_mask, K, k_lo, k_hi,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, FAST_CVT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, LAYOUT: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_M, BLOCK_N] like ``_mm_tile``, computed transposed on the tensor cores: W^T x^T.
 
@@ -474,11 +493,12 @@ def _swap_tile(
                 b = c0 // 2 + tl.arange(0, GROUP // 2)
                 j = c0 + 2 * tl.arange(0, GROUP // 2)
                 g = c0 // GROUP
+                at = _code_at(row, b[None, :], stride_w, LAYOUT, 1)
                 if EVEN:
-                    p = tl.load(w_ptr + row * stride_w + b[None, :])
+                    p = tl.load(w_ptr + at)
                     s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g)
                 else:
-                    p = tl.load(w_ptr + row * stride_w + b[None, :], mask=nm & (b < K // 2)[None, :], other=0)
+                    p = tl.load(w_ptr + at, mask=nm & (b < K // 2)[None, :], other=0)
                     s = tl.load(s_ptr + rn.to(tl.int64) * stride_s + g, mask=n_mask & (g < ngroups), other=0.0)
                 if SYMMETRIC:
                     zb = tl.full([BLOCK_N], 136.0, tl.float32)
@@ -498,9 +518,9 @@ def _swap_tile(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
-                q = tl.load(w_ptr + row * stride_w + k[None, :])
+                q = tl.load(w_ptr + _code_at(row, k[None, :], stride_w, LAYOUT, 2))
             else:
-                q = tl.load(w_ptr + row * stride_w + k[None, :], mask=nm & (k < K)[None, :], other=0)
+                q = tl.load(w_ptr + _code_at(row, k[None, :], stride_w, LAYOUT, 2), mask=nm & (k < K)[None, :], other=0)
             xt = tl.load(xcol + k[:, None], mask=m_mask[None, :] & (k < K)[:, None], other=0.0)
             lo, hi = _nibbles_bf16(q, True, FAST_CVT)
             acc = tl.dot(hi, xt, acc)
@@ -523,7 +543,7 @@ def _swap_tile(
 def _mm_tile(
     x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
     rstd, nw_ptr,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     NORM_IN: tl.constexpr, NORM_W: tl.constexpr,
@@ -535,7 +555,7 @@ def _mm_tile(
     if not USE_DOT:
         xrow = x_ptr + tl.max(rm, axis=0).to(tl.int64) * stride_xm
         return _gemv_row(xrow, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, K, k_lo, k_hi,
-                         rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, EVEN,
+                         rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, LAYOUT, BLOCK_N, BLOCK_K, EVEN,
                          NORM_IN, NORM_W)  # fmt: skip
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -543,7 +563,7 @@ def _mm_tile(
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(xrow + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
-                    SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # fmt: skip
+                    SCHEME, GROUP, SYMMETRIC, LAYOUT, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
     if SCHEME == 1:
         acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
@@ -589,7 +609,7 @@ def _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, 
 def _linear_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, sq_ptr, nw_ptr,
     M, N, K, stride_xm, stride_w, stride_s, stride_m, stride_om, stride_rm, n_sq, eps,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP: tl.constexpr, FAST_CVT: tl.constexpr, OVERLAP: tl.constexpr,
@@ -621,19 +641,19 @@ def _linear_kernel(
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)  # as rms_norm's kernel takes it
     if SWAP:
         acc = _swap_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn, n_mask, K,
-                         k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+                         k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, LAYOUT)  # fmt: skip
     else:
         acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                       rn, n_mask, K, k_lo, k_hi, rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT,
+                       rn, n_mask, K, k_lo, k_hi, rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, LAYOUT, USE_DOT,
                        DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, NORM_IN, NORM_W)  # fmt: skip
     up = acc
     if SILU_MUL:
         if SWAP:
             up = _swap_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, stride_w, stride_s, rn + N, n_mask, K,
-                            k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN)  # fmt: skip
+                            k_lo, k_hi, SCHEME, GROUP, SYMMETRIC, FAST_CVT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, LAYOUT)  # fmt: skip
         else:
             up = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                          rn + N, n_mask, K, k_lo, k_hi, rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED,
+                          rn + N, n_mask, K, k_lo, k_hi, rstd, nw_ptr, SCHEME, GROUP, SYMMETRIC, LAYOUT,
                           USE_DOT, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, NORM_IN, NORM_W)  # fmt: skip
     if SPLIT_K == 1:
         _epilogue(acc, up, b_ptr, out_ptr, res_ptr, sq_ptr, rm, rn, m_mask, n_mask, N, stride_om, stride_rm,
@@ -665,14 +685,14 @@ def _linear_kernel(
 @triton.jit
 def _dequantize_kernel(
     w_ptr, s_ptr, z_ptr, meta_ptr, out_ptr, N, K, stride_w, stride_s, stride_m, stride_o,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = rn < N
     w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
-                SCHEME, GROUP, SYMMETRIC, META_PACKED, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
+                SCHEME, GROUP, SYMMETRIC, LAYOUT, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
     if SCHEME == 1:
         w = w * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     k = k0 + tl.arange(0, BLOCK_K)
@@ -900,7 +920,7 @@ def _launch(x, w: GpuWeight, bias, out, config, silu_mul: bool, workspace: Split
         meta.stride(0) if meta is not None else 0, out.stride(0), residual.stride(0) if residual is not None else 0,
         n_sq, float(norm.eps) if norm is not None else 0.0,
         SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
-        META_PACKED=w.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        LAYOUT=LAYOUT_IDS[w.layout], HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and w.k % block_k == 0,
         SPLIT_K=split_k, SWAP=swap, FAST_CVT=not interpreting(), RES_SQ=residual is not None,
@@ -998,7 +1018,7 @@ def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = N
         w.n, w.k, w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
         meta.stride(0) if meta is not None else 0, out.stride(0),
         SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
-        META_PACKED=w.layout == "sparse24_nibble_meta", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        LAYOUT=LAYOUT_IDS[w.layout], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -1018,9 +1038,22 @@ def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tenso
     return out
 
 
+def row_major_codes(w: GpuWeight) -> torch.Tensor:
+    """``w``'s stored codes [N, row bytes] in row-major order (a copy where the layout is cuda_tile16)."""
+    if w.layout != "cuda_tile16":
+        return w.weight
+    units = 1 if w.scheme == "int4" else 2
+    n, row = w.weight.shape
+    return w.weight.reshape(n // 16, row // (64 * units), units, 16, 64).permute(0, 3, 1, 2, 4).reshape(n, row)
+
+
 def dequantize_ref(w: GpuWeight) -> torch.Tensor:
     """The fp32 W [N, K] that ``w`` stands for (torch; the oracle for these kernels)."""
     n, k = w.n, w.k
+    if w.layout == "cuda_tile16":
+        from dataclasses import replace
+
+        return dequantize_ref(replace(w, weight=row_major_codes(w), layout="row_major"))
     if w.scheme == "none":
         return w.weight.float()
     if w.scheme == "w8a16":

@@ -27,6 +27,7 @@ import triton.language as tl
 from ._common import cdiv, check_float, dot_precision, next_pow2, overlap_options, overlap_start, rows_of
 from .linear import (
     GEMV_MAX_M,
+    LAYOUT_IDS,
     SCHEME_IDS,
     GpuWeight,
     LinearConfig,
@@ -43,7 +44,7 @@ __all__ = ["lm_head_argmax", "lm_head_argmax_ref", "merge_tile_argmax"]
 def _lm_head_tile_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, b_ptr, part_v_ptr, part_i_ptr,
     M, N, K, stride_xm, stride_w, stride_s, stride_m, num_tiles,
-    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, META_PACKED: tl.constexpr,
+    SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
@@ -54,7 +55,7 @@ def _lm_head_tile_kernel(
     m_mask = rm < M
     n_mask = rn < N
     acc = _mm_tile(x_ptr, stride_xm, rm, m_mask, w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m,
-                   rn, n_mask, K, 0, K, 1.0, x_ptr, SCHEME, GROUP, SYMMETRIC, META_PACKED, USE_DOT, DOT_PREC,
+                   rn, n_mask, K, 0, K, 1.0, x_ptr, SCHEME, GROUP, SYMMETRIC, LAYOUT, USE_DOT, DOT_PREC,
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN, False, False)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -117,7 +118,7 @@ def lm_head_argmax(
         m, n, weight.k, x.stride(0), weight.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
         meta.stride(0) if meta is not None else 0, num_tiles,
         SCHEME=SCHEME_IDS[weight.scheme], GROUP=weight.group_size or 1, SYMMETRIC=weight.symmetric,
-        META_PACKED=weight.layout == "sparse24_nibble_meta", HAS_BIAS=bias is not None,
+        LAYOUT=LAYOUT_IDS[weight.layout], HAS_BIAS=bias is not None,
         USE_DOT=use_dot, DOT_PREC=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and weight.k % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap_options(),

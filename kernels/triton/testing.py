@@ -27,19 +27,21 @@ def make_weight(
     layout: str = "row_major",
     generator: torch.Generator | None = None,
 ) -> GpuWeight:
-    """A random W [n, k] (about unit variance / sqrt(k)) stored in ``scheme``."""
+    """A random W [n, k] (about unit variance / sqrt(k)) stored in ``scheme`` (and ``layout``: row_major,
+    sparse24_nibble_meta for 2:4 weights, cuda_tile16 for int4 and W8A16)."""
     where = generator.device if generator is not None else torch.device(device)
     w = torch.randn(n, k, generator=generator, device=where) / k**0.5
     if scheme == "none":
         return GpuWeight("none", n, k, w.to(dtype).to(device))
+    tiled = tile16 if layout == "cuda_tile16" else lambda gw: gw
     if scheme == "w8a16":
         s = w.abs().amax(1).clamp_min(1e-8) / 127
         q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
-        return GpuWeight("w8a16", n, k, q.to(device), scales=s.float().to(device))
+        return tiled(GpuWeight("w8a16", n, k, q.to(device), scales=s.float().to(device)))
     if scheme == "int4":
         packed, s, z = _int4(w, group_size, symmetric)
-        return GpuWeight("int4", n, k, packed.to(device), scales=s.to(device), zeros=_dev(z, device),
-                         group_size=group_size, symmetric=symmetric)  # fmt: skip
+        return tiled(GpuWeight("int4", n, k, packed.to(device), scales=s.to(device), zeros=_dev(z, device),
+                               group_size=group_size, symmetric=symmetric))  # fmt: skip
     if scheme in ("sparse24", "sparse24_int4"):
         groups = w.reshape(n, k // 4, 4)
         keep = groups.abs().topk(2, dim=-1).indices.sort(dim=-1).values  # [n, k/4, 2], ascending
@@ -61,10 +63,11 @@ def tile16(w: GpuWeight) -> GpuWeight:
     same values, the codes' bytes tiled as that layout packs them."""
     from dataclasses import replace
 
+    out = replace(w, layout="cuda_tile16")  # refuses a scheme or shape the layout cannot hold
     units = {"int4": 1, "w8a16": 2}[w.scheme]
     n, row = w.weight.shape
     tiled = w.weight.reshape(n // 16, 16, row // (64 * units), units, 64).permute(0, 2, 3, 1, 4).reshape(n, row)
-    return replace(w, weight=tiled.contiguous(), layout="cuda_tile16")
+    return replace(out, weight=tiled.contiguous())
 
 
 def _int4(w: torch.Tensor, g: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

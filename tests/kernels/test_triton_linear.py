@@ -345,3 +345,36 @@ def test_norm_across_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="norm weight shape"):
         lin.linear(total, w2, norm=lin.NormIn(squares, torch.ones(5, device=DEVICE), 1e-6),
                    config=lin.LinearConfig(1, 8, 32, 4))  # fmt: skip
+
+
+@pytest.mark.parametrize("scheme, kw", [("int4", {"group_size": 128}), ("int4", {"group_size": 32, "symmetric": True}),
+                                        ("int4", {"group_size": 256}), ("w8a16", {})])  # fmt: skip
+def test_every_reader_takes_the_tile16_layout_to_the_bit(scheme: str, kw: dict) -> None:
+    """Weights in the cuda_tile16 layout (the integer tensor-core GEMVs' tiles; ``testing.tile16``)
+    give, in every Triton reader, exactly the row-major weight's results: the one-row GEMV (even and
+    masked), the tiles of the GEMM and of the swapped tensor-core path (fused SiLU too), split K,
+    dequantize and the greedy LM head; the layout only moves bytes. N = 48, K = 512: three tiles of
+    16 rows, four steps."""
+    from mgx.kernels.triton.lm_head import lm_head_argmax
+    from mgx.kernels.triton.testing import tile16
+
+    g = torch.Generator().manual_seed(41)
+    w = make_weight(scheme, 48, 512, dtype=torch.bfloat16, device=DEVICE, generator=g, **kw)
+    t = tile16(w)
+    assert t.layout == "cuda_tile16" and not torch.equal(t.weight, w.weight)
+    assert torch.equal(lin.row_major_codes(t), w.weight)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16).to(DEVICE)
+    configs = [None, lin.LinearConfig(1, 16, 256, 4, 1), lin.LinearConfig(1, 32, 128, 4, 1, 2),
+               lin.LinearConfig(16, 32, 128, 4, 2, 1, swap=True), lin.LinearConfig(16, 16, 256, 4, 2)]  # fmt: skip
+    for m in (1, 5):
+        x = torch.randn(m, 512, generator=g).to(torch.bfloat16).to(DEVICE)
+        for cfg in configs:
+            for run in (lin.linear, lin.linear_silu_mul):
+                assert torch.equal(run(x, t, bias, config=cfg), run(x, w, bias, config=cfg)), (m, cfg, run.__name__)
+        ids, top = lm_head_argmax(x, t, bias)
+        want_ids, want_top = lm_head_argmax(x, w, bias)
+        assert torch.equal(ids, want_ids) and torch.equal(top, want_top)
+    assert torch.equal(lin.dequantize(t, torch.float32), lin.dequantize(w, torch.float32))
+    assert torch.equal(lin.dequantize_ref(t), lin.dequantize_ref(w))
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
+        make_weight(scheme, 40, 512, device=DEVICE, layout="cuda_tile16", **kw)
