@@ -690,7 +690,10 @@ def graph_ms_other_kernels(engine, flag: str, prompt: list[int]) -> float | None
     stored = getattr(backend, "cuda_kernels", None)
     if stored is None or DEVICE != "cuda" or find_nvcc() is None:
         return None
-    other = load_cuda_kernels(build_cuda_kernels(stored.arch, extra_flags=(flag,)), stored.arch, stored.device)
+    from mgx.passes.cuda_kernels import kernel_flags
+
+    flags = (*kernel_flags(backend.graph), flag)  # as the artifact's were built (cuda_tile16 weights), and the flag
+    other = load_cuda_kernels(build_cuda_kernels(stored.arch, extra_flags=flags), stored.arch, stored.device)
     if other is None:
         return None
     other.overlap = stored.overlap and other.allow_overlap(backend._sm)

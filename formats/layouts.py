@@ -228,7 +228,7 @@ register_layout(
     Layout(
         "cuda_tile16",
         ("int4", "w8a16"),
-        (),
+        ("cuda",),
         _pack_tile16,
         _unpack_tile16,
         "int4 and W8A16 codes in tiles of 16 rows x one 128-column step, for the integer tensor-core GEMVs "

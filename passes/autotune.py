@@ -74,19 +74,19 @@ def _device() -> Any:
     return torch.device("cuda"), f"sm_{major}{minor}"
 
 
-def _native_kernels() -> Any:
+def _native_kernels(graph: ir.Graph) -> Any:
     """The native kernels built and loaded for the build GPU, to time the native GEMV; None without
     nvcc or when nvcc or the driver refuses them (then only Triton configurations are timed)."""
     from mgx.kernels.cuda.build import CudaBuildError, find_nvcc
     from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
 
-    from .cuda_kernels import _build, _device_arch
+    from .cuda_kernels import _build, _device_arch, kernel_flags
 
     arch = _device_arch()
     if arch is None or find_nvcc() is None:
         return None
     try:
-        image = _build(arch)
+        image = _build(arch, kernel_flags(graph))  # as the cuda_kernels pass builds them for these weights
     except CudaBuildError:
         return None
     with warnings.catch_warnings():
@@ -299,7 +299,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
 
     device, arch = _device()
-    kernels = _native_kernels() if opts.native else None
+    kernels = _native_kernels(graph) if opts.native else None
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
     roles = _fused_roles(graph) if opts.fused else {}

@@ -2,7 +2,8 @@
 
 For target ``cuda`` only. For each architecture in ``archs`` (default: the build GPU's, ``sm_90a`` on
 an sm_90 GPU such as the H100/H200, ``sm_XY`` on others), nvcc compiles every kernel source into one
-cubin. The graph is not changed; the images travel in the pass result's ``stats["cuda_kernels"]``
+cubin (with ``kernel_flags``: the imma GEMVs read the cuda_tile16 layout where the weights are in it).
+The graph is not changed; the images travel in the pass result's ``stats["cuda_kernels"]``
 ({arch: bytes}), which the compiler stores in the artifact (``Model.cuda_kernels``). The CUDA backend
 loads the image whose code runs on its GPU; with none it runs the Triton kernels and says so once.
 The build host needs nvcc (``$NVCC``, ``$CUDA_HOME/bin`` or PATH); a GPU only when ``archs`` is not given.
@@ -21,7 +22,7 @@ from mgx.formats import ir
 from ._base import PassContext, PassError, PassResult
 from ._common import fmt_bytes, options_dict, parse_options
 
-__all__ = ["CudaKernelsOptions", "run"]
+__all__ = ["CudaKernelsOptions", "kernel_flags", "run"]
 
 _ARCH = re.compile(r"sm_\d+[af]?")  # what nvcc's -gencode accepts for real code (build.gencode)
 
@@ -53,11 +54,18 @@ def _device_arch() -> str | None:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
-def _build(arch: str) -> bytes:
-    """nvcc's cubin of every kernel source for ``arch`` (tests replace this)."""
+def kernel_flags(graph: ir.Graph) -> tuple[str, ...]:
+    """The nvcc flags the artifact's weights ask for: ``-DMGX_IMMA_TILE16=1`` where reorder_weights put
+    int4 or W8A16 weights in the cuda_tile16 layout (the imma GEMVs then read that layout only)."""
+    tiled = any(t.layout == "cuda_tile16" for t in graph.tensors.values())
+    return ("-DMGX_IMMA_TILE16=1",) if tiled else ()
+
+
+def _build(arch: str, flags: tuple[str, ...] = ()) -> bytes:
+    """nvcc's cubin of every kernel source for ``arch`` with ``flags`` (tests replace this)."""
     from mgx.kernels.cuda.build import build_cuda_kernels
 
-    return build_cuda_kernels(arch)
+    return build_cuda_kernels(arch, extra_flags=flags)
 
 
 def _sources_digest() -> str:
@@ -87,9 +95,10 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.cuda.build import CudaBuildError
 
     images: dict[str, bytes] = {}
+    flags = kernel_flags(graph)
     for arch in archs:
         try:
-            images[arch] = _build(arch)
+            images[arch] = _build(arch, flags)
         except CudaBuildError as e:
             raise PassError(
                 f"cuda_kernels: {arch}: {e}; or drop the pass (the runtime then runs the Triton kernels)"
@@ -98,7 +107,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             raise PassError(f"cuda_kernels: {arch}: nvcc produced an empty image")
     built = ", ".join(f"{arch} {fmt_bytes(len(code))}" for arch, code in images.items())
     return PassResult(
-        f"built {_sources_digest()} for {built}",
+        f"built {_sources_digest()}{' with ' + ' '.join(flags) if flags else ''} for {built}",
         {"cuda_kernels": images},
         options_dict(dataclasses.replace(opts, archs=tuple(archs))),
     )

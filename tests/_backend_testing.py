@@ -19,6 +19,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "qk-norm-bias-fused": {"qk_norm": True, "attention_bias": True, "fused": True},
     "window-partial-rotary": {"sliding_window": 6, "rotary_dim": 4, "num_kv_heads": 3},
     "tied-bf16": {"tie_word_embeddings": True, "dtype": ir.DType.BF16},
+    # Widths of multiples of 128 (and rows of 16): the shapes the cuda_tile16 layout and the imma GEMVs take.
+    "wide-fused": {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "intermediate_size": 256,
+                   "vocab_size": 96, "fused": True},
 }
 PIPELINES: dict[str, list[Any]] = {
     "dense": [],
@@ -28,6 +31,7 @@ PIPELINES: dict[str, list[Any]] = {
     "w8a16-tied-tiled": ["quantize_w8a16", ("reorder_weights", {"skip": {"embedding": False}})],
     "int4-rowmajor": [("quantize_int4", {"group_size": 32, "symmetric": True})],
     "int4-tiled": [("quantize_int4", {"group_size": 32}), "reorder_weights"],
+    "int4-g128-tiled": ["fuse_qkv", "fuse_gate_up", ("quantize_int4", {"group_size": 128}), "reorder_weights"],
     "sparse24-tiled": ["sparsify_2_4", "reorder_weights"],
     "sparse24-int4-tiled": ["sparsify_2_4", ("quantize_int4", {"group_size": 32}), "reorder_weights"],
 }

@@ -745,8 +745,8 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 //   ((r / 16) S + b / (64 kW)) 1024 kW + ((b / 64) % kW) 1024 + (r % 16) 64 + b % 64
 // (S = K / 128 steps; kW = 1 int4, 2 W8A16), so a warp's load of 8 rows' step (or of a word of them)
 // is 512 contiguous bytes instead of 64 bytes of 8 rows, with the SiLU product's gate and up rows too.
-// Same sums, same bits. On the H200 (31st/32nd sessions, as the experiment that became it) the 8B
-// layer chain took INT4 1.733 -> 1.699 ms and W8A16 2.303 -> 2.267.
+// Same sums, same bits. On the H200 (32nd session, 83rd run) the 8B layer chain took W8A16 2.308 ->
+// 2.260 ms and INT4 (x staged by the norms, its default) 1.728 -> 1.707 ms (1.671 with bit 1 below).
 // Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): bit 1, the int4 imma kernels
 // read each step's scales and zeros of the warp's 16 rows as one 128-byte line, a float4 (scale lo,
 // zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
@@ -760,13 +760,6 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #endif
 constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
-// Build flag MGX_IMMA_AHEAD (an experiment, 32nd session; 0 by default): as a warp loads a pass it
-// asks L2 (prefetch.global.L2) for the codes of the pass MGX_IMMA_AHEAD passes after it, so that more
-// bytes are on their way than two passes' registers hold (an int4 warp has 1 KB in flight, a W8A16 one 2).
-#ifndef MGX_IMMA_AHEAD
-#define MGX_IMMA_AHEAD 0
-#endif
-constexpr int kImmaAhead = MGX_IMMA_AHEAD;
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1159,21 +1152,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     // twentieth session; build flag MGX_IMMA_INDEX32 until then) int4 gate/up imma_w4 28.7 -> 27.5 us,
     // imma_persistent_w4 27.6 -> 26.3, down imma_w16 19.0 -> 18.7; W8A16 within +-0.5 us either way.
     const uint32_t w_lo = code_at(at.x, false), w_hi = code_at(at.x, true);
-    if constexpr (kImmaAhead > 0) {  // L2 asked for the codes of the pass kImmaAhead passes on
-      int2 ah = at;
-#pragma unroll
-      for (int i = 0; i < kImmaAhead; ++i) ah = next(ah.x, ah.y);
-      if (ah.x < groups && ah.y < steps) {
-        const uint8_t* pa = w + (code_at(ah.x, false) + static_cast<uint32_t>(ah.y) * kStepBytes);
-        const uint8_t* pb = w + (code_at(ah.x, true) + static_cast<uint32_t>(ah.y) * kStepBytes);
-        prefetch_l2(pa);  // row-major: a lane's words of a row share its 128-byte line
-        prefetch_l2(pb);
-        if constexpr (kTile16 && kW == 2) {
-          prefetch_l2(pa + kWordBytes);
-          prefetch_l2(pb + kWordBytes);
-        }
-      }
-    }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;

@@ -338,6 +338,25 @@ def test_gpu_layout_is_read_and_upload_counts_every_byte() -> None:
     _check(graph, backend, steps=2)
 
 
+@pytest.mark.interpreted
+@pytest.mark.parametrize("pipeline", ["w8a16-tiled", "int4-g128-tiled"])
+def test_interpreted_tile16_weights_are_uploaded_as_built_and_match_the_reference(pipeline: str) -> None:
+    """Built for target cuda, int4 and W8A16 weights of widths the layout holds are in cuda_tile16
+    (the imma GEMVs' tiles), the others row-major; the backend uploads them as they are (every byte
+    counted once) and its Triton kernels read them: the reference backend's tokens and logits."""
+    graph = compiled("wide-fused", pipeline, target="cuda")
+    weights = [graph.tensors[op.weights["weight"]] for op in graph.ops if op.kind in ("linear", "lm_head")]
+    tiled = [t.layout == "cuda_tile16" for t in weights]
+    assert sum(tiled) >= 4 * graph.arch.num_layers  # qkv, o, gate/up, down (and a quantized LM head)
+    assert tiled == [t.scheme in ("int4", "w8a16") and t.shape[0] % 16 == 0 for t in weights]
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    used = {name for op in graph.ops for name in op.weights.values()}
+    assert backend.upload_stats.bytes == sum(graph.tensors[n].nbytes for n in used)
+    ops = [op for op in graph.ops if op.kind in ("linear", "lm_head")]
+    assert [backend._weights[id(op)].layout == "cuda_tile16" for op in ops] == tiled
+    _check(graph, backend, steps=2)
+
+
 def test_fusions_are_found() -> None:
     graph = compiled("qk-norm-bias-fused", "w8a16-tiled")
     backend = CUDABackend(graph, device="cpu", dtype="f32")

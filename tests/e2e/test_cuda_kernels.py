@@ -40,7 +40,7 @@ def fake_cubin(arch: str) -> bytes:
 def fake_nvcc(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """nvcc replaced: each build returns a recognisable image; the archs built are listed."""
     built: list[str] = []
-    monkeypatch.setattr(cuda_kernels_pass, "_build", lambda arch: built.append(arch) or fake_cubin(arch))
+    monkeypatch.setattr(cuda_kernels_pass, "_build", lambda arch, flags=(): built.append(arch) or fake_cubin(arch))
     return built
 
 
