@@ -163,7 +163,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     from mgx.kernels.cuda import gemv as cg
 
     kernels = object()
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     # Only the CUDA-core kind applies here (the tensor-core one needs groups of 128).
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: k is kernels
                         and x.shape[0] == 1 and kind == "gemv" and not argmax)  # fmt: skip
@@ -237,7 +237,7 @@ def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_
     from mgx.kernels.triton.lm_head import lm_head_argmax_ref
 
     kernels = object()
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: k is kernels
                         and x.shape[0] == 1 and argmax and kind == "imma_w4")  # fmt: skip
     ran: list[str] = []
@@ -306,7 +306,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     from mgx.kernels.cuda import gemv as cg
 
     kernels = object()
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: x.shape[0] == 1 and not argmax)
     monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
     timer = autotune_pass._time
@@ -382,7 +382,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     from mgx.kernels.triton.linear import NormIn
 
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: object())  # natives offered everywhere...
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: object())  # natives offered everywhere...
     from mgx.kernels.cuda import gemv as cg
 
     monkeypatch.setattr(cg, "gemv_applies", lambda *a, argmax=False, **k: not argmax)
@@ -465,7 +465,7 @@ def test_autotune_times_candidates_launched_as_the_backend_launches_them(monkeyp
         return fake_seconds(fn.__defaults__[0])
 
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), arch))
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: kernels)
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     monkeypatch.setattr(autotune_pass, "_time", timer)
     monkeypatch.setattr(_common, "overlapped_launches", overlapped)
     monkeypatch.setattr(cg, "gemv_applies", lambda *a, **k: False)

@@ -35,7 +35,7 @@ def tuned_artifact(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
 
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
     monkeypatch.setattr(autotune_pass, "_time", lambda fn, repeats, weights=None: 1.0)
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda: None)
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: None)
     contents = tiny_contents()
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
         PASSES[name](contents.graph, {}, PassContext(target="cuda"))

@@ -43,8 +43,9 @@ def test_gpu_state_is_none_when_nvidia_smi_printed_no_sample(bench) -> None:  # 
 
 
 def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_stored_ones_back(bench, monkeypatch) -> None:  # noqa: ANN001
-    """``--nvcc-flip``: the graph is recaptured on kernels built with the flag (same arch and device,
-    launched overlapped as the stored ones are), then the stored kernels return, also after a failure."""
+    """``--nvcc-flip``: the graph is recaptured on kernels built with the flag (and the artifact's own
+    flags; same arch and device, launched overlapped as the stored ones are), then the stored kernels
+    return, also after a failure."""
     from types import SimpleNamespace
 
     from mgx.kernels.cuda import build, rmsnorm
@@ -57,7 +58,8 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
             return sm >= 90
 
     stored = Kernels("sm_90a", 3, True)
-    backend = SimpleNamespace(cuda_kernels=stored, _sm=90, _decode_graphs={(1, True): "graph"})
+    graph = SimpleNamespace(tensors={"w": SimpleNamespace(layout="cuda_tile16")})  # the imma GEMVs' tiles
+    backend = SimpleNamespace(cuda_kernels=stored, _sm=90, _decode_graphs={(1, True): "graph"}, graph=graph)
     engine = SimpleNamespace(runner=SimpleNamespace(backend=backend))
     built, seen = [], []
     monkeypatch.setattr(bench, "DEVICE", "cuda")
@@ -71,7 +73,7 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
 
     monkeypatch.setattr(bench, "graph_ms_recaptured", recaptured)
     assert bench.graph_ms_other_kernels(engine, "-DMGX_IMMA_UNROLL=2", [1, 2]) == 1.25
-    assert built == [("sm_90a", ("-DMGX_IMMA_UNROLL=2",))]
+    assert built == [("sm_90a", ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_UNROLL=2"))]  # as the artifact's, and the flag
     (other,) = seen
     assert other is not stored and (other.arch, other.device, other.overlap) == ("sm_90a", 3, True)
     assert backend.cuda_kernels is stored and (1, True) not in backend._decode_graphs
