@@ -93,6 +93,7 @@ from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import (
     ARGMAX_ENTRIES,
     ARGMAX_LABEL,
+    TILE16_MARKER,
     NormPrologue,
     gemv,
     gemv_applies,
@@ -695,6 +696,8 @@ class CUDABackend(Backend):
         gemvs = [GEMV_LABELS[key] for key, entry in GEMV_ENTRIES.items() if self.cuda_kernels.has(entry)]
         if any(self.cuda_kernels.has(entry) for entry in ARGMAX_ENTRIES.values()):
             gemvs.append(ARGMAX_LABEL)
+        if self.cuda_kernels.has(TILE16_MARKER):
+            gemvs.append("the integer tensor-core kinds on cuda_tile16 weights")
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
         if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)
