@@ -1269,7 +1269,21 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   };
   int2 at = make_int2(blockIdx.x, warp);
   if constexpr (kNorm) {  // as in gemv_rows
-    prefetch_steps<kW>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
+    if constexpr (kTile16) {  // the lane's words of its first pass
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint32_t s = static_cast<uint32_t>(warp + u * W);
+#pragma unroll
+        for (int v = 0; v < kW; ++v) {
+          if (s < static_cast<uint32_t>(steps)) {
+            prefetch_l2(w + code_at(at.x, false) + s * kStepBytes + v * kWordBytes);
+            prefetch_l2(w + code_at(at.x, true) + s * kStepBytes + v * kWordBytes);
+          }
+        }
+      }
+    } else {
+      prefetch_steps<kW>(w + row_lo(at.x) * stride_w, w + row_hi(at.x) * stride_w, warp, min(steps, warp + kPass), t);
+    }
     mgx_pdl_wait();
     norm_prologue(const_cast<uint4*>(x), *norm, k);
   }
