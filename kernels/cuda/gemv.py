@@ -285,7 +285,8 @@ def gemv_applies(
 ) -> bool:
     """Whether ``gemv`` of ``kind`` runs x @ W^T here: loaded kernels holding its entry for the scheme,
     one bf16 row on their device, int4 (groups of 8 or more; the ``mma`` kinds: of a multiple of 128
-    and K too), w8a16 (the ``mma`` kinds: K a multiple of 128) or bf16 weights in the row-major layout, K % 8 == 0, and the aligned rows the kernel's vector
+    and K too), w8a16 (the ``mma`` kinds: K a multiple of 128) or bf16 weights in the row-major layout
+    (the imma kinds of a MGX_IMMA_TILE16 build: int4 and w8a16 in cuda_tile16 only), K % 8 == 0, and the aligned rows the kernel's vector
     loads need; with ``norm``, its entry point too and operands it can read; with ``argmax``, whether
     ``gemv_argmax`` does (the imma kinds, no prologue)."""
     base = _ENTRY_KIND.get(kind)
