@@ -2,7 +2,9 @@
 
 Weights are read where the artifact maps them (``row_major`` or ``cpu_tile16``; see
 ``mgx.formats.layouts``): building the backend wraps each weight in a kernel handle and converts only
-the small float vectors (norm weights, biases, ``inv_freq``) to float32. K/V live in a
+the small float vectors (norm weights, biases, ``inv_freq``) to float32. A weight in a layout written
+for another target (``cuda_tile16``, ``sparse24_nibble_meta``: an artifact built for CUDA) is unpacked
+to ``row_major`` in memory once, so that such an artifact runs here too. K/V live in a
 ``PagedKVCache`` of float32 (``MGX_CPU_KV_DTYPE=bf16`` or ``f16`` halves it); the attention kernel
 writes each step's keys and values into their slots itself.
 
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
 
+from mgx.formats import layouts
 from mgx.formats.ir import Graph, Op, Tensor
 from mgx.kernels import cpu
 from mgx.kernels.reference.dtypes import to_f32
@@ -38,6 +41,16 @@ from .kv_cache import KVCache, PagedKVCache
 __all__ = ["CPUBackend"]
 
 _AUX_ROLES = ("scales", "zeros", "meta")
+_CPU_LAYOUTS = ("row_major", "cpu_tile16")  # what the C++ kernels read in place
+
+
+def _row_major(weight: Tensor, aux: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """A weight (and its companions) in another target's layout, unpacked to row_major copies."""
+    roles = {"weight": weight, **aux}
+    arrays = layouts.unpack(weight.layout, {r: t.data for r, t in roles.items()}, weight.scheme, weight.scheme_params)
+    out = {r: replace(t, shape=arrays[r].shape, data=np.ascontiguousarray(arrays[r]), layout="row_major")
+           for r, t in roles.items()}  # fmt: skip
+    return out.pop("weight"), out
 # MGX_CPU_KV_DTYPE -> (numpy storage dtype, stored as bf16 bit patterns)
 _KV_DTYPES = {"f32": (np.float32, False), "bf16": (np.uint16, True), "f16": (np.float16, False)}
 
@@ -240,8 +253,10 @@ class CPUBackend(Backend):
         aux = {r: tensors[op.weights[r]] for r in _AUX_ROLES if r in op.weights}
         bias = self._f32(op.weights["bias"]) if "bias" in op.weights else None
         try:
+            if weight.layout not in _CPU_LAYOUTS and weight.layout in layouts.LAYOUTS:
+                weight, aux = _row_major(weight, aux)
             return cpu.LinearWeight(weight, aux, bias)
-        except cpu.CPUWeightError as exc:
+        except (cpu.CPUWeightError, ValueError) as exc:  # LayoutError is a ValueError
             raise UnsupportedModelError(f"{op.kind} from {op.source or '?'}: {exc}") from None
 
     def _f32(self, name: str) -> np.ndarray:

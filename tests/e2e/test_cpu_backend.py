@@ -54,6 +54,26 @@ def test_cpu_backend_reads_the_cpu_layout_without_copies() -> None:
             assert backend._linear[id(op)].name == op.weights["weight"]
 
 
+@pytest.mark.parametrize(("model", "pipeline", "layout"), [("wide-fused", "w8a16-tiled", "cuda_tile16"),
+                                                       ("wide-fused", "int4-g128-tiled", "cuda_tile16"),
+                                                       ("gqa", "sparse24-tiled", "sparse24_nibble_meta")])  # fmt: skip
+def test_a_graph_built_for_cuda_runs_here_unpacked(model: str, pipeline: str, layout: str) -> None:
+    """Weights in a layout written for the GPU kernels are unpacked to row_major copies once, and the
+    model gives the reference backend's tokens (the artifact is not tied to the GPU)."""
+    graph = compiled(model, pipeline, target="cuda")
+    ops = [op for op in graph.ops if op.kind in ("linear", "lm_head")]
+    assert any(graph.tensors[op.weights["weight"]].layout == layout for op in ops)
+    before = {id(op): graph.tensors[op.weights["weight"]].data for op in ops}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, graph.arch.vocab_size, 23), rng.integers(0, graph.arch.vocab_size, 12)]
+    want_tokens, want_logits = greedy_run(ModelRunner(graph, "reference"), prompts, 6)
+    got_tokens, got_logits = greedy_run(ModelRunner(graph, "cpu"), prompts, 6)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits, strict=True):
+        np.testing.assert_allclose(got, want, atol=TINY_ATOL, rtol=0)
+    assert all(graph.tensors[op.weights["weight"]].data is before[id(op)] for op in ops)  # the graph untouched
+
+
 def test_tiny_hf_models_match_the_reference_backend(tiny_models) -> None:  # noqa: ANN001
     from mgx.runtime import Engine
 
