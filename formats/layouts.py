@@ -23,7 +23,7 @@ __all__ = [
     "LayoutError",
     "pack_sparse24_nibble_meta",
     "unpack_sparse24_nibble_meta",
-    "tile16_offsets",
+    "tile16_axes",
 ]
 
 Arrays = dict[str, np.ndarray]  # role ("weight", "scales", "zeros", "meta") -> array
@@ -175,37 +175,32 @@ register_layout(
 #
 #   ((r // 16) S + b // (64 U)) 1024 U + ((b // 64) % U) 1024 + (r % 16) 64 + b % 64
 #
-# (``tile16_offsets``): per tile and step, for each of its U 64-byte units, the unit of the 16 rows. Shapes, dtypes, scales, zeros and bias as in row_major. Needs N % 16 == 0 and
-# K % 128 == 0. On the H200 the 8B INT4 layer chain took 1.716 -> 1.684 ms with its codes so (-2%;
-# with the scales and zeros tiled too, an experiment, -3.8%) and W8A16 2.303 -> 2.267 ms (-1.6%).
+# i.e. per tile and step, for each of its U 64-byte units, that unit of the 16 rows (``tile16_axes``).
+# Shapes, dtypes, scales, zeros and bias as in row_major. Needs N % 16 == 0 and K % 128 == 0. On the
+# H200 (83rd run) the 8B layer chain took W8A16 2.308 -> 2.260 ms and INT4 1.728 -> 1.707 ms.
 
 TILE_ROWS, TILE_COLUMNS = 16, 128  # rows and columns of a cuda_tile16 tile
+TILE16_UNITS = {"int4": 1, "w8a16": 2}  # 64-byte units of a row's 128-column step
 
 
-def _tile16_units(scheme: str) -> int:
-    return {"int4": 1, "w8a16": 2}[scheme]
-
-
-def tile16_offsets(n: int, k: int, scheme: str) -> np.ndarray:
-    """int64 [N, row bytes]: where byte b of row r of a row-major ``scheme`` weight [N, K] lies in the
-    cuda_tile16 layout (the formula above; what the kernels compute)."""
-    units, steps = _tile16_units(scheme), k // TILE_COLUMNS
-    r = np.arange(n, dtype=np.int64)[:, None]
-    b = np.arange(k * units // 2, dtype=np.int64)[None, :]
-    return ((r // 16) * steps + b // (64 * units)) * 1024 * units + ((b // 64) % units) * 1024 + (r % 16) * 64 + b % 64
+def tile16_axes(scheme: str, n: int, row_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """How cuda_tile16 moves a row-major ``scheme`` weight's codes [N, row bytes]: viewed as [N/16, 16,
+    S, U, 64], its bytes are stored in the axis order returned ([N/16, S, U, 16, 64]); the same for
+    numpy (``pack``) and torch (``testing.tile16``, ``linear.row_major_codes``). ValueError where the
+    layout cannot hold the shape."""
+    units = TILE16_UNITS[scheme]
+    k = row_bytes * 2 // units
+    if n % TILE_ROWS or k % TILE_COLUMNS:
+        raise ValueError(f"cuda_tile16 needs N % 16 == 0 rows and K % 128 == 0 columns, got N={n}, K={k}")
+    return (n // TILE_ROWS, TILE_ROWS, k // TILE_COLUMNS, units, 64), (0, 2, 3, 1, 4)
 
 
 def _tile16_view(w: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A row-major weight (int4 codes u8 [N, K/2] or W8A16 int8 [N, K]) as [N/16, 16, S, U, 64], and the
-    axis order of its tiled bytes ([N/16, S, U, 16, 64]); ValueError where the layout cannot hold it."""
+    """``tile16_axes`` of a row-major weight array (int4 codes u8 [N, K/2] or W8A16 int8 [N, K])."""
     scheme = {np.dtype(np.uint8): "int4", np.dtype(np.int8): "w8a16"}.get(w.dtype)
     if scheme is None or w.ndim != 2:
         raise ValueError(f"cuda_tile16 holds int4 codes (u8) and W8A16 codes (i8) [N, row bytes], got {w.dtype} {w.shape}")
-    units = _tile16_units(scheme)
-    k = w.shape[1] * 2 // units
-    if w.shape[0] % TILE_ROWS or k % TILE_COLUMNS:
-        raise ValueError(f"cuda_tile16 needs N % 16 == 0 rows and K % 128 == 0 columns, got N={w.shape[0]}, K={k}")
-    return (w.shape[0] // 16, 16, k // TILE_COLUMNS, units, 64), (0, 2, 3, 1, 4)
+    return tile16_axes(scheme, *w.shape)
 
 
 def _pack_tile16(arrays: Arrays, params: dict[str, Any]) -> Arrays:
@@ -232,7 +227,7 @@ register_layout(
         _pack_tile16,
         _unpack_tile16,
         "int4 and W8A16 codes in tiles of 16 rows x one 128-column step, for the integer tensor-core GEMVs "
-        "(tile16_offsets); scales, zeros and bias as in row_major. Needs N % 16 == 0 and K % 128 == 0.",
+        "(tile16_axes); scales, zeros and bias as in row_major. Needs N % 16 == 0 and K % 128 == 0.",
     )
 )
 

@@ -19,11 +19,13 @@ dtype (16-row tiles cover small decode batches). Accumulation is fp32 in both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from mgx.formats import layouts as layout_registry
 
 from ._common import (
     COMPILED,
@@ -68,9 +70,8 @@ __all__ = [
 ]
 
 SCHEME_IDS = {"none": 0, "w8a16": 1, "int4": 2, "sparse24": 3, "sparse24_int4": 4}
-LAYOUTS = {"row_major", "sparse24_nibble_meta", "cuda_tile16"}
 LAYOUT_IDS = {"row_major": 0, "sparse24_nibble_meta": 1, "cuda_tile16": 2}  # the kernels' LAYOUT
-_LAYOUT_SCHEMES = {"sparse24_nibble_meta": ("sparse24", "sparse24_int4"), "cuda_tile16": ("int4", "w8a16")}
+LAYOUTS = frozenset(LAYOUT_IDS)  # the layouts these kernels read (each for the schemes its registry entry holds)
 # Only a single row takes the CUDA-core GEMV path: with 2..8 rows the GEMV re-read the weights per
 # row (an LM head at R=8 ran at 30% of bandwidth, at R=32 through tl.dot at 98%).
 GEMV_MAX_M = 1
@@ -95,7 +96,7 @@ class GpuWeight:
         s, n, k = self.scheme, self.n, self.k
         if s not in SCHEME_IDS:
             raise ValueError(f"no GPU linear kernel for scheme {s!r}; known: {', '.join(SCHEME_IDS)}")
-        if self.layout not in LAYOUTS or s not in _LAYOUT_SCHEMES.get(self.layout, (s,)):
+        if self.layout not in LAYOUTS or s not in layout_registry.LAYOUTS[self.layout].schemes:
             raise ValueError(f"no GPU linear kernel for scheme {s!r} in layout {self.layout!r}")
         if self.layout == "cuda_tile16" and (n % 16 or k % 128):
             raise ValueError(f"cuda_tile16 needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}")
@@ -1042,17 +1043,15 @@ def row_major_codes(w: GpuWeight) -> torch.Tensor:
     """``w``'s stored codes [N, row bytes] in row-major order (a copy where the layout is cuda_tile16)."""
     if w.layout != "cuda_tile16":
         return w.weight
-    units = 1 if w.scheme == "int4" else 2
-    n, row = w.weight.shape
-    return w.weight.reshape(n // 16, row // (64 * units), units, 16, 64).permute(0, 3, 1, 2, 4).reshape(n, row)
+    shape, order = layout_registry.tile16_axes(w.scheme, *w.weight.shape)
+    tiled = w.weight.reshape([shape[i] for i in order])
+    return tiled.permute([order.index(i) for i in range(len(order))]).reshape(w.weight.shape)
 
 
 def dequantize_ref(w: GpuWeight) -> torch.Tensor:
     """The fp32 W [N, K] that ``w`` stands for (torch; the oracle for these kernels)."""
     n, k = w.n, w.k
     if w.layout == "cuda_tile16":
-        from dataclasses import replace
-
         return dequantize_ref(replace(w, weight=row_major_codes(w), layout="row_major"))
     if w.scheme == "none":
         return w.weight.float()

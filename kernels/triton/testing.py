@@ -63,11 +63,11 @@ def tile16(w: GpuWeight) -> GpuWeight:
     same values, the codes' bytes tiled as that layout packs them."""
     from dataclasses import replace
 
+    from mgx.formats.layouts import tile16_axes
+
     out = replace(w, layout="cuda_tile16")  # refuses a scheme or shape the layout cannot hold
-    units = {"int4": 1, "w8a16": 2}[w.scheme]
-    n, row = w.weight.shape
-    tiled = w.weight.reshape(n // 16, 16, row // (64 * units), units, 64).permute(0, 2, 3, 1, 4).reshape(n, row)
-    return replace(out, weight=tiled.contiguous())
+    shape, order = tile16_axes(w.scheme, *w.weight.shape)
+    return replace(out, weight=w.weight.reshape(shape).permute(order).contiguous().reshape(w.weight.shape))
 
 
 def _int4(w: torch.Tensor, g: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
