@@ -123,6 +123,7 @@ from mgx.kernels.triton.linear import (
     GpuWeight,
     LinearConfig,
     NormIn,
+    code_rows,
     default_config,
     dequantize,
     dequantize_ref,
@@ -1167,11 +1168,11 @@ class CUDABackend(Backend):
         if w.scheme == "none":
             return w.weight.index_select(0, ids)
         rows = GpuWeight(
-            w.scheme, ids.shape[0], w.k, w.weight.index_select(0, ids),
+            w.scheme, ids.shape[0], w.k, code_rows(w, ids),
             scales=None if w.scales is None else w.scales.index_select(0, ids),
             zeros=None if w.zeros is None else w.zeros.index_select(0, ids),
             meta=None if w.meta is None else w.meta.index_select(0, ids),
-            group_size=w.group_size, symmetric=w.symmetric, layout=w.layout,
+            group_size=w.group_size, symmetric=w.symmetric, layout="row_major" if w.layout == "cuda_tile16" else w.layout,
         )  # fmt: skip
         return dequantize_ref(rows).to(self.dtype)
 

@@ -54,6 +54,7 @@ __all__ = [
     "silu_mul",
     "dequantize",
     "dequantize_ref",
+    "code_rows",
     "linear_ref",
     "linear_silu_mul_ref",
     "silu_mul_ref",
@@ -1046,6 +1047,16 @@ def row_major_codes(w: GpuWeight) -> torch.Tensor:
     shape, order = layout_registry.tile16_axes(w.scheme, *w.weight.shape)
     tiled = w.weight.reshape([shape[i] for i in order])
     return tiled.permute([order.index(i) for i in range(len(order))]).reshape(w.weight.shape)
+
+
+def code_rows(w: GpuWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``w``'s stored codes, row-major [len(rows), row bytes] whatever the layout (an
+    embedding's gather from a tied, tiled LM head: only those rows are read)."""
+    if w.layout != "cuda_tile16":
+        return w.weight.index_select(0, rows)
+    shape, order = layout_registry.tile16_axes(w.scheme, *w.weight.shape)
+    tiled = w.weight.reshape([shape[i] for i in order])  # [N/16, S, U, 16, 64]
+    return tiled[rows // shape[1], :, :, rows % shape[1], :].reshape(rows.shape[0], w.weight.shape[1])
 
 
 def dequantize_ref(w: GpuWeight) -> torch.Tensor:

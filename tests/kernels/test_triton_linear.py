@@ -363,6 +363,8 @@ def test_every_reader_takes_the_tile16_layout_to_the_bit(scheme: str, kw: dict) 
     t = tile16(w)
     assert t.layout == "cuda_tile16" and not torch.equal(t.weight, w.weight)
     assert torch.equal(lin.row_major_codes(t), w.weight)
+    rows = torch.tensor([0, 47, 17, 16, 15, 17, 31], device=DEVICE)  # an embedding's gather: repeats, tile edges
+    assert torch.equal(lin.code_rows(t, rows), w.weight[rows]) and torch.equal(lin.code_rows(w, rows), w.weight[rows])
     bias = torch.randn(48, generator=g).to(torch.bfloat16).to(DEVICE)
     configs = [None, lin.LinearConfig(1, 16, 256, 4, 1), lin.LinearConfig(1, 32, 128, 4, 1, 2),
                lin.LinearConfig(16, 32, 128, 4, 2, 1, swap=True), lin.LinearConfig(16, 16, 256, 4, 2)]  # fmt: skip
