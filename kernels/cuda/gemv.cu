@@ -752,6 +752,9 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 // zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
 // lane where there were four scattered scalar loads (8 lines each), from a table gemv.py's imma_tiles
 // builds beside the weight (8B INT4 layer chain with the codes tiled too: -3.8% against -2% without).
+// Scales and zeros tiled at element level instead (those of 16 rows and a group contiguous, four loads a
+// step as row-major but from 2 lines instead of 32): no gain (33rd session, 87th run: 1.716 vs 1.711 ms
+// staged by the norms, against 1.673 with the table), so the table's one 16-byte load is what counts.
 #ifndef MGX_IMMA_TILE16
 #define MGX_IMMA_TILE16 0
 #endif
@@ -760,10 +763,6 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #endif
 constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
-// Bit 2 (an experiment, 33rd session): the int4 imma kinds read scales and zeros tiled as the codes, at
-// element level: those of row r and group j at (r / 16) 16 G + 16 j + r % 16 (G = groups a row, the
-// scales' row stride), so a step's scales of a warp's 16 rows are one 64-byte line and its zeros 16 bytes.
-constexpr bool kTileSz = (MGX_IMMA_TILES & 2) != 0;
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1177,12 +1176,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         p.z_hi[u] = __float_as_uint(sz.w);
       } else if constexpr (kInt4) {
         const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
-        const auto sz_at = [&](int r) {
-          const uint32_t row = static_cast<uint32_t>(r);
-          return kTileSz ? (row >> 4) * 16u * static_cast<uint32_t>(stride_s) + 16u * grp + (row & 15u)
-                         : row * static_cast<uint32_t>(stride_s) + grp;
-        };
-        const uint32_t i_lo = sz_at(lo), i_hi = sz_at(hi);
+        const uint32_t i_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_s) + grp;
+        const uint32_t i_hi = static_cast<uint32_t>(hi) * static_cast<uint32_t>(stride_s) + grp;
         p.s_lo[u] = in ? load_now(scales + i_lo) : 0.0f;
         p.s_hi[u] = in ? load_now(scales + i_hi) : 0.0f;
         p.z_lo[u] = zeros != nullptr && in ? load_now(zeros + i_lo) : 8u;  // null: symmetric
@@ -1586,9 +1581,6 @@ MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
 // Markers of an MGX_IMMA_TILES build (gemv.py: the imma kinds then read the tiles it builds).
 #if MGX_IMMA_TILES & 1
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}
-#endif
-#if MGX_IMMA_TILES & 2
-extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_sz)() {}
 #endif
 #if MGX_IMMA_TILE16
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile16)() {}

@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "imma_sz_tiles", "reads_tile16"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -433,9 +433,9 @@ def reads_tile16(kernels: CudaKernels, scheme: str) -> bool:
 # imma kinds read each step's scales and zeros from a table that ``imma_tiles`` builds from the weight on
 # first use and keeps for the process's life (a second copy: not for serving). Default builds hold no
 # marker and skip this.
-TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}", "sz": f"mgx_imma_tile_sz_v{KERNEL_ABI}"}
+TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}"}
 _IMMA_BASES = ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
-_tiles: dict[tuple[int, object], tuple[torch.Tensor, object]] = {}
+_tiles: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def imma_tiles(w: GpuWeight, silu_mul: bool) -> torch.Tensor:
@@ -461,23 +461,6 @@ def imma_tiles(w: GpuWeight, silu_mul: bool) -> torch.Tensor:
     tiles = torch.stack(parts, dim=-1).permute(0, 2, 1, 3).contiguous()  # [groups, steps, 8, 4]
     _tiles[key] = (w.weight, tiles)
     return tiles
-
-
-def imma_sz_tiles(w: GpuWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """W's int4 scales and zeros (None when symmetric) with each block of 16 rows stored [groups][16], as
-    gemv.cu's MGX_IMMA_TILES=2 kernels read them (an experiment; kept for the process's life)."""
-    key = (w.scales.data_ptr(), "sz")
-    got = _tiles.get(key)
-    if got is not None and got[0] is w.scales:
-        return got[1]
-    n, groups = w.scales.shape
-
-    def tiled(a: torch.Tensor) -> torch.Tensor:
-        return a.reshape(n // 16, 16, groups).transpose(1, 2).contiguous().reshape(n, groups)
-
-    pair = (tiled(w.scales), None if w.zeros is None or w.symmetric else tiled(w.zeros))
-    _tiles[key] = (w.scales, pair)
-    return pair
 
 
 def _out_row(w: GpuWeight, silu_mul: bool, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -530,8 +513,6 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
     if w.scheme == "int4" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["scales"]):
         args[3:5] = [_ptr(imma_tiles(w, silu_mul)), _ptr(None)]
-    elif w.scheme == "int4" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["sz"]):
-        args[3:5] = [_ptr(t) for t in imma_sz_tiles(w)]
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k

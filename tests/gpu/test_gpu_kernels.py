@@ -276,15 +276,14 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
                                       kind=kind)).all()  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["scales-table", "scales-tiled"])
-def tiled(request):  # noqa: ANN001
+@pytest.fixture(scope="module")
+def tiled():
     """The native kernels built with MGX_IMMA_TILE16=1 (the imma kinds read int4 and W8A16 codes in the
-    cuda_tile16 layout) and MGX_IMMA_TILES=1 (int4 scales and zeros from ``imma_tiles``' table) or =2
-    (int4 scales and zeros in blocks of 16 rows, ``imma_sz_tiles``)."""
+    cuda_tile16 layout) and MGX_IMMA_TILES=1 (int4 scales and zeros from ``imma_tiles``' table)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     arch = device_arch()
-    flags = ("-DMGX_IMMA_TILE16=1", f"-DMGX_IMMA_TILES={request.param}")
+    flags = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_TILES=1")
     kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=flags), arch)
     assert kernels is not None
     return kernels
