@@ -1227,9 +1227,11 @@ class CUDABackend(Backend):
 
     def _native_kind(self, x: Array, w: GpuWeight, bias: Array | None, config: LinearConfig | None) -> str:
         """The native GEMV kind that runs one row of ``w`` under ``config`` ("" for the Triton kernels):
-        the stored tuning's choice, or (untuned) the CUDA-core kind for quantized weights, where the
-        artifact's kernels hold it."""
-        native = config.native if config is not None else ("gemv" if w.scheme != "none" else "")
+        the stored tuning's choice, or (untuned) the CUDA-core kind for quantized weights (``imma`` for
+        weights in the cuda_tile16 layout, which only the imma kinds read), where the artifact's kernels
+        hold it."""
+        untuned = "imma" if w.layout == "cuda_tile16" else "gemv" if w.scheme != "none" else ""
+        native = config.native if config is not None else untuned
         if x.shape[0] == 1 and native and (config is None or self.tuned_gemvs):
             return native if gemv_applies(self.cuda_kernels, x, w, bias, kind=native) else ""
         return ""
@@ -1405,8 +1407,9 @@ class CUDABackend(Backend):
         config = self._config(lin, 1)
         if (config is None and w.scheme == "none") or (config is not None and not (config.native and self.tuned_gemvs)):
             return None
-        # Untuned: the tensor-core kernel for int4 only (the W8A16 one runs where autotune measured it faster).
-        untuned = ("mma", "gemv") if w.scheme == "int4" else ("gemv",)
+        # Untuned: the tensor-core kernel for int4 only (the W8A16 one runs where autotune measured it
+        # faster); for weights in cuda_tile16 the imma kind (the only one that reads that layout).
+        untuned = ("imma",) if w.layout == "cuda_tile16" else ("mma", "gemv") if w.scheme == "int4" else ("gemv",)
         kinds = [config.native] if config is not None else [k for k in untuned if (k, w.scheme) in GEMV_ENTRIES]
         norm = NormPrologue(b, weight, eps, torch.empty_like(a))
         for kind in kinds:

@@ -158,6 +158,32 @@ def _check_one_row_steps(graph, backend: CUDABackend, steps: int = 4) -> None:  
         chunks = [np.array([int(np.argmax(want[-1]))])] * 2
 
 
+def test_untuned_rows_take_the_native_kind_that_reads_their_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Untuned, one row of quantized weights goes to the CUDA-core ``gemv``, and of weights in the
+    cuda_tile16 layout (which only the imma kinds read) to ``imma``; dense rows stay on Triton; the
+    kind is asked of ``gemv_applies`` and dropped where that refuses it."""
+    from types import SimpleNamespace
+
+    from mgx.kernels.triton.testing import make_weight
+    from mgx.runtime import backend_cuda
+
+    asked: list[tuple[str, str]] = []
+    takes = {"imma", "gemv"}
+    monkeypatch.setattr(backend_cuda, "gemv_applies",
+                        lambda kernels, x, w, bias, kind: asked.append((w.layout, kind)) or kind in takes)  # fmt: skip
+    stand_in = SimpleNamespace(cuda_kernels=None, tuned_gemvs=True)
+    x = torch.zeros(1, 256)
+    for scheme, kw in (("int4", {"group_size": 128}), ("w8a16", {})):
+        tiled = make_weight(scheme, 32, 256, layout="cuda_tile16", **kw)
+        assert CUDABackend._native_kind(stand_in, x, tiled, None, None) == "imma"
+        assert CUDABackend._native_kind(stand_in, x, make_weight(scheme, 32, 256, **kw), None, None) == "gemv"
+    assert asked == [("cuda_tile16", "imma"), ("row_major", "gemv")] * 2
+    assert CUDABackend._native_kind(stand_in, x, make_weight("none", 32, 256), None, None) == ""
+    takes.clear()
+    tiled = make_weight("int4", 32, 256, group_size=128, layout="cuda_tile16")
+    assert CUDABackend._native_kind(stand_in, x, tiled, None, None) == ""
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_norm_across_projections_matches_the_reference(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
