@@ -1227,9 +1227,9 @@ class CUDABackend(Backend):
 
     def _native_kind(self, x: Array, w: GpuWeight, bias: Array | None, config: LinearConfig | None) -> str:
         """The native GEMV kind that runs one row of ``w`` under ``config`` ("" for the Triton kernels):
-        the stored tuning's choice, or (untuned) the CUDA-core kind for quantized weights (``imma`` for
-        weights in the cuda_tile16 layout, which only the imma kinds read), where the artifact's kernels
-        hold it."""
+        the stored tuning's choice, or (untuned) the CUDA-core ``gemv`` for quantized weights (the integer
+        tensor-core ``imma`` for weights in the cuda_tile16 layout, which only the imma kinds read), where
+        the artifact's kernels hold it."""
         untuned = "imma" if w.layout == "cuda_tile16" else "gemv" if w.scheme != "none" else ""
         native = config.native if config is not None else untuned
         if x.shape[0] == 1 and native and (config is None or self.tuned_gemvs):

@@ -160,7 +160,7 @@ def _check_one_row_steps(graph, backend: CUDABackend, steps: int = 4) -> None:  
 
 def test_untuned_rows_take_the_native_kind_that_reads_their_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Untuned, one row of quantized weights goes to the CUDA-core ``gemv``, and of weights in the
-    cuda_tile16 layout (which only the imma kinds read) to ``imma``; dense rows stay on Triton; the
+    cuda_tile16 layout (which only the imma kinds read) to the tensor-core ``imma``; dense rows stay on Triton; the
     kind is asked of ``gemv_applies`` and dropped where that refuses it."""
     from types import SimpleNamespace
 
