@@ -366,11 +366,12 @@ def test_gpu_layout_is_read_and_upload_counts_every_byte() -> None:
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("pipeline", ["w8a16-tiled", "int4-g128-tiled"])
+@pytest.mark.parametrize("pipeline", ["w8a16-tiled", "int4-g128-tiled", "w8a16-tied-tiled"])
 def test_interpreted_tile16_weights_are_uploaded_as_built_and_match_the_reference(pipeline: str) -> None:
     """Built for target cuda, int4 and W8A16 weights of widths the layout holds are in cuda_tile16
     (the imma GEMVs' tiles), the others row-major; the backend uploads them as they are (every byte
-    counted once) and its Triton kernels read them: the reference backend's tokens and logits."""
+    counted once) and its Triton kernels read them: the reference backend's tokens and logits (with
+    the embedding tied to a tiled LM head too, which gathers its rows from the tiles)."""
     graph = compiled("wide-fused", pipeline, target="cuda")
     weights = [graph.tensors[op.weights["weight"]] for op in graph.ops if op.kind in ("linear", "lm_head")]
     tiled = [t.layout == "cuda_tile16" for t in weights]
