@@ -2,8 +2,9 @@
 
 Weights. Every tensor an op reads is copied once from the mapped artifact into one device arena
 (256-byte aligned slices): the bytes go through two pinned staging buffers of ``MGX_CUDA_STAGE_MB``
-(default 64) in turn, so filling one from the page cache overlaps the copy of the other on a copy
-stream; ``upload_stats`` says how many bytes moved at what rate. Dense weights stored in another
+(default 64) in turn, so filling one from the page cache (``MGX_CUDA_UPLOAD_THREADS`` threads, default
+up to 8) overlaps the copy of the other on a copy stream; ``upload_stats`` says how many bytes moved at
+what rate. Dense weights stored in another
 float type than the compute dtype are converted on the device; quantized weights stay as stored
 (int8 / int4 codes, float32 scales). Layouts the GPU kernels do not read (``cpu_tile16``) are
 unpacked to ``row_major`` on the host first.
@@ -82,6 +83,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -1560,38 +1562,29 @@ def _users(graph: Graph) -> dict[str, list[Op]]:
     return users
 
 
-def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pinned: bool) -> int:
-    """Copy host arrays to their byte offsets in ``arena``; returns the number of device copies made.
+@dataclass(frozen=True, slots=True)
+class _StageLoad:
+    """One fill of a staging buffer: ``fill`` bytes for the arena at ``start``, gathered by ``copies``
+    (position in the buffer, source bytes, position in the source, length)."""
 
-    On a GPU the bytes go through two pinned staging buffers in turn: while the copy engine moves one
-    to the device, the host fills the other from the mapped file.
-    """
-    if not pinned:  # a CPU arena (tests): plain copies
-        host = arena.numpy()
-        for off, a in pieces:
-            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            host[off : off + flat.size] = flat
-        return len(pieces)
-    stage_bytes = int(os.environ.get("MGX_CUDA_STAGE_MB", "64")) << 20
-    stages = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    host_views = [s.numpy() for s in stages]
-    done = [None, None]  # the event after each stage's last copy
-    stream = torch.cuda.Stream(arena.device)
-    chunks, cur, fill, start = 0, 0, 0, 0  # start: arena offset of the stage's first byte
+    start: int
+    fill: int
+    copies: tuple[tuple[int, np.ndarray, int, int], ...]
 
-    def flush() -> None:
-        nonlocal chunks, cur, fill
+
+def _stage_loads(pieces: list[tuple[int, np.ndarray]], stage_bytes: int) -> list[_StageLoad]:
+    """How ``pieces`` (arena offset, array; in increasing offsets) pass through staging buffers of
+    ``stage_bytes``: consecutive pieces share a buffer, the alignment padding between them included,
+    and a piece longer than the room left continues in the next."""
+    loads: list[_StageLoad] = []
+    copies: list[tuple[int, np.ndarray, int, int]] = []
+    start = fill = 0
+
+    def close() -> None:
+        nonlocal copies, fill
         if fill:
-            with torch.cuda.stream(stream):
-                arena[start : start + fill].copy_(stages[cur][:fill], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            done[cur] = ev
-            chunks += 1
-            cur ^= 1
-            fill = 0
-            if done[cur] is not None:
-                done[cur].synchronize()  # the other stage is free again
+            loads.append(_StageLoad(start, fill, tuple(copies)))
+        copies, fill = [], 0
 
     for off, a in pieces:
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -1600,18 +1593,98 @@ def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pi
             if 0 <= gap and fill + gap < stage_bytes:
                 fill += gap
             else:
-                flush()
+                close()
         if not fill:
             start = off
         pos = 0
         while pos < flat.size:
             n = min(flat.size - pos, stage_bytes - fill)
-            host_views[cur][fill : fill + n] = flat[pos : pos + n]
+            copies.append((fill, flat, pos, n))
             fill += n
             pos += n
             if fill == stage_bytes:
-                flush()
+                close()
                 start = off + pos
-    flush()
+    close()
+    return loads
+
+
+_FILL_SLICE = 4 << 20  # bytes a thread copies at a time into a staging buffer
+
+
+def _fill_stage(view: np.ndarray, load: _StageLoad, pool: ThreadPoolExecutor | None) -> None:
+    """Gather ``load``'s bytes into the staging buffer ``view``: slices of _FILL_SLICE on ``pool``'s
+    threads at once (numpy's copies release the GIL, and the mapped file's page faults and the copies
+    spread over the cores), or in this thread without one."""
+    slices = [(at + o, src, pos + o, min(_FILL_SLICE, n - o)) for at, src, pos, n in load.copies
+              for o in range(0, n, _FILL_SLICE)]  # fmt: skip
+
+    def copy(s: tuple[int, np.ndarray, int, int]) -> None:
+        at, src, pos, n = s
+        view[at : at + n] = src[pos : pos + n]
+
+    if pool is None or len(slices) == 1:
+        for piece in slices:
+            copy(piece)
+    else:
+        for _ in pool.map(copy, slices):
+            pass
+
+
+def _upload_threads() -> int:
+    """Threads that fill the staging buffers (``MGX_CUDA_UPLOAD_THREADS``; default: up to 8 cores)."""
+    raw = os.environ.get("MGX_CUDA_UPLOAD_THREADS", "")
+    try:
+        n = int(raw) if raw else min(8, os.cpu_count() or 1)
+    except ValueError:
+        raise ValueError(f"MGX_CUDA_UPLOAD_THREADS must be a whole number of threads, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"MGX_CUDA_UPLOAD_THREADS must be at least 1, got {n}")
+    return n
+
+
+def _stream_stages(loads: list[_StageLoad], views: list[np.ndarray], send: Callable[[int, _StageLoad], None],
+                   wait: Callable[[int], None], threads: int) -> None:  # fmt: skip
+    """Fill the staging buffers ``views`` in turn with ``loads`` and ``send`` each (buffer index, load)
+    on its way, after ``wait`` (buffer index) says that buffer's previous send is done with it."""
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(threads, "mgx-upload")) if threads > 1 else None
+        for i, load in enumerate(loads):
+            cur = i % len(views)
+            wait(cur)
+            _fill_stage(views[cur], load, pool)
+            send(cur, load)
+
+
+def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pinned: bool) -> int:
+    """Copy host arrays to their byte offsets in ``arena``; returns the number of device copies made.
+
+    On a GPU the bytes go through two pinned staging buffers in turn: while the copy engine moves one
+    to the device, the host fills the other from the mapped file (``_upload_threads`` threads at once).
+    """
+    if not pinned:  # a CPU arena (tests): plain copies
+        host = arena.numpy()
+        for off, a in pieces:
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            host[off : off + flat.size] = flat
+        return len(pieces)
+    threads = _upload_threads()
+    stage_bytes = int(os.environ.get("MGX_CUDA_STAGE_MB", "64")) << 20
+    loads = _stage_loads(pieces, stage_bytes)
+    stages = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(loads)))]
+    done: list[torch.cuda.Event | None] = [None] * len(stages)  # the event after each stage's last copy
+    stream = torch.cuda.Stream(arena.device)
+
+    def send(cur: int, load: _StageLoad) -> None:
+        with torch.cuda.stream(stream):
+            arena[load.start : load.start + load.fill].copy_(stages[cur][: load.fill], non_blocking=True)
+            done[cur] = torch.cuda.Event()
+            done[cur].record(stream)
+
+    def wait(cur: int) -> None:
+        if done[cur] is not None:
+            done[cur].synchronize()  # the copy engine is done with this stage
+
+    _stream_stages(loads, [s.numpy() for s in stages], send, wait, threads)
     stream.synchronize()
-    return chunks
+    return len(loads)
