@@ -81,3 +81,22 @@ def test_upload_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("MGX_CUDA_UPLOAD_THREADS", bad)
         with pytest.raises(ValueError, match=says):
             bc._upload_threads()
+
+
+def test_bench_load_times_the_staging_fill_per_thread_count(tmp_path) -> None:  # noqa: ANN001
+    """examples/bench_load.py --staging: a rate for each thread count, from a real artifact's tensors."""
+    import importlib.util
+    from pathlib import Path
+
+    from test_artifact import make_contents
+
+    from mgx.formats.artifact import write_artifact
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "bench_load.py"
+    spec = importlib.util.spec_from_file_location("bench_load", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = tmp_path / "m.mgx"
+    write_artifact(path, make_contents())
+    rates = bench.time_staging(str(path), [1, 2], runs=1)
+    assert list(rates) == [1, 2] and all(0 < r < float("inf") for r in rates.values())
