@@ -144,7 +144,7 @@ from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
 from .backend import GRAPH_KINDS, Array, AttentionAttrs, Backend, StepResult, picked
 from .batch import StepBatch
-from .errors import UnsupportedModelError
+from .errors import EngineError, UnsupportedModelError
 from .kv_cache import KVCache
 
 __all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS", "graph_table_width"]
@@ -1632,14 +1632,15 @@ def _fill_stage(view: np.ndarray, load: _StageLoad, pool: ThreadPoolExecutor | N
 
 
 def _upload_threads() -> int:
-    """Threads that fill the staging buffers (``MGX_CUDA_UPLOAD_THREADS``; default: up to 8 cores)."""
+    """Threads that fill the staging buffers (``MGX_CUDA_UPLOAD_THREADS``; default: up to 8 cores);
+    EngineError (which the CLI prints as it is) for a value that is not a count."""
     raw = os.environ.get("MGX_CUDA_UPLOAD_THREADS", "")
     try:
         n = int(raw) if raw else min(8, os.cpu_count() or 1)
     except ValueError:
-        raise ValueError(f"MGX_CUDA_UPLOAD_THREADS must be a whole number of threads, got {raw!r}") from None
+        raise EngineError(f"MGX_CUDA_UPLOAD_THREADS must be a whole number of threads, got {raw!r}") from None
     if n < 1:
-        raise ValueError(f"MGX_CUDA_UPLOAD_THREADS must be at least 1, got {n}")
+        raise EngineError(f"MGX_CUDA_UPLOAD_THREADS must be at least 1, got {n}")
     return n
 
 

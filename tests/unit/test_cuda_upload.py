@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mgx.runtime import backend_cuda as bc
+from mgx.runtime.errors import EngineError
 
 ALIGN = 256
 
@@ -77,9 +78,9 @@ def test_upload_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert bc._upload_threads() == 3
     monkeypatch.delenv("MGX_CUDA_UPLOAD_THREADS")
     assert 1 <= bc._upload_threads() <= 8
-    for bad, says in (("0", "at least 1"), ("four", "whole number")):
+    for bad, says in (("0", "at least 1"), ("four", "whole number")):  # the CLI's clean errors (EngineError)
         monkeypatch.setenv("MGX_CUDA_UPLOAD_THREADS", bad)
-        with pytest.raises(ValueError, match=says):
+        with pytest.raises(EngineError, match=says):
             bc._upload_threads()
 
 
