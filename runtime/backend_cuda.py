@@ -1631,17 +1631,22 @@ def _fill_stage(view: np.ndarray, load: _StageLoad, pool: ThreadPoolExecutor | N
             pass
 
 
-def _upload_threads() -> int:
-    """Threads that fill the staging buffers (``MGX_CUDA_UPLOAD_THREADS``; default: up to 8 cores);
-    EngineError (which the CLI prints as it is) for a value that is not a count."""
-    raw = os.environ.get("MGX_CUDA_UPLOAD_THREADS", "")
+def _env_count(name: str, default: int, what: str) -> int:
+    """A positive whole number from environment variable ``name`` (``default`` where unset); EngineError
+    (which the CLI prints as it is) for any other value."""
+    raw = os.environ.get(name, "")
     try:
-        n = int(raw) if raw else min(8, os.cpu_count() or 1)
+        n = int(raw) if raw else default
     except ValueError:
-        raise EngineError(f"MGX_CUDA_UPLOAD_THREADS must be a whole number of threads, got {raw!r}") from None
+        raise EngineError(f"{name} must be a whole number of {what}, got {raw!r}") from None
     if n < 1:
-        raise EngineError(f"MGX_CUDA_UPLOAD_THREADS must be at least 1, got {n}")
+        raise EngineError(f"{name} must be at least 1, got {n}")
     return n
+
+
+def _upload_threads() -> int:
+    """Threads that fill the staging buffers (``MGX_CUDA_UPLOAD_THREADS``; default: up to 8 cores)."""
+    return _env_count("MGX_CUDA_UPLOAD_THREADS", min(8, os.cpu_count() or 1), "threads")
 
 
 def _stream_stages(loads: list[_StageLoad], views: list[np.ndarray], send: Callable[[int, _StageLoad], None],
@@ -1670,7 +1675,7 @@ def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pi
             host[off : off + flat.size] = flat
         return len(pieces)
     threads = _upload_threads()
-    stage_bytes = int(os.environ.get("MGX_CUDA_STAGE_MB", "64")) << 20
+    stage_bytes = _env_count("MGX_CUDA_STAGE_MB", 64, "MiB") << 20
     loads = _stage_loads(pieces, stage_bytes)
     stages = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(loads)))]
     done: list[torch.cuda.Event | None] = [None] * len(stages)  # the event after each stage's last copy

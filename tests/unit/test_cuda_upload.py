@@ -82,6 +82,9 @@ def test_upload_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("MGX_CUDA_UPLOAD_THREADS", bad)
         with pytest.raises(EngineError, match=says):
             bc._upload_threads()
+    monkeypatch.setenv("MGX_CUDA_STAGE_MB", "lots")
+    with pytest.raises(EngineError, match="MGX_CUDA_STAGE_MB must be a whole number of MiB"):
+        bc._env_count("MGX_CUDA_STAGE_MB", 64, "MiB")
 
 
 def test_bench_load_times_the_staging_fill_per_thread_count(tmp_path) -> None:  # noqa: ANN001
