@@ -356,12 +356,10 @@ def upload_again(backend, threads: int) -> float:  # noqa: ANN001
     already faulted in by the first) with ``threads`` staging fill threads; the copy is dropped."""
     import os
 
-    graph = backend.graph
-    names = sorted({name for op in graph.ops for name in op.weights.values()})
     before = os.environ.get("MGX_CUDA_UPLOAD_THREADS")
     os.environ["MGX_CUDA_UPLOAD_THREADS"] = str(threads)
-    try:
-        views, stats = backend._upload({n: graph.tensors[n] for n in names if n in backend._dev})
+    try:  # the tensors the first upload moved: the device views' names
+        views, stats = backend._upload({n: backend.graph.tensors[n] for n in backend._dev})
     finally:
         if before is None:
             os.environ.pop("MGX_CUDA_UPLOAD_THREADS")

@@ -60,10 +60,7 @@ def time_staging(path: str, threads: list[int], runs: int) -> dict[int, float]:
         for n in threads:
             with load_artifact(path) as loaded:  # a fresh mapping: its page faults are part of the fill
                 tensors = [t.data for t in loaded.contents.graph.tensors.values() if t.data is not None]
-                pieces, off = [], 0
-                for a in tensors:
-                    pieces.append((off, a))
-                    off += -(-a.nbytes // 256) * 256
+                pieces, _ = bc._arena_pieces(tensors)
                 start = time.perf_counter()
                 bc._stream_stages(bc._stage_loads(pieces, stage), views, lambda cur, load: None, lambda cur: None, n)
                 rates[n].append(sum(a.nbytes for a in tensors) / (time.perf_counter() - start) / 1e9)

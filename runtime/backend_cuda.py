@@ -125,7 +125,6 @@ from mgx.kernels.triton.linear import (
     GpuWeight,
     LinearConfig,
     NormIn,
-    code_rows,
     default_config,
     dequantize,
     dequantize_ref,
@@ -135,6 +134,7 @@ from mgx.kernels.triton.linear import (
     new_split_workspace,
     runs_gemv,
     silu_mul,
+    take_rows,
 )
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
 from mgx.kernels.triton.lm_head import lm_head_argmax
@@ -512,14 +512,12 @@ class CUDABackend(Backend):
             if t.data is None:
                 raise UnsupportedModelError(f"tensor {name} has no data")
             host[name] = t.data
-        offsets, total = {}, 0
-        for name, a in host.items():
-            offsets[name] = total
-            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        pieces, total = _arena_pieces(list(host.values()))
+        offsets = {name: off for name, (off, _) in zip(host, pieces, strict=True)}
         arena = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
         t0 = time.perf_counter()
         pinned = self.device.type == "cuda"
-        chunks = _copy_to_arena(arena, [(offsets[n], a) for n, a in host.items()], pinned)
+        chunks = _copy_to_arena(arena, pieces, pinned)
         if pinned:
             torch.cuda.synchronize(self.device)
         stats = UploadStats(sum(a.nbytes for a in host.values()), time.perf_counter() - t0, chunks, pinned)
@@ -1169,14 +1167,7 @@ class CUDABackend(Backend):
         ids = self._cur.token_ids
         if w.scheme == "none":
             return w.weight.index_select(0, ids)
-        rows = GpuWeight(
-            w.scheme, ids.shape[0], w.k, code_rows(w, ids),
-            scales=None if w.scales is None else w.scales.index_select(0, ids),
-            zeros=None if w.zeros is None else w.zeros.index_select(0, ids),
-            meta=None if w.meta is None else w.meta.index_select(0, ids),
-            group_size=w.group_size, symmetric=w.symmetric, layout="row_major" if w.layout == "cuda_tile16" else w.layout,
-        )  # fmt: skip
-        return dequantize_ref(rows).to(self.dtype)
+        return dequantize_ref(take_rows(w, ids)).to(self.dtype)
 
     def rms_norm(self, op: Op, x: Array) -> Array:
         done = self._pending.pop(id(op), None)
@@ -1560,6 +1551,16 @@ def _users(graph: Graph) -> dict[str, list[Op]]:
     for name in graph.outputs:
         users.setdefault(name, []).append(None)  # type: ignore[arg-type]  # read by the caller
     return users
+
+
+def _arena_pieces(arrays: list[np.ndarray]) -> tuple[list[tuple[int, np.ndarray]], int]:
+    """Where ``arrays`` lie in the device arena, one after the other at _ALIGN-byte offsets: the
+    (offset, array) pieces ``_copy_to_arena`` takes, and the arena's size."""
+    pieces, total = [], 0
+    for a in arrays:
+        pieces.append((total, a))
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    return pieces, total
 
 
 @dataclass(frozen=True, slots=True)

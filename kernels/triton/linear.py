@@ -55,6 +55,7 @@ __all__ = [
     "dequantize",
     "dequantize_ref",
     "code_rows",
+    "take_rows",
     "linear_ref",
     "linear_silu_mul_ref",
     "silu_mul_ref",
@@ -1057,6 +1058,18 @@ def code_rows(w: GpuWeight, rows: torch.Tensor) -> torch.Tensor:
     shape, order = layout_registry.tile16_axes(w.scheme, *w.weight.shape)
     tiled = w.weight.reshape([shape[i] for i in order])  # [N/16, S, U, 16, 64]
     return tiled[rows // shape[1], :, :, rows % shape[1], :].reshape(rows.shape[0], w.weight.shape[1])
+
+
+def take_rows(w: GpuWeight, rows: torch.Tensor) -> GpuWeight:
+    """The rows ``rows`` of ``w`` as a weight of their own (an embedding's gather): codes and their
+    per-row companions gathered, the codes row-major where ``w`` is tiled (16-row tiles do not hold
+    an arbitrary set of rows)."""
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, rows)
+
+    layout = "row_major" if w.layout == "cuda_tile16" else w.layout
+    return replace(w, n=rows.shape[0], weight=code_rows(w, rows), scales=pick(w.scales), zeros=pick(w.zeros),
+                   meta=pick(w.meta), layout=layout)  # fmt: skip
 
 
 def dequantize_ref(w: GpuWeight) -> torch.Tensor:
