@@ -141,15 +141,21 @@ def _backend_options(fn: F) -> F:
 
 def _backend(name: str, threads: int | None) -> str:
     """The backend to run on (``auto`` resolved); ``threads`` reaches the CPU kernels through the environment."""
+    from .errors import EngineError
+
     if threads:  # read by mgx.kernels.cpu when the CPU backend loads it
         os.environ["MGX_NUM_THREADS"] = str(threads)
-    if name != "auto":
+    if name not in ("auto", "cpu"):
         return name
     try:
         import mgx.kernels.cpu  # noqa: F401
     except ImportError:
+        if name == "cpu":
+            return name  # the backend says what is missing
         click.echo("note: the C++ CPU kernels are not built; running the slow numpy reference backend", err=True)
         return "reference"
+    except ValueError as e:  # a bad MGX_NUM_THREADS or MGX_CPU_ISA (CPUSettingError)
+        raise EngineError(str(e)) from None
     return "cpu"
 
 

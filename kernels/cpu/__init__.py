@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - a source tree that was never bu
     ) from exc
 
 __all__ = [
+    "CPUSettingError",
     "CPUWeightError",
     "LinearWeight",
     "embedding",
@@ -120,9 +121,30 @@ def _default_threads() -> int:
         return os.cpu_count() or 1
 
 
-set_num_threads(int(os.environ.get("MGX_NUM_THREADS") or _default_threads()))
-if os.environ.get("MGX_CPU_ISA"):
-    set_isa(os.environ["MGX_CPU_ISA"])
+class CPUSettingError(ValueError):
+    """An ``MGX_NUM_THREADS`` or ``MGX_CPU_ISA`` value the kernels cannot use; the message names it."""
+
+
+def _apply_env() -> None:
+    """The threads and path ``MGX_NUM_THREADS`` and ``MGX_CPU_ISA`` ask for (unset or empty: all cores,
+    the best path); CPUSettingError names a value that is not a thread count or a path of this host."""
+    threads = os.environ.get("MGX_NUM_THREADS", "").strip()
+    try:
+        n = int(threads) if threads else _default_threads()
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise CPUSettingError(f"MGX_NUM_THREADS={threads!r} is not a thread count: give a whole number >= 1")
+    set_num_threads(n)
+    name = os.environ.get("MGX_CPU_ISA", "").strip()
+    if name and name not in supported_isas():
+        raise CPUSettingError(f"MGX_CPU_ISA={name!r} is not a kernel path of this host: it runs "
+                              f"{', '.join(supported_isas())}")  # fmt: skip
+    if name:
+        set_isa(name)
+
+
+_apply_env()
 
 
 # -- argument checks ----------------------------------------------------------------------------------

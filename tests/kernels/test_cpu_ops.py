@@ -69,3 +69,39 @@ def test_silu_mul(isa: str, rows: int, width: int) -> None:
     np.testing.assert_allclose(two, exact, rtol=1e-6, atol=1e-37)
     np.testing.assert_allclose(two, ref.silu_mul(gate, up), rtol=0, atol=1e-6 * np.abs(up).max())
     np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MGX_NUM_THREADS": "abc"}, "MGX_NUM_THREADS='abc' is not a thread count"),
+        ({"MGX_NUM_THREADS": "0"}, "MGX_NUM_THREADS='0' is not a thread count"),
+        ({"MGX_NUM_THREADS": "2.5"}, "MGX_NUM_THREADS='2.5' is not a thread count"),
+        ({"MGX_CPU_ISA": "avx9000"}, "MGX_CPU_ISA='avx9000' is not a kernel path of this host: it runs "),
+    ],
+)
+def test_bad_settings_in_the_environment_are_named(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                                   message: str) -> None:
+    before = (cpu.num_threads(), cpu.isa())
+    monkeypatch.delenv("MGX_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MGX_CPU_ISA", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        with pytest.raises(cpu.CPUSettingError, match="^" + message.replace(".", r"\.")):
+            cpu._apply_env()
+    finally:
+        cpu.set_num_threads(before[0])
+        cpu.set_isa(before[1])
+
+
+def test_settings_in_the_environment_are_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = (cpu.num_threads(), cpu.isa())
+    monkeypatch.setenv("MGX_NUM_THREADS", " 3 ")
+    monkeypatch.setenv("MGX_CPU_ISA", "scalar")
+    try:
+        cpu._apply_env()
+        assert (cpu.num_threads(), cpu.isa()) == (3, "scalar")
+    finally:
+        cpu.set_num_threads(before[0])
+        cpu.set_isa(before[1])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,21 @@ def test_streamed_text_is_the_decoded_output(artifact: Path) -> None:
         ids = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
         assert "".join(d.text for d in deltas) == result.text == engine.tokenizer.decode(ids)
     assert engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MGX_NUM_THREADS": "four"}, "error: MGX_NUM_THREADS='four' is not a thread count"),
+        ({"MGX_CPU_ISA": "avx9000"}, "error: MGX_CPU_ISA='avx9000' is not a kernel path of this host"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_bad_cpu_setting_is_one_error_line(artifact: Path, env: dict[str, str], message: str, backend: str) -> None:
+    """The CPU kernels read these at import, so the process is a fresh one."""
+    pytest.importorskip("mgx.kernels.cpu")
+    cmd = [sys.executable, "-c", "from mgx.runtime.cli import main; main()", "generate", str(artifact), "-p", "hi",
+           "-n", "2", "--backend", backend]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
