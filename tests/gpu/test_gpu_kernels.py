@@ -4,6 +4,7 @@ kernels at Llama-3.1-8B shapes against torch references. Skipped without CUDA.""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -279,11 +280,12 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
 @pytest.fixture(scope="module")
 def tiled():
     """The native kernels built with MGX_IMMA_TILE16=1 (the imma kinds read int4 and W8A16 codes in the
-    cuda_tile16 layout) and MGX_IMMA_TILES=1 (int4 scales and zeros from ``imma_tiles``' table)."""
+    cuda_tile16 layout) and MGX_IMMA_TILES=1 (int4 scales and zeros from ``imma_tiles``' table), and an
+    experiment's flags from MGX_TEST_TILED_FLAGS (e.g. -DMGX_IMMA_CLAMP=1)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     arch = device_arch()
-    flags = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_TILES=1")
+    flags = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_TILES=1", *os.environ.get("MGX_TEST_TILED_FLAGS", "").split())
     kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=flags), arch)
     assert kernels is not None
     return kernels
