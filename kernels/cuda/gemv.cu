@@ -763,16 +763,11 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #endif
 constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
-// Build flag MGX_IMMA_CLAMP (an experiment, 34th session; 0 by default): gemv_imma's loads of a pass
-// with no work (a warp's steps past K, the pass after the block's last group) read the last group's
-// and step's bytes instead of being predicated off with zeros put in their place. compute() never reads
-// such a pass (it stops at s >= steps; the loop ends after the last group), so the sums are the same;
-// a step's loads lose their zero fills and predicates (sm_90a, cuda_tile16, int4 imma4 staged: 131 -> 120
-// SASS instructions a step that does not end its group).
-#ifndef MGX_IMMA_CLAMP
-#define MGX_IMMA_CLAMP 0
-#endif
-constexpr bool kClampLoads = MGX_IMMA_CLAMP != 0;
+// Tried on the H200 (34th session, 94th run) and dropped: loading a pass with no work (a warp's steps
+// past K, the pass after the block's last group) from the last group and step instead of predicating
+// its loads off with zero fills (cuda_tile16 int4 imma4 staged: 131 -> 120 SASS instructions a step
+// that does not end its group; same bits). The 8B INT4 layer chain lost: staged by the norms 1.703 ->
+// 1.718 ms, staged 1.752 -> 1.775, unstaged 1.828 -> 1.827; fewer instructions alone do not pay.
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1158,7 +1153,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     }
   };
   const auto load_w = [&](int2 at, Pass& p) {
-    if constexpr (kClampLoads) at = make_int2(min(at.x, groups - 1), at.y);
     const int lo = row_lo(at.x), hi = row_hi(at.x);
     // Offsets in 32 bits (gemv_applies refuses codes or scales past 2^31 bytes and entries): one IMAD
     // each, and the scales' index shared with the zeros'. sm_90a, int4 imma_w4: a step's loads and
@@ -1168,12 +1162,12 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     const uint32_t w_lo = code_at(at.x, false), w_hi = code_at(at.x, true);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int s = kClampLoads ? min(at.y + u * W, steps - 1) : at.y + u * W;
+      const int s = at.y + u * W;
       const uint32_t tile = static_cast<uint32_t>(at.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(s);
       const uint4* a = reinterpret_cast<const uint4*>(w + (w_lo + static_cast<uint32_t>(s) * kStepBytes));
       const uint4* b = reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * kStepBytes));
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      const bool in = kClampLoads || (s < steps && at.x < groups);
+      const bool in = s < steps && at.x < groups;
 #pragma unroll
       for (int v = 0; v < kW; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
         p.lo[kW * u + v] = in ? load_stream_fetch(a + kWordBytes / 16 * v) : zero;
@@ -1202,8 +1196,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   const auto load_x = [&](int2 at, Pass& p) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int s = kClampLoads ? min(at.y + u * W, steps - 1) : at.y + u * W;
-      const bool in = kClampLoads ? !reuse(min(at.x, groups - 1), s) : s < steps && at.x < groups && !reuse(at.x, s);
+      const int s = at.y + u * W;
+      const bool in = s < steps && at.x < groups && !reuse(at.x, s);
       if constexpr (kStaged) {
         p.xv[u] = in ? x_oct<false>(x, s * 32 + lane) : make_uint4(0, 0, 0, 0);
         p.fs[u] = in ? staged_fs(x, steps, s) : make_float2(0.0f, 0.0f);
