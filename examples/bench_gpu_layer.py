@@ -164,13 +164,13 @@ class Chain:
         """The layers' weights as ``kernels`` read them: in the cuda_tile16 layout for a MGX_IMMA_TILE16
         build (tiled once, kept beside the row-major ones), else row-major."""
         from mgx.kernels.cuda.gemv import reads_tile16
-        from mgx.kernels.triton.testing import tile16
+        from mgx.kernels.triton.testing import as_read_by
 
         if not reads_tile16(kernels, self.scheme):
             return self.layers
         if self.tiled is None:
             names = ("qkv", "o", "gate_up", "down")
-            self.tiled = [{**w, **{p: tile16(w[p]) for p in names}} for w in self.layers]
+            self.tiled = [{**w, **{p: as_read_by(w[p], kernels) for p in names}} for w in self.layers]
         return self.tiled
 
     def step(self, kernels, kinds: dict[str, str], part: str) -> Callable[[], None]:  # noqa: ANN001

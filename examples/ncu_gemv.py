@@ -5,6 +5,8 @@ or by its instructions.
 
     python examples/ncu_gemv.py [--kinds imma,imma_persistent] [--schemes int4,w8a16] [--nvcc-flag=-D...] [--stalls]
     python examples/ncu_gemv.py --kinds imma_w4,imma_w4+staged --schemes int4   # a kind's staged twin beside it
+    python examples/ncu_gemv.py --kinds imma_w4+staged --schemes int4 --nvcc-flag=-DMGX_IMMA_TILE16=1 --stalls
+        # a build that reads cuda_tile16 codes (the product's for cuda artifacts) gets tiled weights
     python examples/ncu_gemv.py --parse report.csv --manifest launches.json   # a saved report, no GPU
 
 On a GPU host the script runs itself under ncu (``--launch``: build gemv.cu, launch every applicable
@@ -132,7 +134,7 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.cuda.build import build_cuda_kernels
     from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
-    from mgx.kernels.triton.testing import make_weight
+    from mgx.kernels.triton.testing import as_read_by, make_weight
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
@@ -146,6 +148,7 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
     for scheme in schemes:
         for n, k, silu in SHAPES:
             w = make_weight(scheme, n, k, device="cuda", **({"group_size": 128} if scheme == "int4" else {}))
+            w = as_read_by(w, kernels)  # cuda_tile16 codes for a MGX_IMMA_TILE16 build
             x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
             weight_bytes = sum(t.numel() * t.element_size() for t in (w.weight, w.scales, w.zeros) if t is not None)
             for kind in kinds:

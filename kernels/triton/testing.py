@@ -12,7 +12,7 @@ import torch
 
 from .linear import GpuWeight
 
-__all__ = ["PagedBatch", "make_weight", "paged_batch"]
+__all__ = ["PagedBatch", "as_read_by", "make_weight", "paged_batch", "tile16"]
 
 
 def make_weight(
@@ -68,6 +68,18 @@ def tile16(w: GpuWeight) -> GpuWeight:
     out = replace(w, layout="cuda_tile16")  # refuses a scheme or shape the layout cannot hold
     shape, order = tile16_axes(w.scheme, *w.weight.shape)
     return replace(out, weight=w.weight.reshape(shape).permute(order).contiguous().reshape(w.weight.shape))
+
+
+def as_read_by(w: GpuWeight, kernels) -> GpuWeight:  # noqa: ANN001
+    """``w`` in the layout the native imma kinds of ``kernels`` (a ``CudaKernels``, or None) read for its
+    scheme: ``tile16(w)`` for a MGX_IMMA_TILE16 build where the layout holds the shape (N % 16 == 0, K %
+    128 == 0), else ``w`` itself (a default build reads row-major codes), so a bench or profile of a
+    build measures the kinds it has instead of finding that none of them takes the weight."""
+    from mgx.kernels.cuda.gemv import reads_tile16
+
+    if kernels is None or w.layout != "row_major" or w.n % 16 or w.k % 128 or not reads_tile16(kernels, w.scheme):
+        return w
+    return tile16(w)
 
 
 def _int4(w: torch.Tensor, g: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from mgx.kernels.cuda import gemv as cg  # noqa: E402
-from mgx.kernels.triton.testing import make_weight  # noqa: E402
+from mgx.kernels.triton.testing import as_read_by, make_weight  # noqa: E402
 
 
 class FakeKernels:
@@ -461,3 +461,20 @@ def test_int4_integer_tensor_core_step_is_the_exact_product_within_fixed_point_r
         assert np.all(np.abs(got - want) <= bound), (case, np.abs(got - want).max(), bound.min())
         if case == "zero":
             assert np.all(got == 0)
+
+
+def test_benches_hand_a_tile16_build_tiled_weights() -> None:
+    """``as_read_by`` (bench_gpu_kernels, bench_gpu_layer, ncu_gemv): a MGX_IMMA_TILE16 build gets the
+    weight's codes in cuda_tile16, the same values; a default build, no kernels, a dense weight or a shape
+    the layout cannot hold get the weight as it is."""
+    from mgx.kernels.triton.linear import dequantize_ref
+
+    tiled_build, default_build = FakeKernels(cg.TILE16_MARKER), FakeKernels()
+    for scheme in ("int4", "w8a16"):
+        w = make_weight(scheme, 32, 256)
+        t = as_read_by(w, tiled_build)
+        assert t.layout == "cuda_tile16" and not torch.equal(t.weight, w.weight)
+        assert torch.equal(dequantize_ref(t), dequantize_ref(w))
+        assert as_read_by(w, default_build) is w and as_read_by(w, None) is w and as_read_by(t, tiled_build) is t
+    for w in (make_weight("int4", 24, 256), make_weight("int4", 32, 192, group_size=64), make_weight("none", 32, 256)):
+        assert as_read_by(w, tiled_build) is w
