@@ -24,6 +24,7 @@ __all__ = [
     "pack_sparse24_nibble_meta",
     "unpack_sparse24_nibble_meta",
     "tile16_axes",
+    "tile16_holds",
 ]
 
 Arrays = dict[str, np.ndarray]  # role ("weight", "scales", "zeros", "meta") -> array
@@ -183,6 +184,11 @@ TILE_ROWS, TILE_COLUMNS = 16, 128  # rows and columns of a cuda_tile16 tile
 TILE16_UNITS = {"int4": 1, "w8a16": 2}  # 64-byte units of a row's 128-column step
 
 
+def tile16_holds(n: int, k: int) -> bool:
+    """Whether cuda_tile16 holds a weight of ``n`` rows and ``k`` columns (whole tiles only)."""
+    return n % TILE_ROWS == 0 and k % TILE_COLUMNS == 0
+
+
 def tile16_axes(scheme: str, n: int, row_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """How cuda_tile16 moves a row-major ``scheme`` weight's codes [N, row bytes]: viewed as [N/16, 16,
     S, U, 64], its bytes are stored in the axis order returned ([N/16, S, U, 16, 64]); the same for
@@ -190,7 +196,7 @@ def tile16_axes(scheme: str, n: int, row_bytes: int) -> tuple[tuple[int, ...], t
     layout cannot hold the shape."""
     units = TILE16_UNITS[scheme]
     k = row_bytes * 2 // units
-    if n % TILE_ROWS or k % TILE_COLUMNS:
+    if not tile16_holds(n, k):
         raise ValueError(f"cuda_tile16 needs N % 16 == 0 rows and K % 128 == 0 columns, got N={n}, K={k}")
     return (n // TILE_ROWS, TILE_ROWS, k // TILE_COLUMNS, units, 64), (0, 2, 3, 1, 4)
 

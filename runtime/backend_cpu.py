@@ -51,6 +51,8 @@ def _row_major(weight: Tensor, aux: dict[str, Tensor]) -> tuple[Tensor, dict[str
     out = {r: replace(t, shape=arrays[r].shape, data=np.ascontiguousarray(arrays[r]), layout="row_major")
            for r, t in roles.items()}  # fmt: skip
     return out.pop("weight"), out
+
+
 # MGX_CPU_KV_DTYPE -> (numpy storage dtype, stored as bf16 bit patterns)
 _KV_DTYPES = {"f32": (np.float32, False), "bf16": (np.uint16, True), "f16": (np.float16, False)}
 

@@ -100,7 +100,7 @@ class GpuWeight:
             raise ValueError(f"no GPU linear kernel for scheme {s!r}; known: {', '.join(SCHEME_IDS)}")
         if self.layout not in LAYOUTS or s not in layout_registry.LAYOUTS[self.layout].schemes:
             raise ValueError(f"no GPU linear kernel for scheme {s!r} in layout {self.layout!r}")
-        if self.layout == "cuda_tile16" and (n % 16 or k % 128):
+        if self.layout == "cuda_tile16" and not layout_registry.tile16_holds(n, k):
             raise ValueError(f"cuda_tile16 needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}")
         want = {"none": (n, k), "w8a16": (n, k), "int4": (n, k // 2), "sparse24": (n, k // 2),
                 "sparse24_int4": (n, k // 4)}[s]  # fmt: skip

@@ -72,12 +72,13 @@ def tile16(w: GpuWeight) -> GpuWeight:
 
 def as_read_by(w: GpuWeight, kernels) -> GpuWeight:  # noqa: ANN001
     """``w`` in the layout the native imma kinds of ``kernels`` (a ``CudaKernels``, or None) read for its
-    scheme: ``tile16(w)`` for a MGX_IMMA_TILE16 build where the layout holds the shape (N % 16 == 0, K %
-    128 == 0), else ``w`` itself (a default build reads row-major codes), so a bench or profile of a
+    scheme: ``tile16(w)`` for a MGX_IMMA_TILE16 build where the layout holds the shape (``tile16_holds``),
+    else ``w`` itself (a default build reads row-major codes), so a bench or profile of a
     build measures the kinds it has instead of finding that none of them takes the weight."""
+    from mgx.formats.layouts import tile16_holds
     from mgx.kernels.cuda.gemv import reads_tile16
 
-    if kernels is None or w.layout != "row_major" or w.n % 16 or w.k % 128 or not reads_tile16(kernels, w.scheme):
+    if kernels is None or w.layout != "row_major" or not tile16_holds(w.n, w.k) or not reads_tile16(kernels, w.scheme):
         return w
     return tile16(w)
 
