@@ -26,15 +26,6 @@ values are stale, the time is not), then with the norms before QKV and gate/up w
 
     python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up
 
-``--l2-ahead`` times the chains again with weights asked into L2 ahead of their projection
-(``gemv.l2_ahead``, a kernel of its own launched after a projection or attention): plans apart by
-``;``, each of items ``PROJ[:MB]@AFTER`` apart by ``+`` (PROJ one of qkv, o, gate_up, down, or
-``next.qkv``: the next layer's; MB: only its leading megabytes, scales and zeros included, gate/up's
-from both halves; AFTER
-one of qkv, attention, o, gate_up, down; ``none@qkv``: the launch with nothing to fetch):
-
-    python examples/bench_gpu_layer.py --scheme int4 --parts all --staged qkv,gate_up --l2-ahead "o@qkv;o@qkv+gate_up:16@qkv"
-
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
 
@@ -50,23 +41,6 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 4096, 32, 8, 128, 14336, 32
 DEFAULT_KINDS = {"int4": "qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16",
                  "w8a16": "qkv=imma,o=imma,gate_up=imma_w4,down=imma_w16"}  # the 44th/45th runs' tunings
 PARTS = ("all", "gemvs", "others", "norms", "attention")
-AHEAD_AFTER = ("qkv", "attention", "o", "gate_up", "down")
-
-
-def parse_ahead(text: str) -> list[dict[str, list[tuple[str, float | None]]]]:
-    """``--l2-ahead``: per plan, {launch after: [(projection, leading MB or None: all), ...]}."""
-    plans = []
-    for plan in (p for p in text.split(";") if p):
-        launches: dict[str, list[tuple[str, float | None]]] = {}
-        for item in plan.split("+"):
-            what, sep, after = item.partition("@")
-            name, _, mb = what.partition(":")
-            if (not sep or after not in AHEAD_AFTER or name not in ("qkv", "o", "gate_up", "down", "next.qkv", "none")
-                    or (mb and not mb.replace(".", "", 1).isdigit())):  # fmt: skip
-                raise ValueError(f"--l2-ahead: {item!r} is not PROJ[:MB]@AFTER (AFTER one of {', '.join(AHEAD_AFTER)})")
-            launches.setdefault(after, []).append((name, float(mb) if mb else None))
-        plans.append(launches)
-    return plans
 
 
 def parse_kinds(text: str) -> dict[str, str]:
@@ -131,28 +105,6 @@ class Chain:
         self.records: dict[str, object] = {}
         self.tiled: list[dict] | None = None  # the layers in cuda_tile16 (layers_for)
         self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
-        self.ahead: dict[str, list[tuple[str, float | None]]] = {}  # --l2-ahead's plan being timed
-        self.spans: dict[tuple, object] = {}  # (layer, after, plan items) -> gemv.l2_spans table
-
-    def _ahead(self, i: int, after: str, kernels) -> None:  # noqa: ANN001
-        """The l2_ahead launch --l2-ahead's plan puts after ``after`` in layer ``i``, if any."""
-        items = self.ahead.get(after)
-        if not items:
-            return
-        from mgx.kernels.cuda.gemv import l2_ahead, l2_spans, weight_views
-
-        key = (i, after, tuple(items), kernels)
-        if key not in self.spans:
-            layers = self.layers_for(kernels)
-            views = []
-            for name, mb in items:
-                if name == "none":
-                    continue
-                w = layers[(i + 1) % LAYERS] if name.startswith("next.") else layers[i]
-                proj = name.removeprefix("next.")
-                views += weight_views(w[proj], None if mb is None else int(mb * 2**20), 2 if proj == "gate_up" else 1)
-            self.spans[key] = l2_spans(views, self.context.device)
-        l2_ahead(self.spans[key], kernels=kernels)
 
     def _norm(self, name: str, x, res, g, kernels):  # noqa: ANN001, ANN202
         """The add + RMSNorm before projection ``name``: (its x, the new residual, its record or None)."""
@@ -183,7 +135,7 @@ class Chain:
             stage_x(x, w[name].scheme, kernels=kernels, out=rec)
         return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
 
-    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str, i: int = 0) -> None:  # noqa: ANN001
+    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
         gemvs, norms = part in ("all", "gemvs"), part in ("all", "others", "norms")
@@ -193,7 +145,6 @@ class Chain:
         if norms:
             x, res, rec = self._norm("qkv", x, res, w["g1"], kernels)
         qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"], rec=rec) if gemvs else self.stand_in["qkv"]
-        self._ahead(i, "qkv", kernels)
         a = self.stand_in["attention"]
         if attend:
             q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
@@ -201,16 +152,12 @@ class Chain:
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
                                        counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
-            self._ahead(i, "attention", kernels)
         o = self._gemv("o", a, w, kernels, kinds["o"]) if gemvs else self.stand_in["down"]
-        self._ahead(i, "o", kernels)
         x2, rec = o, None
         if norms:
             x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
         h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if gemvs else self.stand_in["gate_up"]
-        self._ahead(i, "gate_up", kernels)
         self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
-        self._ahead(i, "down", kernels)
         self.x["res"] = res
 
     def layers_for(self, kernels) -> list[dict]:  # noqa: ANN001
@@ -230,8 +177,8 @@ class Chain:
         layers = self.layers_for(kernels)
 
         def run() -> None:
-            for i, w in enumerate(layers):
-                self.layer(w, kernels, kinds, part, i)
+            for w in layers:
+                self.layer(w, kernels, kinds, part)
 
         return run
 
@@ -291,13 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                     "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
-    ap.add_argument("--l2-ahead", default="", help="also with weights asked into L2 ahead: plans apart by ';' "
-                    "of items PROJ[:MB]@AFTER apart by '+' (see above)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
         kinds = parse_kinds(args.kinds or DEFAULT_KINDS[args.scheme])
-        plans = parse_ahead(args.l2_ahead)
     except ValueError as e:
         ap.error(str(e))
     staged = [p for p in args.staged.split(",") if p]
@@ -336,13 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         for label, kernels in builds.items():
             for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
-                for ahead in [{}, *plans]:
-                    chain.ahead = ahead
-                    plan = "+".join(f"{n}{'' if mb is None else f':{mb:g}'}@{a}" for a, items in ahead.items() for n, mb in items)
-                    for part in parts:
-                        ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
-                        print(f"  {label}{merge}{how}{f' [L2 ahead {plan}]' if plan else ''}: {part} {ms:.3f} ms "
-                              f"({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)  # fmt: skip
+                for part in parts:
+                    ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
+                    print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
     return 0
 
 

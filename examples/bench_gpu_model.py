@@ -478,8 +478,6 @@ def bench_mgx(path: Path, scheme: str, args, bw: float, flops: float, n_params: 
         row["prefill_eager_flops_frac"] = 2 * n_params * args.prefill / eager / flops
     if args.flips:
         ab_flips(engine, row, args, rng.integers(3, vocab_hi, args.prompt).tolist())
-    if args.l2_ahead and hasattr(backend, "set_l2_ahead") and DEVICE == "cuda":
-        ab_l2_ahead(engine, row, [int(mb) for mb in args.l2_ahead.split(",")], rng.integers(3, vocab_hi, args.prompt).tolist())
     add_row(row)
     del engine
     if DEVICE == "cuda":
@@ -589,22 +587,6 @@ def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN00
     # The default once more, captured anew like the flips: how far two captures of one graph spread.
     if DEVICE == "cuda":
         row["graph_b1_ms_default_recaptured"] = graph_ms_recaptured(engine, prompt)
-
-
-def ab_l2_ahead(engine, row: dict, mbs: list[int], prompt: list[int]) -> None:  # noqa: ANN001
-    """The batch-1 graph recaptured with each amount of weights asked into L2 after the layers' QKV
-    (``backend.set_l2_ahead``; 0: none): ``row``'s ``graph_b1_ms_l2_ahead_<MB>``; the backend's
-    setting is back after."""
-    backend = engine.runner.backend
-    was = backend.l2_ahead_mb
-    try:
-        for mb in mbs:
-            if backend.set_l2_ahead(mb) or mb == 0:
-                row[f"graph_b1_ms_l2_ahead_{mb}"] = graph_ms_recaptured(engine, prompt)
-                log(f"  batch-1 graph, L2 ahead {mb} MB: {row[f'graph_b1_ms_l2_ahead_{mb}']:.3f} ms")
-    finally:
-        backend.set_l2_ahead(was)
-        backend._decode_graphs.pop((1, True), None)
 
 
 def profile_steps(engine, batch: int, prompts: list[list[int]]) -> None:  # noqa: ANN001
@@ -900,8 +882,6 @@ def main() -> None:
     parser.add_argument("--nvcc-flip", action="append", default=[],
                         help="also time the batch-1 graph on native kernels built with this nvcc flag "
                              "(repeatable; with =: --nvcc-flip=-DMGX_IMMA_UNROLL=2)")  # fmt: skip
-    parser.add_argument("--l2-ahead", default="", help="also time the batch-1 graph with this many MB of weights "
-                        "asked into L2 after each QKV, e.g. 0,16,32 (backend.set_l2_ahead)")
     parser.add_argument("--no-flips", dest="flips", action="store_false",
                         help="skip the batch-1 graph's A/B flips and --nvcc-flip rebuilds (a shorter run)")
     parser.add_argument("--serve", default="", help="request rates (req/s; inf: all at once) of a serving load, "

@@ -95,19 +95,15 @@ from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import (
     ARGMAX_ENTRIES,
     ARGMAX_LABEL,
-    L2_AHEAD_ENTRY,
     TILE16_MARKER,
     NormPrologue,
     gemv,
     gemv_applies,
     gemv_argmax,
     gemv_staged,
-    l2_ahead,
-    l2_spans,
     norm_stage,
     norm_stage_applies,
     staged_applies,
-    weight_views,
 )
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
@@ -168,10 +164,6 @@ NORM_IN_SCHEMES = frozenset({"int4"})
 # graph took 1.861 ms staged against 1.924 unstaged; the W8A16 layer chain was slower staged (2.353
 # against 2.311 ms), so W8A16 stays unstaged unless MGX_CUDA_STAGED_X=1.
 STAGED_SCHEMES = frozenset({"int4"})
-# At one-row steps, after a projection followed by attention (a layer's QKV), the next projections'
-# weights are asked into L2 while attention runs (``_ask_l2_ahead``, gemv.l2_ahead): up to this many
-# MB (MGX_CUDA_L2_AHEAD; 0: off). Off until measured on the H200 (35th session).
-L2_AHEAD_MB = 0
 # Token buckets of the prefill graphs (module docstring): powers of two up to 256, then
 # steps of 128 to 512 and of 256 to 4,096, so that padding adds less than half to prompts past 256
 # tokens and less than a third past 768.
@@ -433,11 +425,6 @@ class CUDABackend(Backend):
         self.staged_kind = "" if staged in ("", "0", "1") else staged
         self.staged_schemes = STAGED_SCHEMES if staged == "" else None  # None: any the kernels take
         self.staged_x_pinned = staged != ""  # else a stored tuning's (mgx-run tune)
-        # Weights asked into L2 ahead at one-row steps (``_ask_l2_ahead``): up to this many MB
-        # (MGX_CUDA_L2_AHEAD; 0: never).
-        self.l2_ahead_mb = _env_megabytes("MGX_CUDA_L2_AHEAD", L2_AHEAD_MB)
-        self._ahead_after = self._find_ahead()
-        self._ahead_spans: dict[int, torch.Tensor] = {}  # id(linear) -> its l2_spans table (use_cuda_kernels)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
@@ -517,44 +504,6 @@ class CUDABackend(Backend):
             if op.kind == "linear" and reader is not None and users.get(op.outputs[0]) == [nxt]:
                 f.norm_across[id(op)] = (nxt, norm, reader)
         return f
-
-    def _find_ahead(self) -> dict[int, tuple[Op, Op | None]]:
-        """id(linear) -> (the next linear, the one after it) for each linear followed by attention before
-        the next one (a layer's QKV: then the o projection and the gate/up one)."""
-        ops = self.graph.ops
-        at = [i for i, op in enumerate(ops) if op.kind == "linear"]
-        ahead = {}
-        for i, j, after in zip(at[:-1], at[1:], [*at[2:], None], strict=True):
-            if any(op.kind == "attention" for op in ops[i + 1 : j]):
-                ahead[id(ops[i])] = (ops[j], None if after is None else ops[after])
-        return ahead
-
-    def _ahead_views(self, nxt: Op, after: Op | None) -> list[torch.Tensor]:
-        """The weights ``_ask_l2_ahead`` asks for: the next projection's, then the leading bytes of the
-        one after it (a fused gate/up's from its gate and its up rows), l2_ahead_mb in all."""
-        budget = self.l2_ahead_mb << 20
-        views = weight_views(self._weights[id(nxt)], budget)
-        budget -= sum(v.numel() * v.element_size() for v in views)
-        if after is not None and budget > 0:
-            views += weight_views(self._weights[id(after)], budget, 2 if id(after) in self._fuse.silu_after_linear else 1)
-        return views
-
-    def set_l2_ahead(self, mb: int) -> bool:
-        """Ask L2 for up to ``mb`` MB of weights after each layer's QKV from the next capture or eager
-        step on (0: never); whether it will (sm_90 and newer, native kernels that hold l2_ahead)."""
-        self.l2_ahead_mb = mb
-        kernels = self.cuda_kernels
-        on = mb > 0 and self._sm >= 90 and kernels is not None and kernels.has(L2_AHEAD_ENTRY)
-        self._ahead_spans = {key: l2_spans(self._ahead_views(*pair), self.device) for key, pair in self._ahead_after.items()} if on else {}
-        return on
-
-    def _ask_l2_ahead(self, op: Op) -> None:
-        """After a one-row projection followed by attention (a layer's QKV), ask L2 for the weights of
-        the projections after the attention (``_ahead_views``): DRAM is all but idle while decode
-        attention runs at batch 1, and L2 (50 MB on the H200) holds them until they are read."""
-        spans = self._ahead_spans.get(id(op))
-        if spans is not None and self.cuda_kernels is not None and self.cuda_kernels.overlap:
-            l2_ahead(spans, kernels=self.cuda_kernels)
 
     def _upload(self, tensors: dict[str, Tensor]) -> tuple[dict[str, torch.Tensor], UploadStats]:
         """Copy every tensor's bytes into one device arena; returns a typed view per tensor."""
@@ -750,7 +699,6 @@ class CUDABackend(Backend):
             gemvs.append(ARGMAX_LABEL)
         if self.cuda_kernels.has(TILE16_MARKER):
             gemvs.append("the integer tensor-core kinds on cuda_tile16 weights")
-        self.set_l2_ahead(self.l2_ahead_mb)
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
         if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)
@@ -1266,8 +1214,6 @@ class CUDABackend(Backend):
                 out = linear_silu_mul(x, w, bias, config=config, workspace=self._split_ws)
             else:
                 out = linear(x, w, bias, config=config, workspace=self._split_ws)
-        if m == 1 and self._ahead_spans:
-            self._ask_l2_ahead(op)
         if silu is not None:
             self._pending[id(silu)] = out
         return out
@@ -1696,19 +1642,6 @@ def _env_count(name: str, default: int, what: str) -> int:
         raise EngineError(f"{name} must be a whole number of {what}, got {raw!r}") from None
     if n < 1:
         raise EngineError(f"{name} must be at least 1, got {n}")
-    return n
-
-
-def _env_megabytes(name: str, default: int) -> int:
-    """Whole megabytes, 0 or more, from environment variable ``name`` (``default`` where unset);
-    EngineError for any other value."""
-    raw = os.environ.get(name, "")
-    try:
-        n = int(raw) if raw else default
-    except ValueError:
-        raise EngineError(f"{name} must be a whole number of megabytes, got {raw!r}") from None
-    if n < 0:
-        raise EngineError(f"{name} must be 0 (off) or more megabytes, got {n}")
     return n
 
 

@@ -1583,30 +1583,6 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (,
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
 
-// ---- weights asked into L2 ahead of their projection (an experiment, 35th session) -------------------
-//
-// At batch 1 a layer's DRAM is far from busy outside the large projections: decode attention and the
-// norms read a few MB at their latency, and the small projections run at 20-30% of DRAM bandwidth
-// (ncu, 29th session). mgx_l2_ahead asks L2 for byte ranges of weights that a later kernel reads
-// (spans: [count] pairs of address and bytes, 16-byte aligned, multiples of 16), a chunk a thread at a
-// time with cp.async.bulk.prefetch.L2 (sm_90 and newer: no registers held, nothing waited for), then
-// waits for the kernel before it, so that it can stand anywhere in a stream of overlapped launches.
-extern "C" __global__ void __launch_bounds__(32) MGX_ENTRY(mgx_l2_ahead)(const unsigned long long* spans, int count,
-                                                                       unsigned chunk) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned first = blockIdx.x * 32u + threadIdx.x, every = gridDim.x * 32u;
-  for (int r = 0; r < count; ++r) {
-    const unsigned long long at = spans[2 * r], bytes = spans[2 * r + 1];
-    for (unsigned long long off = static_cast<unsigned long long>(first) * chunk; off < bytes;
-         off += static_cast<unsigned long long>(every) * chunk) {
-      const unsigned size = static_cast<unsigned>(min(static_cast<unsigned long long>(chunk), bytes - off));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at + off), "r"(size) : "memory");
-    }
-  }
-#endif
-  mgx_pdl_wait();
-}
-
 // Markers of an MGX_IMMA_TILES build (gemv.py: the imma kinds then read the tiles it builds).
 #if MGX_IMMA_TILES & 1
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}

@@ -377,51 +377,6 @@ def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Te
     return rec
 
 
-L2_AHEAD_ENTRY = f"mgx_l2_ahead_v{KERNEL_ABI}"
-L2_AHEAD_CHUNK = 16384  # bytes a thread asks for at a time
-
-
-def l2_spans(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The device table ``l2_ahead`` reads for these contiguous views of weights: [count, 2] int64 of
-    (address, bytes), each span narrowed to 16-byte bounds."""
-    rows = []
-    for v in views:
-        if not v.is_contiguous():
-            raise ValueError("l2_spans: a view of weights must be contiguous")
-        start, end = v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()
-        start, end = -(-start // 16) * 16, end // 16 * 16
-        if end > start:
-            rows.append((start, end - start))
-    return torch.tensor(rows or [(0, 0)], dtype=torch.int64, device=device)
-
-
-def weight_views(w: GpuWeight, nbytes: int | None = None, halves: int = 1) -> list[torch.Tensor]:
-    """Flat views of w's contiguous tensors (codes, scales, zeros, sparsity metadata) for ``l2_spans``:
-    all of them, or their leading bytes, about ``nbytes`` in all and the same share of each, taken
-    from each of ``halves`` equal parts of its rows (2: a fused gate/up's gate rows and up rows, which
-    its first output groups read)."""
-    parts = [t.view(-1) for t in (w.weight, w.scales, w.zeros, w.meta) if t is not None and t.is_contiguous()]
-    total = sum(t.numel() * t.element_size() for t in parts)
-    if nbytes is None or nbytes >= total:
-        return parts
-    share = max(nbytes, 0) / total
-    views = []
-    for t in parts:
-        part = t.numel() // halves
-        take = int(share * part)
-        views += [t[h * part : h * part + take] for h in range(halves) if take]
-    return views
-
-
-def l2_ahead(spans: torch.Tensor, *, kernels: CudaKernels) -> None:
-    """Ask L2 for the bytes of ``spans`` (``l2_spans``) on torch's current stream, then wait for the
-    kernel before (an overlapped launch needs no more of its place in the stream)."""
-    blocks = num_sms(spans.device)  # a block of 32 threads an SM: 4,224 chunks at once on the H200
-    args = [_ptr(spans), ctypes.c_int(spans.shape[0]), ctypes.c_uint(L2_AHEAD_CHUNK)]
-    stream = torch.cuda.current_stream(spans.device).cuda_stream
-    kernels.module.launch(L2_AHEAD_ENTRY, (blocks,), (32,), args, stream, shared_bytes=0, overlap=kernels.overlap)
-
-
 def norm_stage_applies(kernels: CudaKernels | None, x: torch.Tensor, norm: NormPrologue, scheme: str) -> bool:
     """Whether ``norm_stage`` takes the row x [1, K] with ``norm``'s operands for ``scheme``'s staged GEMVs."""
     return (scheme in NORM_STAGE_ENTRIES and kernels is not None and kernels.has(NORM_STAGE_ENTRIES[scheme])

@@ -1630,48 +1630,6 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
 
 
 @pytest.mark.gpu
-def test_gpu_l2_ahead_decodes_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MGX_CUDA_L2_AHEAD`` on an INT4 model with its native kernels, in decode graphs with overlapped
-    launches: the l2_ahead kernel runs after each layer's QKV and every step's logits equal, to the
-    bit, the same model's without it (it only asks L2 for weights), fed the same tokens."""
-    import copy
-
-    from mgx.formats import ir
-    from mgx.kernels.cuda import build
-    from mgx.kernels.cuda import gemv as cg
-    from mgx.passes import PASSES, PassContext
-
-    from _tiny_graph import build_tiny_graph
-
-    if build.find_nvcc() is None:
-        pytest.skip("needs nvcc")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("cp.async.bulk.prefetch needs sm_90")
-    graph, _ = build_tiny_graph(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
-                                fused=True, dtype=ir.DType.BF16)  # fmt: skip
-    graph = copy.deepcopy(graph)
-    for name, options in (("quantize_int4", {"group_size": 128}), ("reorder_weights", {})):
-        PASSES[name](graph, dict(options), PassContext(target="cuda"))
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-    image = {arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))}
-    launches: list[str] = []
-    runners = []
-    for mb in ("4", "0"):
-        monkeypatch.setenv("MGX_CUDA_L2_AHEAD", mb)
-        backend = CUDABackend(graph, dtype="bf16", graphs=True)
-        backend.use_cuda_kernels(image)
-        if mb != "0":
-            assert backend.cuda_kernels.overlap and len(backend._ahead_spans) == graph.arch.num_layers
-            launch = backend.cuda_kernels.module.launch
-            monkeypatch.setattr(backend.cuda_kernels.module, "launch",
-                                lambda name, *a, _l=launch, **k: launches.append(name) or _l(name, *a, **k))  # fmt: skip
-        runners.append(ModelRunner(graph, backend))
-    _decode_side_by_side(graph, runners, steps=6)
-    assert launches.count(cg.L2_AHEAD_ENTRY) >= graph.arch.num_layers
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int4", "w8a16"])
 def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``MGX_CUDA_STAGED_X=imma_w4`` on a model whose K is a multiple of 128: batch-1 decode runs the
@@ -1711,44 +1669,6 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
         runners.append(ModelRunner(graph, backend))
     _decode_side_by_side(graph, runners, steps=6, rel=0.02)
     assert {cg.NORM_STAGE_ENTRIES[scheme], cg.STAGED_ENTRIES["imma_w4", scheme]} <= set(launches)
-
-
-def test_l2_ahead_asks_for_the_projections_after_each_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each layer's QKV (the linear that attention follows) maps to the o projection and the fused
-    gate/up after it; within ``MGX_CUDA_L2_AHEAD`` MB the views hold all of o's bytes, then the same
-    leading share of the gate rows and of the up rows; a bad setting is an EngineError naming it."""
-    from mgx.kernels.cuda.gemv import weight_views
-    from mgx.runtime.errors import EngineError
-
-    graph = compiled("qk-norm-bias-fused", "w8a16-tiled")
-    backend = CUDABackend(graph, device="cpu", dtype="f32")
-    linears = [op for op in graph.ops if op.kind == "linear"]
-    ahead = backend._find_ahead()
-    assert len(ahead) == graph.arch.num_layers
-    for qkv, (o, gate_up) in ahead.items():
-        i = [id(op) for op in linears].index(qkv)
-        assert (o, gate_up) == (linears[i + 1], linears[i + 2]) and id(gate_up) in backend._fuse.silu_after_linear
-
-    def nbytes(views: list[torch.Tensor]) -> int:
-        return sum(v.numel() * v.element_size() for v in views)
-
-    o, gate_up = next(iter(ahead.values()))
-    w_o, w_gu = backend._weights[id(o)], backend._weights[id(gate_up)]
-    backend.l2_ahead_mb = 1  # more than both tiny projections: all of their bytes, a view a tensor
-    views = backend._ahead_views(o, gate_up)
-    assert [v.data_ptr() for v in views] == [t.data_ptr() for t in (w_o.weight, w_o.scales, w_gu.weight, w_gu.scales)
-                                             if t is not None]  # fmt: skip
-    assert nbytes(views) == sum(t.numel() * t.element_size() for t in (w_o.weight, w_o.scales, w_gu.weight, w_gu.scales)
-                                if t is not None)  # fmt: skip
-    # Less than gate/up: the same leading share of its gate rows and of its up rows (codes, then scales).
-    part = weight_views(w_gu, nbytes(weight_views(w_gu)) // 4, halves=2)
-    codes = w_gu.weight.view(-1)
-    assert [v.data_ptr() for v in part[:2]] == [codes.data_ptr(), codes[codes.numel() // 2 :].data_ptr()]
-    assert part[0].numel() == part[1].numel() == codes.numel() // 8
-    for raw in ("abc", "-1", "2.5"):
-        monkeypatch.setenv("MGX_CUDA_L2_AHEAD", raw)
-        with pytest.raises(EngineError, match="MGX_CUDA_L2_AHEAD"):
-            CUDABackend(graph, device="cpu", dtype="f32")
 
 
 @pytest.mark.interpreted

@@ -478,19 +478,3 @@ def test_benches_hand_a_tile16_build_tiled_weights() -> None:
         assert as_read_by(w, default_build) is w and as_read_by(w, None) is w and as_read_by(t, tiled_build) is t
     for w in (make_weight("int4", 24, 256), make_weight("int4", 32, 192, group_size=64), make_weight("none", 32, 256)):
         assert as_read_by(w, tiled_build) is w
-
-
-def test_l2_spans_hold_each_views_bytes_within_16_byte_bounds() -> None:
-    """``l2_spans``: a view's first address rounded up and its end down to 16 bytes (what
-    cp.async.bulk.prefetch takes), views of no whole 16 bytes left out, a strided view refused."""
-    base = torch.zeros(4096, dtype=torch.uint8)
-    start = base.data_ptr()
-    offset = (-start) % 16  # the first 16-byte bound in base
-    words = base[offset : offset + 1024]
-    skew = base[offset + 3 : offset + 3 + 200]  # 3 past a bound: 13 bytes left out at its start, 11 at its end
-    scales = torch.zeros(64, 8, dtype=torch.float32)
-    spans = cg.l2_spans([words, skew, base[offset + 1 : offset + 9], scales], torch.device("cpu"))
-    assert spans.tolist() == [[start + offset, 1024], [start + offset + 16, 176], [scales.data_ptr(), 64 * 8 * 4]]
-    assert cg.l2_spans([base[offset + 1 : offset + 9]], torch.device("cpu")).tolist() == [[0, 0]]  # nothing to ask
-    with pytest.raises(ValueError, match="contiguous"):
-        cg.l2_spans([scales[:, 0]], torch.device("cpu"))
