@@ -763,6 +763,10 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #endif
 constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
+// Tried on the H200 (35th session, 95th run) and dropped: a kernel of its own asking L2 for the next
+// projections' weights (cp.async.bulk.prefetch.L2 over byte spans) after QKV, while decode attention
+// runs. Every plan lost in the 8B INT4 layer chain (1.697 ms without; o's 9 MB 1.853; o and 16 MB of
+// gate/up 2.258): each MB asked for cost about what reading it from DRAM again costs (README).
 // Tried on the H200 (34th session, 94th run) and dropped: loading a pass with no work (a warp's steps
 // past K, the pass after the block's last group) from the last group and step instead of predicating
 // its loads off with zero fills (cuda_tile16 int4 imma4 staged: 131 -> 120 SASS instructions a step
