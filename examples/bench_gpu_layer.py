@@ -209,11 +209,6 @@ def graph_ms(fn: Callable[[], None], replays: int) -> float:
     return statistics.median(times)
 
 
-def chain_norm_stages(variants: list[tuple]) -> bool:
-    """Whether the last of ``variants`` has the norms staging (norm_stage runs in it)."""
-    return bool(variants) and variants[-1][3]
-
-
 def load_kernels(flags: tuple[str, ...]):  # noqa: ANN201
     """The native kernels built for this GPU with ``flags``, launched overlapped where they can be."""
     import torch
@@ -243,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
                     "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
-    ap.add_argument("--norm-stage-blocks", default="", help="also with norm_stage launched on at most this many "
-                    "blocks, comma-separated (gemv.NORM_STAGE_MAX_BLOCKS; with --staged qkv or gate_up)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
@@ -271,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_gpu_layer needs an NVIDIA GPU")
     builds = {"stored flags": load_kernels(())}
     builds.update({flag: load_kernels(tuple(flag.split())) for flag in args.nvcc_flag})  # "-DA=1 -DB=2": both
-    from mgx.kernels.cuda import gemv as cg
     from mgx.runtime.backend_cuda import SELF_MERGE_MAX_SPLITS
-
-    default_most = cg.NORM_STAGE_MAX_BLOCKS
 
     chain = Chain(args.scheme, args.context, table_blocks=args.table_blocks)
     print(f"{args.scheme}, {LAYERS} layers, context {args.context}, {chain.splits} attention pieces, kinds {kinds}")
@@ -287,12 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                          (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
             if {"qkv", "gate_up"} & set(staged):
                 variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
-        if args.norm_stage_blocks and chain_norm_stages(variants):
-            variants += [(f"{variants[-1][0]} [norm_stage on {b} blocks at most]", *variants[-1][1:], int(b))
-                         for b in args.norm_stage_blocks.split(",")]  # fmt: skip
         for label, kernels in builds.items():
-            for how, chain.staged, chain.stage_in_graph, chain.norm_stages, *most in variants:
-                cg.NORM_STAGE_MAX_BLOCKS = most[0] if most else default_most
+            for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
                 for part in parts:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)

@@ -1085,11 +1085,10 @@ __device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict
   if (s < (k >> 7)) imma_stage_step<kInt4, false>(rec, buf, x, s, k >> 7);
 }
 
-// The RMSNorm before a staged GEMV, writing its record too: each block normalizes the whole row
-// (norm_prologue: rms_norm(res + delta) * g, the same bits in every block; block 0 writes res + delta
-// to res_out) into shared memory, writes its share of it to `out`, and its warps stage the steps
-// b warps + w, then gridDim.x warps on, from there as imma_stage_rows does from global memory (so
-// `rec` is stage_x(out)'s, to the bit, whatever the grid). Replaces the norm's kernel and the stage's.
+// The RMSNorm before a staged GEMV, writing its record too: one block normalizes the row
+// (norm_prologue: rms_norm(res + delta) * g, res + delta to res_out) into shared memory, writes it to
+// `out`, and its warps stage the steps w, w + warps, ... from there as imma_stage_rows does from
+// global memory (so `rec` is stage_x(out)'s, to the bit). Replaces the norm's kernel and the stage's.
 template <bool kInt4>
 __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restrict__ rec, const NormIn& in, int k) {
   extern __shared__ uint4 xs[];
@@ -1098,11 +1097,8 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   reinterpret_cast<uint32_t*>(buf + imma_column(2))[threadIdx.x & 31] = 0x01010101u;  // column 2: ones
   mgx_pdl_wait();
   norm_prologue(xs, in, k);  // ends with a block barrier: xs is complete
-  const int warps = blockDim.x >> 5;
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < (k >> 3); j += gridDim.x * blockDim.x) {
-    reinterpret_cast<uint4*>(out)[j] = xs[j];
-  }
-  for (int s = blockIdx.x * warps + warp; s < steps; s += gridDim.x * warps) imma_stage_step<kInt4, true>(rec, buf, xs, s, steps);
+  for (int j = threadIdx.x; j < (k >> 3); j += blockDim.x) reinterpret_cast<uint4*>(out)[j] = xs[j];
+  for (int s = warp; s < steps; s += blockDim.x >> 5) imma_stage_step<kInt4, true>(rec, buf, xs, s, steps);
 }
 
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per

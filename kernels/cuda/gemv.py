@@ -377,17 +377,6 @@ def stage_x(x: torch.Tensor, scheme: str, *, kernels: CudaKernels, out: torch.Te
     return rec
 
 
-# Blocks of a norm_stage launch at most: each normalizes the whole row (a few KB from L2) and stages
-# its share of the steps, a warp a step (1: one block stages them all, a warp every 8 steps).
-NORM_STAGE_MAX_BLOCKS = 1
-
-
-def norm_stage_blocks(k: int) -> int:
-    """Blocks of ``norm_stage``'s launch for a row of K columns: a step per warp, at most
-    NORM_STAGE_MAX_BLOCKS."""
-    return max(1, min(NORM_STAGE_MAX_BLOCKS, -(-(k // MMA_COLUMNS) // (MAX_THREADS // 32))))
-
-
 def norm_stage_applies(kernels: CudaKernels | None, x: torch.Tensor, norm: NormPrologue, scheme: str) -> bool:
     """Whether ``norm_stage`` takes the row x [1, K] with ``norm``'s operands for ``scheme``'s staged GEMVs."""
     return (scheme in NORM_STAGE_ENTRIES and kernels is not None and kernels.has(NORM_STAGE_ENTRIES[scheme])
@@ -408,8 +397,7 @@ def norm_stage(
     args = [_ptr(out), _ptr(norm.total), _ptr(x), _ptr(norm.delta), _ptr(norm.weight), ctypes.c_float(norm.eps),
             _ptr(rec), ctypes.c_int(k)]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    blocks = norm_stage_blocks(k)
-    kernels.module.launch(NORM_STAGE_ENTRIES[scheme], (blocks,), (MAX_THREADS,), args, stream, shared_bytes=2 * k,
+    kernels.module.launch(NORM_STAGE_ENTRIES[scheme], (1,), (MAX_THREADS,), args, stream, shared_bytes=2 * k,
                           overlap=kernels.overlap)  # fmt: skip
     return out, rec
 

@@ -478,12 +478,3 @@ def test_benches_hand_a_tile16_build_tiled_weights() -> None:
         assert as_read_by(w, default_build) is w and as_read_by(w, None) is w and as_read_by(t, tiled_build) is t
     for w in (make_weight("int4", 24, 256), make_weight("int4", 32, 192, group_size=64), make_weight("none", 32, 256)):
         assert as_read_by(w, tiled_build) is w
-
-
-def test_norm_stage_takes_a_block_per_eight_steps_up_to_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``norm_stage_blocks``: a warp a 128-column step (8 warps a block), at most NORM_STAGE_MAX_BLOCKS,
-    at least one."""
-    monkeypatch.setattr(cg, "NORM_STAGE_MAX_BLOCKS", 64)
-    assert [cg.norm_stage_blocks(k) for k in (128, 1024, 1152, 4096, 8192)] == [1, 1, 2, 4, 8]
-    monkeypatch.setattr(cg, "NORM_STAGE_MAX_BLOCKS", 1)
-    assert cg.norm_stage_blocks(4096) == 1
