@@ -354,17 +354,8 @@ def replay_spans(replays: list[tuple[Any, Any]]) -> dict[str, float]:
 def upload_again(backend, threads: int) -> float:  # noqa: ANN001
     """GB/s of a second upload of ``backend``'s weights (the same tensors, a fresh mapping's pages
     already faulted in by the first) with ``threads`` staging fill threads; the copy is dropped."""
-    import os
-
-    before = os.environ.get("MGX_CUDA_UPLOAD_THREADS")
-    os.environ["MGX_CUDA_UPLOAD_THREADS"] = str(threads)
-    try:  # the tensors the first upload moved: the device views' names
-        views, stats = backend._upload({n: backend.graph.tensors[n] for n in backend._dev})
-    finally:
-        if before is None:
-            os.environ.pop("MGX_CUDA_UPLOAD_THREADS")
-        else:
-            os.environ["MGX_CUDA_UPLOAD_THREADS"] = before
+    # the tensors the first upload moved: the device views' names
+    views, stats = backend._upload({n: backend.graph.tensors[n] for n in backend._dev}, threads)
     del views
     print(f"  upload again with {threads} fill thread(s): {stats.gb_per_s:.2f} GB/s ({stats.bytes / 1e9:.2f} GB)")
     return stats.gb_per_s

@@ -505,8 +505,9 @@ class CUDABackend(Backend):
                 f.norm_across[id(op)] = (nxt, norm, reader)
         return f
 
-    def _upload(self, tensors: dict[str, Tensor]) -> tuple[dict[str, torch.Tensor], UploadStats]:
-        """Copy every tensor's bytes into one device arena; returns a typed view per tensor."""
+    def _upload(self, tensors: dict[str, Tensor], threads: int | None = None) -> tuple[dict[str, torch.Tensor], UploadStats]:
+        """Copy every tensor's bytes into one device arena; returns a typed view per tensor. ``threads``:
+        staging fill threads (default ``_upload_threads()``)."""
         host: dict[str, np.ndarray] = {}
         for name, t in tensors.items():
             if t.data is None:
@@ -517,7 +518,7 @@ class CUDABackend(Backend):
         arena = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
         t0 = time.perf_counter()
         pinned = self.device.type == "cuda"
-        chunks = _copy_to_arena(arena, pieces, pinned)
+        chunks = _copy_to_arena(arena, pieces, pinned, threads)
         if pinned:
             torch.cuda.synchronize(self.device)
         stats = UploadStats(sum(a.nbytes for a in host.values()), time.perf_counter() - t0, chunks, pinned)
@@ -1663,11 +1664,13 @@ def _stream_stages(loads: list[_StageLoad], views: list[np.ndarray], send: Calla
             send(cur, load)
 
 
-def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pinned: bool) -> int:
+def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pinned: bool,
+                   threads: int | None = None) -> int:  # fmt: skip
     """Copy host arrays to their byte offsets in ``arena``; returns the number of device copies made.
 
     On a GPU the bytes go through two pinned staging buffers in turn: while the copy engine moves one
-    to the device, the host fills the other from the mapped file (``_upload_threads`` threads at once).
+    to the device, the host fills the other from the mapped file (``threads`` threads at once; default
+    ``_upload_threads``).
     """
     if not pinned:  # a CPU arena (tests): plain copies
         host = arena.numpy()
@@ -1675,7 +1678,7 @@ def _copy_to_arena(arena: torch.Tensor, pieces: list[tuple[int, np.ndarray]], pi
             flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             host[off : off + flat.size] = flat
         return len(pieces)
-    threads = _upload_threads()
+    threads = _upload_threads() if threads is None else threads
     stage_bytes = _env_count("MGX_CUDA_STAGE_MB", 64, "MiB") << 20
     loads = _stage_loads(pieces, stage_bytes)
     stages = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(loads)))]
