@@ -1101,48 +1101,6 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   for (int s = warp; s < steps; s += blockDim.x >> 5) imma_stage_step<kInt4, true>(rec, buf, xs, s, steps);
 }
 
-// Build flag MGX_IMMA_PRELOAD (an experiment, 36th session; 0 by default): before it waits for the
-// kernel before it (mgx_pdl_wait), each warp of an imma kernel without the RMSNorm prologue copies its
-// next MGX_IMMA_PRELOAD passes of codes, scales and zeros (after the first, which it loads into
-// registers as before) into shared memory with cp.async, as many as fit 32 KB a block, and reads those
-// passes from there. The weights never depend on the kernel before, so their DRAM reads can run while
-// latency-bound kernels (the RMSNorm, decode attention) leave DRAM idle. Same loads, same bits.
-#ifndef MGX_IMMA_PRELOAD
-#define MGX_IMMA_PRELOAD 0
-#endif
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-}
-
-// A lane's share of one preloaded pass: its codes as load_w loads them, and for int4 per step (scale
-// lo, zero lo, scale hi, zero hi): a float4 of the tile table (kTileScales), else the two scales and
-// the aligned 4-byte words that hold the two zero bytes.
-template <int kW, int kU, bool kInt4>
-struct ImmaPreSlot {
-  uint4 lo[kW * kU], hi[kW * kU];
-  float4 sz[kInt4 ? kU : 1];
-};
-
-// Passes a warp preloads: MGX_IMMA_PRELOAD, at most what fits 32 KB of a block of W warps.
-template <int W, typename Slot>
-struct ImmaPreload {
-  static constexpr int kFit = 32768 / (W * 32 * static_cast<int>(sizeof(Slot)));
-  static constexpr int kPasses = MGX_IMMA_PRELOAD < kFit ? MGX_IMMA_PRELOAD : kFit;
-};
-
-template <int W, int P, typename Slot>
-__device__ __forceinline__ Slot* imma_preload_slots() {  // [P][W][32]
-  __shared__ Slot slots[P][W][32];
-  return &slots[0][0][0];
-}
-
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
 // step), else W8A16 (int8 codes, the row's scale applied in imma_finish).
 // W: warps a block (kImmaWarps; kinds imma_w4 and imma_w16: 4 and 16), which split each group's steps.
@@ -1346,139 +1304,20 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   // (build flag MGX_IMMA_PREFETCH, twenty-first session) lost on the H200 (the 8B layer chained 32
   // times: INT4 2.24 vs 1.81 ms, W8A16 2.92 vs 2.32).
   load_w(at, even);
-  using Slot = ImmaPreSlot<kW, kU, kInt4>;
-  constexpr int kPre = kNorm || kMulti ? 0 : ImmaPreload<W, Slot>::kPasses;
-  int preloaded = 0;  // preloaded passes read so far
-  Slot* slots = nullptr;
-  if constexpr (kPre > 0) {  // the kPre passes after the first, into this lane's slots
-    slots = imma_preload_slots<W, (kPre > 0 ? kPre : 1), Slot>() + warp * 32 + lane;
-    const bool zeros_aligned = (reinterpret_cast<uintptr_t>(zeros) & 3u) == 0;
-    int2 q = at;
-    for (int i = 0; i < kPre; ++i) {
-      q = next(q.x, q.y);
-      Slot& sl = slots[i * W * 32];
-      const uint32_t w_lo = code_at(q.x, false), w_hi = code_at(q.x, true);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int s = q.y + u * W;
-        const bool in = s < steps && q.x < groups;
-        const uint8_t* a = w + (w_lo + static_cast<uint32_t>(s) * kStepBytes);
-        const uint8_t* b = w + (w_hi + static_cast<uint32_t>(s) * kStepBytes);
-#pragma unroll
-        for (int v = 0; v < kW; ++v) {
-          if (in) {
-            cp_async16(&sl.lo[kW * u + v], a + kWordBytes * v);
-            cp_async16(&sl.hi[kW * u + v], b + kWordBytes * v);
-          } else {
-            sl.lo[kW * u + v] = sl.hi[kW * u + v] = make_uint4(0, 0, 0, 0);
-          }
-        }
-        if constexpr (kInt4 && kTileScales) {
-          const uint32_t tile = static_cast<uint32_t>(q.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(s);
-          if (in) {
-            cp_async16(&sl.sz[u], reinterpret_cast<const float4*>(scales) + (tile * 8u + g));
-          } else {
-            sl.sz[u] = make_float4(0.f, 8.f, 0.f, 8.f);
-          }
-        } else if constexpr (kInt4) {
-          const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
-          const uint32_t i_lo = static_cast<uint32_t>(row_lo(q.x)) * static_cast<uint32_t>(stride_s) + grp;
-          const uint32_t i_hi = static_cast<uint32_t>(row_hi(q.x)) * static_cast<uint32_t>(stride_s) + grp;
-          if (in) {
-            cp_async4(&sl.sz[u].x, scales + i_lo);
-            cp_async4(&sl.sz[u].z, scales + i_hi);
-            if (zeros != nullptr && zeros_aligned) {
-              cp_async4(&sl.sz[u].y, zeros + (i_lo & ~3u));
-              cp_async4(&sl.sz[u].w, zeros + (i_hi & ~3u));
-            }
-          } else {
-            sl.sz[u] = make_float4(0.f, __uint_as_float(0x08080808u), 0.f, __uint_as_float(0x08080808u));
-          }
-        }
-      }
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  // Preloaded pass i into p (each lane reads only what it copied: no barrier).
-  const auto fetch = [&](int2 at, Pass& p, int i) {
-    if constexpr (kPre > 0) {
-      if (i == 0) asm volatile("cp.async.wait_all;" ::: "memory");
-      const Slot& sl = slots[i * W * 32];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-#pragma unroll
-        for (int v = 0; v < kW; ++v) {
-          p.lo[kW * u + v] = sl.lo[kW * u + v];
-          p.hi[kW * u + v] = sl.hi[kW * u + v];
-        }
-        if constexpr (kInt4) {
-          const float4 sz = sl.sz[u];
-          p.s_lo[u] = sz.x;
-          p.s_hi[u] = sz.z;
-          if constexpr (kTileScales) {
-            p.z_lo[u] = __float_as_uint(sz.y);
-            p.z_hi[u] = __float_as_uint(sz.w);
-          } else {
-            const int s = at.y + u * W;
-            const bool in = s < steps && at.x < groups;
-            const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
-            const uint32_t i_lo = static_cast<uint32_t>(row_lo(at.x)) * static_cast<uint32_t>(stride_s) + grp;
-            const uint32_t i_hi = static_cast<uint32_t>(row_hi(at.x)) * static_cast<uint32_t>(stride_s) + grp;
-            if (zeros == nullptr) {
-              p.z_lo[u] = p.z_hi[u] = 8u;
-            } else if (!in || (reinterpret_cast<uintptr_t>(zeros) & 3u) == 0) {
-              p.z_lo[u] = (__float_as_uint(sz.y) >> (8u * (in ? i_lo & 3u : 0u))) & 0xFFu;
-              p.z_hi[u] = (__float_as_uint(sz.w) >> (8u * (in ? i_hi & 3u : 0u))) & 0xFFu;
-            } else {
-              p.z_lo[u] = load_now(zeros + i_lo);
-              p.z_hi[u] = load_now(zeros + i_hi);
-            }
-          }
-        }
-      }
-    }
-  };
   mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
   load_x(at, even);
-  // One pass: the next one's loads (preloaded pass i, or load_w for i < 0), then cur's sums.
-  const auto advance = [&](Pass& cur, Pass& nxt, int i) {
-    const int2 later = next(at.x, at.y);
-    if (i >= 0) {
-      fetch(later, nxt, i);
-    } else {
-      load_w(later, nxt);
-    }
-    load_x(later, nxt);
-    compute(at, cur);
+  while (at.x < groups) {
+    int2 later = next(at.x, at.y);
+    load_w(later, odd);
+    load_x(later, odd);
+    compute(at, even);
     at = later;
-    return at.x < groups;
-  };
-  if constexpr (kPre == 0) {  // the default build's loop as it was (its SASS unchanged)
-    while (at.x < groups) {
-      int2 later = next(at.x, at.y);
-      load_w(later, odd);
-      load_x(later, odd);
-      compute(at, even);
-      at = later;
-      if (at.x >= groups) break;
-      later = next(at.x, at.y);
-      load_w(later, even);
-      load_x(later, even);
-      compute(at, odd);
-      at = later;
-    }
-  } else {
-    bool more = at.x < groups;
-#pragma unroll
-    for (int i = 0; i < kPre; ++i) {
-      if (more) more = (i & 1) ? advance(odd, even, i) : advance(even, odd, i);
-    }
-    if constexpr ((kPre & 1) == 0) {
-      while (more && advance(even, odd, -1)) more = advance(odd, even, -1);
-    } else {
-      while (more && advance(odd, even, -1)) more = advance(even, odd, -1);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
+    if (at.x >= groups) break;
+    later = next(at.x, at.y);
+    load_w(later, even);
+    load_x(later, even);
+    compute(at, odd);
+    at = later;
   }
 }
 
@@ -1576,15 +1415,8 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // MGX_GEMV_ENTRIES_WITH passes FN template arguments after kNorm: FLAGS is (, a, ...) or ().
 #define MGX_UNPAREN(...) __VA_ARGS__
 #define MGX_GEMV_ENTRIES(NAME, THREADS, FN, PARAMS, ARGS) MGX_GEMV_ENTRIES_WITH(NAME, THREADS, FN, (), PARAMS, ARGS)
-// A MGX_IMMA_PRELOAD build holds the plain entries to 64 registers as the staged ones (its preload took
-// the imma kinds to 72-78 unbounded, a block of 16 warps less an SM).
-#if MGX_IMMA_PRELOAD
-#define MGX_PLAIN_BOUNDS(THREADS) __launch_bounds__(THREADS, 65536 / (64 * (THREADS)))
-#else
-#define MGX_PLAIN_BOUNDS(THREADS) __launch_bounds__(THREADS)
-#endif
 #define MGX_GEMV_ENTRIES_WITH(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                              \
-  extern "C" __global__ void MGX_PLAIN_BOUNDS(THREADS)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                           \
       MGX_ENTRY(NAME)(__nv_bfloat16* out, const __nv_bfloat16* x, MGX_UNPAREN PARAMS) {                           \
     mgx_gemv::FN<false MGX_UNPAREN FLAGS>(out, reinterpret_cast<const uint4*>(x), MGX_UNPAREN ARGS, nullptr);     \
   }                                                                                                               \
@@ -1723,11 +1555,8 @@ MGX_STAGE_ENTRY(mgx_imma_stage_w8a16, false)
 
 // At most 64 registers a thread, as the kinds' own entries take (more would lose a block an SM: the
 // record's registers took imma to 74 and imma16 to 72 unbounded).
-#ifndef MGX_STAGED_REGS
-#define MGX_STAGED_REGS 64
-#endif
 #define MGX_STAGED_ENTRY(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                              \
-  extern "C" __global__ void __launch_bounds__(THREADS, 65536 / (MGX_STAGED_REGS * (THREADS)))             \
+  extern "C" __global__ void __launch_bounds__(THREADS, 65536 / (64 * (THREADS)))                          \
       MGX_ENTRY(NAME)(__nv_bfloat16* out, const uint4* rec, MGX_UNPAREN PARAMS) {                           \
     mgx_gemv::FN<false MGX_UNPAREN FLAGS>(out, rec, MGX_UNPAREN ARGS, nullptr);                             \
   }

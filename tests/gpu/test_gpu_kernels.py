@@ -338,58 +338,6 @@ def test_native_imma_on_tile16_weights_gives_the_row_major_bits(native, tiled, s
         assert not cg.gemv_applies(tiled, x, wt, kind=kind)
 
 
-@pytest.fixture(scope="module", params=[("-DMGX_IMMA_PRELOAD=2",), ("-DMGX_IMMA_PRELOAD=5",),
-                                        ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_PRELOAD=3")],
-                ids=["preload2", "preload5", "tile16-preload3"])  # fmt: skip
-def preloaded(request):
-    """The native kernels built with the experiment MGX_IMMA_PRELOAD (passes a warp copies into shared
-    memory before it waits for the kernel before), row-major or on cuda_tile16 weights."""
-    if build.find_nvcc() is None:
-        pytest.skip("needs nvcc")
-    arch = device_arch()
-    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=request.param), arch)
-    assert kernels is not None
-    return kernels, "-DMGX_IMMA_TILE16=1" in request.param
-
-
-@pytest.mark.parametrize(("scheme", "n", "k", "silu", "group", "symmetric"),
-                         [("int4", 28672, 4096, True, 128, False), ("int4", 4096, 14336, False, 128, True),
-                          ("int4", 6144, 4096, False, 128, False), ("int4", 4096, 4096, False, 256, False),
-                          ("int4", 2 * 1000, 1024, True, 128, True), ("int4", 48, 512, False, 128, False),
-                          ("w8a16", 4096, 14336, False, 0, True), ("w8a16", 48, 512, False, 0, True)])  # fmt: skip
-def test_native_imma_preload_gives_the_default_bits(native, preloaded, scheme: str, n: int, k: int, silu: bool,
-                                                   group: int, symmetric: bool) -> None:  # noqa: ANN001
-    """Passes preloaded into shared memory give the default build's bits for every imma kind, plain,
-    staged and as the greedy LM head: on the 8B shapes (gate/up SiLU-fused, down, QKV, o with group 256),
-    symmetric (no zeros) and not, and on shapes whose warps have fewer passes than they preload."""
-    from mgx.kernels.cuda import gemv as cg
-    from mgx.kernels.triton.testing import tile16
-
-    kernels, tiles = preloaded
-    gen = torch.Generator(device="cuda").manual_seed(n + k + 11)
-    kw = {"group_size": group, "symmetric": symmetric} if scheme == "int4" else {}
-    w = make_weight(scheme, n, k, device="cuda", generator=gen, **kw)
-    wp = tile16(w) if tiles else w
-    x = torch.randn(1, k, device="cuda", generator=gen)
-    x[0, 5] = -600.0
-    x = x.to(torch.bfloat16)
-    rec = cg.stage_x(x, scheme, kernels=native)
-    runs = 0
-    for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
-        assert cg.gemv_applies(kernels, x, wp, kind=kind)
-        pairs = [lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu)]
-        if kind in cg.STAGED_KINDS:
-            pairs.append(lambda kk, ww, kind=kind: cg.gemv_staged(rec, ww, kernels=kk, kind=kind, silu_mul=silu))
-        if not silu:
-            pairs.append(lambda kk, ww, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, ww, kernels=kk,
-                                                                                                 kind=kind)]))  # fmt: skip
-        for i, run in enumerate(pairs):
-            got, want = run(kernels, wp), run(native, w)
-            assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
-            runs += 1
-    assert runs >= 8
-
-
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
 @pytest.mark.parametrize(("k", "with_delta"), [(4096, True), (4096, False), (2176, True), (256, True)])
 def test_native_norm_stage_writes_the_norm_and_the_record_stage_x_would(native, scheme: str, k: int, with_delta: bool) -> None:  # noqa: ANN001
