@@ -763,6 +763,10 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 #endif
 constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
+// Tried on the H200 (36th session, 99th-100th runs) and dropped: each warp copying its next 1-4 passes
+// of codes, scales and zeros into shared memory with cp.async before mgx_pdl_wait (build flag
+// MGX_IMMA_PRELOAD). Same bits and occupancy, but the 8B INT4 chain lost (1.713 -> 1.883-2.240 ms) and
+// every kernel alone was slower (gate/up imma_w4 staged 23.4 -> 28.5 us with one pass): README.
 // Tried on the H200 (35th session, 95th run) and dropped: a kernel of its own asking L2 for the next
 // projections' weights (cp.async.bulk.prefetch.L2 over byte spans) after QKV, while decode attention
 // runs. Every plan lost in the 8B INT4 layer chain (1.697 ms without; o's 9 MB 1.853; o and 16 MB of
