@@ -127,14 +127,12 @@ from mgx.kernels.triton.linear import (
     NormIn,
     default_config,
     dequantize,
-    dequantize_ref,
     linear,
     linear_add_squares,
     linear_silu_mul,
     new_split_workspace,
     runs_gemv,
     silu_mul,
-    take_rows,
 )
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
 from mgx.kernels.triton.lm_head import lm_head_argmax
@@ -1168,7 +1166,7 @@ class CUDABackend(Backend):
         ids = self._cur.token_ids
         if w.scheme == "none":
             return w.weight.index_select(0, ids)
-        return dequantize_ref(take_rows(w, ids)).to(self.dtype)
+        return dequantize(w, self.dtype, rows=ids)  # one kernel: the rows' codes, scales and zeros
 
     def rms_norm(self, op: Op, x: Array) -> Array:
         done = self._pending.pop(id(op), None)

@@ -687,20 +687,25 @@ def _linear_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    w_ptr, s_ptr, z_ptr, meta_ptr, out_ptr, N, K, stride_w, stride_s, stride_m, stride_o,
+    w_ptr, s_ptr, z_ptr, meta_ptr, rows_ptr, out_ptr, N, K, stride_w, stride_s, stride_m, stride_o,
     SCHEME: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, LAYOUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """Output rows rn of W, or with GATHER of W[rows[rn]] (an embedding's lookup)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = rn < N
-    w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, rn, n_mask, k0, K,
+    if GATHER:
+        src = tl.load(rows_ptr + rn, mask=n_mask, other=0).to(tl.int64)
+    else:
+        src = rn
+    w = _w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, stride_w, stride_s, stride_m, src, n_mask, k0, K,
                 SCHEME, GROUP, SYMMETRIC, LAYOUT, BLOCK_N, BLOCK_K, tl.float32)  # fmt: skip
     if SCHEME == 1:
-        w = w * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
+        w = w * tl.load(s_ptr + src, mask=n_mask, other=0.0)[:, None]
     k = k0 + tl.arange(0, BLOCK_K)
     dst = out_ptr + rn.to(tl.int64)[:, None] * stride_o + k[None, :]
-    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (k < K)[None, :])
+    tl.store(dst, cast_as(w, out_ptr.dtype.element_ty), mask=n_mask[:, None] & (k < K)[None, :])
 
 
 @triton.jit
@@ -998,30 +1003,43 @@ def linear_silu_mul(
     return _launch(x, weight, bias, out, config, silu_mul=True, workspace=workspace, norm=norm)
 
 
-def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """W [N, K] in ``dtype`` (rounded once from the fp32 value ``dequantize_ref`` defines), written
-    into ``out`` when given (a buffer of at least N * K elements; the first N * K are used).
+    into ``out`` when given (a buffer of at least N * K elements; the first N * K are used). With
+    ``rows`` (int32 or int64 [R], each in [0, N)): W[rows] [R, K] instead, an embedding's lookup in one
+    kernel, as ``dequantize_ref(take_rows(w, rows))`` rounded to ``dtype``.
 
     Long prefills on quantized weights dequantize once and run the dense matrix product: at
     thousands of rows the weight is read once either way, and the dense product runs at the
     tensor cores' rate."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dequantize to {dtype}: expected a float dtype")
+    n = w.n
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != w.weight.device:
+            raise ValueError(f"dequantize rows: {rows.dtype} {tuple(rows.shape)} on {rows.device}; need int32 "
+                             f"or int64 [R] on {w.weight.device}")  # fmt: skip
+        n = rows.shape[0]
+        rows = rows.contiguous()
     if out is None:
-        out = torch.empty((w.n, w.k), dtype=dtype, device=w.weight.device)
+        out = torch.empty((n, w.k), dtype=dtype, device=w.weight.device)
     else:
-        if out.dtype != dtype or not out.is_contiguous() or out.numel() < w.n * w.k:
+        if out.dtype != dtype or not out.is_contiguous() or out.numel() < n * w.k:
             raise ValueError(f"dequantize buffer: {out.dtype} of {out.numel()} elements; need {dtype}, "
-                             f"contiguous, >= {w.n * w.k}")  # fmt: skip
-        out = out.view(-1)[: w.n * w.k].view(w.n, w.k)
-    block_n, block_k = 32, max(128, min_block_k(w))
+                             f"contiguous, >= {n * w.k}")  # fmt: skip
+        out = out.view(-1)[: n * w.k].view(n, w.k)
+    if n == 0:
+        return out
+    block_n, block_k = min(32, next_pow2(n)), max(128, min_block_k(w))
     s, z, meta = w.scales, w.zeros, w.meta
-    _dequantize_kernel[(cdiv(w.n, block_n), cdiv(w.k, block_k))](
-        w.weight, s if s is not None else out, z if z is not None else out, meta if meta is not None else out, out,
-        w.n, w.k, w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
+    _dequantize_kernel[(cdiv(n, block_n), cdiv(w.k, block_k))](
+        w.weight, s if s is not None else out, z if z is not None else out, meta if meta is not None else out,
+        rows if rows is not None else out, out,
+        n, w.k, w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
         meta.stride(0) if meta is not None else 0, out.stride(0),
         SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
-        LAYOUT=LAYOUT_IDS[w.layout], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        LAYOUT=LAYOUT_IDS[w.layout], GATHER=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out
 

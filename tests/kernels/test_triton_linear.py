@@ -266,17 +266,48 @@ def test_swap_falls_back_where_it_does_not_apply() -> None:
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 def test_dequantize_kernel_matches_the_reference(name: str) -> None:
     """The Triton dequantization (long prefills: dequantize, then a dense product) equals
-    ``dequantize_ref`` rounded once; a shared buffer larger than W serves too, a wrong one is refused."""
+    ``dequantize_ref`` rounded once (fp32, and bf16 to nearest even in the interpreter too); a shared buffer larger than W serves too, a wrong one is refused."""
     scheme, kw = WEIGHTS[name]
     w = make_weight(scheme, 40, 384, dtype=torch.float32, device=DEVICE, generator=torch.Generator().manual_seed(31), **kw)
     want = lin.dequantize_ref(w)
     torch.testing.assert_close(lin.dequantize(w, torch.float32), want, atol=0, rtol=0)
+    assert torch.equal(lin.dequantize(w, torch.bfloat16), want.to(torch.bfloat16))  # rounded to nearest even
     buf = torch.full((50 * 384,), float("nan"), dtype=torch.float32, device=DEVICE)
     got = lin.dequantize(w, torch.float32, out=buf)
     assert got.data_ptr() == buf.data_ptr()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="dequantize buffer"):
         lin.dequantize(w, torch.float32, out=buf[: 40 * 383])
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+@pytest.mark.parametrize("tiled", [False, True])
+def test_dequantize_rows_is_the_embedding_lookup(name: str, tiled: bool) -> None:
+    """``dequantize(rows=)`` (the CUDA backend's embedding lookup in one kernel) equals the gather of
+    dequantized rows (``dequantize_ref(take_rows(w, rows))`` rounded once) to the bit, in fp32 and bf16,
+    int32 and int64 ids, repeated ids, one row and none, on row-major and cuda_tile16 codes; ids that are
+    not a 1-D integer tensor are refused."""
+    from mgx.kernels.triton.testing import tile16
+
+    scheme, kw = WEIGHTS[name]
+    w = make_weight(scheme, 48, 384, dtype=torch.float32, device=DEVICE, generator=torch.Generator().manual_seed(32), **kw)
+    if tiled:
+        if scheme not in ("int4", "w8a16"):
+            pytest.skip("cuda_tile16 holds int4 and W8A16 codes")
+        w = tile16(w)
+    for ids, dtype in ((torch.tensor([47, 0, 5, 5, 31], dtype=torch.int64), torch.float32),
+                       (torch.tensor([16], dtype=torch.int32), torch.bfloat16),
+                       (torch.tensor([3, 40, 17], dtype=torch.int32), torch.bfloat16),
+                       (torch.tensor([], dtype=torch.int64), torch.float32)):  # fmt: skip
+        ids = ids.to(DEVICE)
+        want = lin.dequantize_ref(lin.take_rows(w, ids.long())).to(dtype)
+        got = lin.dequantize(w, dtype, rows=ids)
+        assert got.shape == (ids.shape[0], 384) and got.dtype == dtype
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="dequantize rows"):
+        lin.dequantize(w, torch.float32, rows=torch.tensor([[1, 2]], device=DEVICE))
+    with pytest.raises(ValueError, match="dequantize rows"):
+        lin.dequantize(w, torch.float32, rows=torch.tensor([1.0], device=DEVICE))
 
 
 def test_autotune_candidates_include_the_swapped_path_where_it_applies() -> None:
