@@ -1,6 +1,6 @@
 """Benchmark MGX's GPU kernels against the GPU's measured ceilings and against PyTorch, in one run.
 
-    python examples/bench_gpu_kernels.py [--only rmsnorm,gemv,native,decode,prefill,lm_head] [--json out.json]
+    python examples/bench_gpu_kernels.py [--only rmsnorm,gemv,native,embedding,decode,prefill,lm_head] [--json out.json]
 
 Measures first the copy bandwidth (a large device-to-device copy, bytes read plus bytes written)
 and the bf16 matrix rate, then times each kernel with ``triton.testing.do_bench`` (median; it
@@ -12,6 +12,8 @@ measured copy bandwidth:
 - GEMV at batch 1 on Llama-3.1-8B shapes for bf16 (cuBLAS and Triton), W8A16, INT4 (g128) and 2:4;
 - ``native``: the native CUDA GEMV kinds alone on the 8B decode products, W8A16 and INT4 (g128),
   with ``--nvcc-flag`` for gemv.cu's compile-time settings (an A/B in about a minute);
+- ``embedding``: a decode step's lookup in a quantized 128,256 x 4,096 table, one Triton kernel against
+  torch's gathers and the reference dequantization;
 - paged decode attention (Llama-3.1-8B heads) over long contexts, and prefill attention;
 - the LM head fused with argmax against cuBLAS + torch.argmax.
 
@@ -435,6 +437,46 @@ def bench_dequant(tflops: float) -> None:
                     row["frac_matmul_rate"] = row["TFLOP/s"] / tflops
 
 
+def bench_embedding(copy_gbps: float) -> None:
+    """The embedding lookup of a decode step's tokens in a quantized 128,256 x 4,096 table (Llama-3.1-8B):
+    ``dequantize(rows=)``, one kernel (what the CUDA backend runs), against torch's gathers of the rows'
+    codes, scales and zeros and the reference dequantization (what it ran before), both to bf16, with
+    the kernels each launches."""
+    from mgx.kernels.triton import linear as lin
+    from mgx.kernels.triton.testing import make_weight, tile16
+
+    cuda = DEVICE == "cuda"
+    n, k = (128256, 4096) if cuda else (64, 256)
+    for label, scheme, kw in GEMV_SCHEMES[:2]:
+        for tiled in (False, True):
+            w = make_weight(scheme, n, k, device=DEVICE, **kw)
+            w = tile16(w) if tiled else w
+            for tokens in (1, 8):
+                ids = torch.randint(0, n, (tokens,), device=DEVICE)
+                variants = (("dequantize(rows=)", lambda w=w, ids=ids: lin.dequantize(w, torch.bfloat16, rows=ids)),
+                            ("gather + reference", lambda w=w, ids=ids: lin.dequantize_ref(
+                                lin.take_rows(w, ids)).to(torch.bfloat16)))  # fmt: skip
+                assert torch.equal(variants[0][1](), variants[1][1]())
+                case = f"{label}{' tile16' if tiled else ''} T={tokens}"
+                nbytes = w.nbytes / n * tokens + 2 * k * tokens
+                for variant, fn in variants:
+                    row = record("embed", case, variant, bench(fn), nbytes, kernels=_kernels_launched(fn))
+                    row["frac_copy_bw"] = row["GB/s"] / copy_gbps
+
+
+def _kernels_launched(fn: Callable[[], object]) -> int | None:
+    """How many kernels one call of ``fn`` launches (None without a GPU)."""
+    if DEVICE != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 # --- attention --------------------------------------------------------------------------------------
 
 HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}  # Llama-3.1-8B, 16-token blocks
@@ -613,6 +655,7 @@ def main() -> None:
         ("batch", lambda: bench_batch(ceil["copy_GBps"])),
         ("swap", lambda: bench_swap(ceil["copy_GBps"])),
         ("dequant", lambda: bench_dequant(ceil["bf16_TFLOPs"])),
+        ("embedding", lambda: bench_embedding(ceil["copy_GBps"])),
         ("decode", lambda: bench_decode(ceil["copy_GBps"])),
         ("prefill", lambda: bench_prefill(ceil["bf16_TFLOPs"])),
         ("lm_head", lambda: bench_lm_head(ceil["copy_GBps"])),
