@@ -266,7 +266,8 @@ def test_swap_falls_back_where_it_does_not_apply() -> None:
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 def test_dequantize_kernel_matches_the_reference(name: str) -> None:
     """The Triton dequantization (long prefills: dequantize, then a dense product) equals
-    ``dequantize_ref`` rounded once (fp32, and bf16 to nearest even in the interpreter too); a shared buffer larger than W serves too, a wrong one is refused."""
+    ``dequantize_ref`` rounded once (fp32, and bf16 to nearest even in the interpreter too); a shared
+    buffer larger than W serves too, a wrong one is refused."""
     scheme, kw = WEIGHTS[name]
     w = make_weight(scheme, 40, 384, dtype=torch.float32, device=DEVICE, generator=torch.Generator().manual_seed(31), **kw)
     want = lin.dequantize_ref(w)
