@@ -1069,8 +1069,9 @@ def row_major_codes(w: GpuWeight) -> torch.Tensor:
 
 
 def code_rows(w: GpuWeight, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of ``w``'s stored codes, row-major [len(rows), row bytes] whatever the layout (an
-    embedding's gather from a tied, tiled LM head: only those rows are read)."""
+    """Rows ``rows`` of ``w``'s stored codes, row-major [len(rows), row bytes] whatever the layout (a
+    tied, tiled LM head's rows too: only those rows are read). With ``take_rows``, the torch reference
+    of an embedding's lookup; the CUDA backend runs ``dequantize(rows=)``."""
     if w.layout != "cuda_tile16":
         return w.weight.index_select(0, rows)
     shape, order = layout_registry.tile16_axes(w.scheme, *w.weight.shape)
@@ -1079,9 +1080,10 @@ def code_rows(w: GpuWeight, rows: torch.Tensor) -> torch.Tensor:
 
 
 def take_rows(w: GpuWeight, rows: torch.Tensor) -> GpuWeight:
-    """The rows ``rows`` of ``w`` as a weight of their own (an embedding's gather): codes and their
-    per-row companions gathered, the codes row-major where ``w`` is tiled (16-row tiles do not hold
-    an arbitrary set of rows)."""
+    """The rows ``rows`` of ``w`` as a weight of their own: codes and their per-row companions gathered,
+    the codes row-major where ``w`` is tiled (16-row tiles do not hold an arbitrary set of rows).
+    ``dequantize_ref(take_rows(w, rows))`` is the reference that ``dequantize(rows=)`` is tested and
+    timed against."""
     def pick(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.index_select(0, rows)
 
