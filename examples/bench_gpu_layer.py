@@ -4,7 +4,9 @@ fused, programmatic dependent launches), chained over 32 layers in one CUDA grap
 weights, then the same chain with parts left out:
 
 - ``all``: norm, QKV, attention, o_proj, add + norm, gate/up with SiLU, down (no embedding, LM head);
-- ``gemvs``: the four GEMVs alone; ``others``: everything but the GEMVs; ``norms``; ``attention``.
+- ``gemvs``: the four GEMVs alone; ``others``: everything but the GEMVs; ``norms``; ``attention``;
+- ``no_norms``: the GEMVs and attention without the norms (what a step would take if the norms cost
+  nothing: with ``--staged``, read the variant whose records are staged before the graph).
 
 A model's step replays more than this (the LM head, the sampled token's embedding), and its GEMVs'
 kinds are the stored tunings'; this is for splitting a step into its parts and for A/Bs of a build
@@ -40,7 +42,7 @@ from collections.abc import Callable
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 4096, 32, 8, 128, 14336, 32
 DEFAULT_KINDS = {"int4": "qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16",
                  "w8a16": "qkv=imma,o=imma,gate_up=imma_w4,down=imma_w16"}  # the 44th/45th runs' tunings
-PARTS = ("all", "gemvs", "others", "norms", "attention")
+PARTS = ("all", "gemvs", "others", "norms", "attention", "no_norms")
 
 
 def parse_kinds(text: str) -> dict[str, str]:
@@ -138,8 +140,8 @@ class Chain:
     def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
-        gemvs, norms = part in ("all", "gemvs"), part in ("all", "others", "norms")
-        attend = part in ("all", "others", "attention")
+        gemvs, norms = part in ("all", "gemvs", "no_norms"), part in ("all", "others", "norms")
+        attend = part in ("all", "others", "attention", "no_norms")
         res = self.x["res"]
         x, rec = self.x["d"], None
         if norms:
