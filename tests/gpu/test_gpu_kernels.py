@@ -339,7 +339,7 @@ def test_native_imma_on_tile16_weights_gives_the_row_major_bits(native, tiled, s
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])
-@pytest.mark.parametrize(("k", "with_delta"), [(4096, True), (4096, False), (2176, True), (256, True)])
+@pytest.mark.parametrize(("k", "with_delta"), [(4096, True), (4096, False), (2176, True), (256, True), (8192, True)])
 def test_native_norm_stage_writes_the_norm_and_the_record_stage_x_would(native, scheme: str, k: int, with_delta: bool) -> None:  # noqa: ANN001
     """``norm_stage``: one kernel for the RMSNorm (of res + delta, which it also writes) and the record
     of its output: the row within one bf16 rounding of the reference, res + delta exact, the record
