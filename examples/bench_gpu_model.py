@@ -567,6 +567,8 @@ def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN00
                                (backend, "narrow_decode_tiles", "decode_tiles_64", "decode_tiles_32"),
                                (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile"),
                                (backend, "staged_x", "unstaged_x", "staged_x")):  # fmt: skip
+        if args.flip_only and attr.lstrip("_") not in args.flip_only.split(","):
+            continue
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
             row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
@@ -875,6 +877,8 @@ def main() -> None:
                              "(repeatable; with =: --nvcc-flip=-DMGX_IMMA_UNROLL=2)")  # fmt: skip
     parser.add_argument("--no-flips", dest="flips", action="store_false",
                         help="skip the batch-1 graph's A/B flips and --nvcc-flip rebuilds (a shorter run)")
+    parser.add_argument("--flip-only", default="", help="only these flips, by the backend's switch, e.g. "
+                                                        "norm_tail,staged_x (and the default recaptured)")  # fmt: skip
     parser.add_argument("--serve", default="", help="request rates (req/s; inf: all at once) of a serving load, "
                                                     "mixed steps as graphs and op by op, e.g. 8,16,32,inf ('' none)")
     parser.add_argument("--serve-prompts", type=int, default=160, help="requests of each --serve pass")

@@ -306,7 +306,7 @@ __device__ __forceinline__ NormWeights norm_weights_first(const NormIn& in, int 
 // first: the thread's first batch of weights, loaded already (norm_weights_first; nullptr: load them
 // here, after the sums of squares, a round trip to memory on the block's path).
 __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, const NormWeights* first = nullptr) {
-  __shared__ float part[kMaxThreads / 32];
+  __shared__ float part[32];  // a warp's sum: blocks of up to 1,024 threads (imma_w16's _norm entries: 16 warps)
   const int words = k >> 3;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   float ss = 0.0f;
