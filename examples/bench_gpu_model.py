@@ -956,6 +956,28 @@ def main() -> None:
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
+    for line in summary_lines(ROWS):  # last, so that the end of a long run's output holds them
+        log(line)
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """The batch-1 decode figures of each engine, and each MGX scheme's tokens/s against MGX bf16's in
+    the same run (the targets' ratios)."""
+    bf16 = next((r.get("decode_b1_tok_s") for r in rows if r.get("engine") == "mgx bf16"), None)
+    graph_bf16 = next((r.get("graph_b1_ms") for r in rows if r.get("engine") == "mgx bf16"), None)
+    lines = []
+    for r in rows:
+        if "decode_b1_tok_s" not in r:
+            continue
+        line = f"summary {r['engine']}: batch 1 {r['decode_b1_tok_s']:.1f} tok/s ({r['decode_b1_bw_frac']:.1%} of copy bandwidth)"
+        if "graph_b1_ms" in r:
+            line += f", graph {r['graph_b1_ms']:.3f} ms"
+        if bf16 and r["engine"].startswith("mgx ") and r["engine"] != "mgx bf16":
+            line += f", {r['decode_b1_tok_s'] / bf16:.3f}x bf16"
+            if graph_bf16 and "graph_b1_ms" in r:
+                line += f" (graphs {graph_bf16 / r['graph_b1_ms']:.3f}x)"
+        lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":

@@ -232,3 +232,17 @@ def test_serving_plan_adds_the_whole_steps_pass_where_steps_are_launched_ahead(b
     assert plan[6:] == [("4 req/s", True, 4.0, False), ("inf req/s", True, inf, False)]
     assert bench.serving_plan([8.0], overlaps=False) == [
         ("warm-up", True, 8.0, True), ("warm-up", False, 8.0, True), ("8 req/s", False, 8.0, True), ("8 req/s", True, 8.0, True)]
+
+
+def test_summary_gives_each_engines_batch_1_figures_and_the_schemes_ratios_to_bf16(bench) -> None:  # noqa: ANN001
+    rows = [{"engine": "mgx int4", "decode_b1_tok_s": 540.0, "decode_b1_bw_frac": 0.52, "graph_b1_ms": 1.8},
+            {"engine": "mgx bf16", "decode_b1_tok_s": 240.0, "decode_b1_bw_frac": 0.86, "graph_b1_ms": 4.14},
+            {"engine": "mgx w8a16 serving", "error": "RuntimeError: x"},
+            {"engine": "transformers static", "decode_b1_tok_s": 130.0, "decode_b1_bw_frac": 0.457}]  # fmt: skip
+    assert bench.summary_lines(rows) == [
+        "summary mgx int4: batch 1 540.0 tok/s (52.0% of copy bandwidth), graph 1.800 ms, 2.250x bf16 (graphs 2.300x)",
+        "summary mgx bf16: batch 1 240.0 tok/s (86.0% of copy bandwidth), graph 4.140 ms",
+        "summary transformers static: batch 1 130.0 tok/s (45.7% of copy bandwidth)",
+    ]
+    no_bf16 = "summary mgx int4: batch 1 540.0 tok/s (52.0% of copy bandwidth), graph 1.800 ms"
+    assert bench.summary_lines(rows[:1]) == [no_bf16]  # no bf16 in the run: no ratio
