@@ -1115,6 +1115,9 @@ __device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict
 // (norm_prologue: rms_norm(res + delta) * g, res + delta to res_out) into shared memory, writes it to
 // `out`, and its warps stage the steps w, w + warps, ... from there as imma_stage_rows does from
 // global memory (so `rec` is stage_x(out)'s, to the bit). Replaces the norm's kernel and the stage's.
+// Run instead by the last block of the projection before it (o_proj, down: a block counter, then this
+// work), it lost twice on the H200: the 8B INT4 chain 1.716 -> 1.757 ms (32nd session) and 1.681 ->
+// 1.735 (37th, the same bits as this kernel); this kernel, launched early and waiting, starts sooner.
 template <bool kInt4>
 __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restrict__ rec, const NormIn& in, int k) {
   extern __shared__ uint4 xs[];
