@@ -878,7 +878,7 @@ def main() -> None:
     parser.add_argument("--no-flips", dest="flips", action="store_false",
                         help="skip the batch-1 graph's A/B flips and --nvcc-flip rebuilds (a shorter run)")
     parser.add_argument("--flip-only", default="", help="only these flips, by the backend's switch, e.g. "
-                                                        "norm_tail,staged_x (and the default recaptured)")  # fmt: skip
+                                                        "staged_x,norm_across (and the default recaptured)")  # fmt: skip
     parser.add_argument("--serve", default="", help="request rates (req/s; inf: all at once) of a serving load, "
                                                     "mixed steps as graphs and op by op, e.g. 8,16,32,inf ('' none)")
     parser.add_argument("--serve-prompts", type=int, default=160, help="requests of each --serve pass")
@@ -963,8 +963,8 @@ def main() -> None:
 def summary_lines(rows: list[dict]) -> list[str]:
     """The batch-1 decode figures of each engine, and each MGX scheme's tokens/s against MGX bf16's in
     the same run (the targets' ratios)."""
-    bf16 = next((r.get("decode_b1_tok_s") for r in rows if r.get("engine") == "mgx bf16"), None)
-    graph_bf16 = next((r.get("graph_b1_ms") for r in rows if r.get("engine") == "mgx bf16"), None)
+    ref = next((r for r in rows if r.get("engine") == "mgx bf16"), {})
+    bf16, graph_bf16 = ref.get("decode_b1_tok_s"), ref.get("graph_b1_ms")
     lines = []
     for r in rows:
         if "decode_b1_tok_s" not in r:

@@ -293,13 +293,15 @@ struct NormWeights {
   uint4 w[kNormBatch];
 };
 
+// Word j of the norm's weights (zero past the row's `words` words, or without weights).
+__device__ __forceinline__ uint4 norm_weight(const NormIn& in, int j, int words) {
+  return j < words && in.g != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.g) + j) : make_uint4(0, 0, 0, 0);
+}
+
 __device__ __forceinline__ NormWeights norm_weights_first(const NormIn& in, int k) {
   NormWeights first;
 #pragma unroll
-  for (int u = 0; u < kNormBatch; ++u) {
-    const int j = threadIdx.x + u * blockDim.x;
-    first.w[u] = j < (k >> 3) && in.g != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.g) + j) : make_uint4(0, 0, 0, 0);
-  }
+  for (int u = 0; u < kNormBatch; ++u) first.w[u] = norm_weight(in, threadIdx.x + u * blockDim.x, k >> 3);
   return first;
 }
 
@@ -353,11 +355,7 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, c
 #pragma unroll
     for (int u = 0; u < kNormBatch; ++u) {
       const int j = j0 + u * blockDim.x;
-      if (first != nullptr && j0 == threadIdx.x) {
-        gs[u] = first->w[u];
-      } else {
-        gs[u] = j < words && in.g != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.g) + j) : zero;
-      }
+      gs[u] = first != nullptr && j0 == threadIdx.x ? first->w[u] : norm_weight(in, j, words);
     }
 #pragma unroll
     for (int u = 0; u < kNormBatch; ++u) {
