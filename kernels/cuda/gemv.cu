@@ -976,45 +976,10 @@ __device__ __forceinline__ ImmaTally<W>& imma_tally() {
 // kArgmax (the greedy LM head): out is float [2 groups]; the group's largest output and its row (the
 // smallest on ties; NaN counts as -inf, so a group of NaN still gives its first row, as lm_head.py's
 // kernels) go to out[blk] and, as int, out[groups + blk] instead of the outputs.
-#ifndef MGX_FLOW_WAIT
-#define MGX_FLOW_WAIT 0  // 1: down's flow entry also waits for the SiLU product's kernel (an A/B of the flow's costs)
-#endif
-// Step flow from the SiLU product into down (kFlow in gemv_imma; an experiment of the thirty-eighth
-// session): the gate/up GEMV adds a group's outputs to its 128-column step's counter once they are
-// stored (release), and down's warps wait for each step's count to reach 128 (acquire) before they load
-// that step of x, instead of waiting for the whole gate/up grid: down's blocks, launched as gate/up's last
-// wave runs, stream the steps that are done while the rest are computed.
-#ifndef MGX_FLOW_RELAXED
-#define MGX_FLOW_RELAXED 0  // 1: relaxed counters (no release fence, no acquire; not ordered: timing only)
-#endif
-__device__ __forceinline__ void flow_add(unsigned* c, unsigned v) {
-#if MGX_FLOW_RELAXED
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(v) : "memory");
-#else
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(v) : "memory");
-#endif
-}
-__device__ __forceinline__ unsigned flow_count(const unsigned* c) {
-  unsigned v;
-#if MGX_FLOW_RELAXED
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-#else
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-#endif
-  return v;
-}
-// x_oct from L2 (x written while this kernel runs: not through the read-only path).
-__device__ __forceinline__ uint4 x_oct_now(const uint4* x, int o) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(x + o));
-  return v;
-}
-
 template <int W, bool kArgmax = false>
 __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
-                                            const __nv_bfloat16* __restrict__ bias, bool silu_mul,
-                                            unsigned* __restrict__ flow = nullptr) {
+                                            const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
   ImmaTally<W>& tally = imma_tally<W>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, h = use & 1;
   if (lane == 0) {  // this half's group before must be stored: its partials are read until then
@@ -1071,7 +1036,6 @@ __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, flo
     out[n0 + lane] = __float2bfloat16_rn(v);
   }
   __syncwarp();
-  if (flow != nullptr && lane == 0) flow_add(flow + (n0 >> 7), min(per, n_out - n0));  // see kFlow
   if (lane == 0) {
     tally.arrived[h] = 0;
     __threadfence_block();
@@ -1175,17 +1139,11 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
 // kStaged: x is not the row but its steps as imma_stage_rows staged them (ImmaStaged): each lane loads
 // its B words and the step's factor and sum X instead of staging x itself (the same values, so the
 // same bits as the kernel without it).
-// kFlow (see flow_add): 1, the SiLU product adds each stored group to flow[step] and first zeroes clear[0 ..
-// silu_f / 128) (block 0, past its wait: another GEMV's counters, which no kernel still running reads);
-// 2, x's steps are awaited in flow (count 128) instead of the kernel before (no griddepcontrol.wait).
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false, int kFlow = 0>
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
-                          int group_shift, int silu_f, const NormIn* norm, unsigned* flow = nullptr,
-                          unsigned* clear = nullptr) {
-  static_assert(kFlow == 0 || (kFlow == 1 && kSilu && !kNorm && !kArgmax) || (kFlow == 2 && !kSilu && !kNorm && !kStaged && !kArgmax),
-                "kFlow: 1 for a SiLU product, 2 for a plain GEMV on x");
+                          int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -1268,13 +1226,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
     }
   };
-  // kFlow 2: each lane's count of the steps of the pass it loads next, asked for (acquire) as it loads
-  // x of the pass before, so that the wait for it is one pass's time ahead of its use.
-  static_assert(kFlow != 2 || kU == 1, "kFlow 2 peeks one step a pass");
-  uint32_t seen = 0;
-  const auto peek = [&](int2 at) {
-    if constexpr (kFlow == 2) seen = at.y < steps && at.x < groups ? flow_count(flow + at.y) : 128u;
-  };
   // Whether the warp keeps its staging of step s (see ImmaCache), and whether group b reads it back.
   const auto keeps = [&](int s) { return (kNorm || kMulti) && s / W < ImmaCache<W>::kSteps; };
   const auto reuse = [&](int b, int s) { return keeps(s) && b != blockIdx.x; };
@@ -1283,13 +1234,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
       const bool in = s < steps && at.x < groups && !reuse(at.x, s);
-      if constexpr (kFlow == 2) {  // seen: the step's count, asked for a pass before (peek)
-        while (in && seen < 128u) {
-          __nanosleep(100);
-          seen = flow_count(flow + s);
-        }
-        p.xv[u] = in ? x_oct_now(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
-      } else if constexpr (kStaged) {
+      if constexpr (kStaged) {
         p.xv[u] = in ? x_oct<false>(x, s * 32 + lane) : make_uint4(0, 0, 0, 0);
         p.fs[u] = in ? staged_fs(x, steps, s) : make_float2(0.0f, 0.0f);
       } else if constexpr (kInt4) {
@@ -1363,8 +1308,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
       acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
     }
-    imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu,
-                            kFlow == 1 ? flow : nullptr);
+    imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
   int2 at = make_int2(blockIdx.x, warp);
@@ -1392,33 +1336,18 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   // (build flag MGX_IMMA_PREFETCH, twenty-first session) lost on the H200 (the 8B layer chained 32
   // times: INT4 2.24 vs 1.81 ms, W8A16 2.92 vs 2.32).
   load_w(at, even);
-  if constexpr (kFlow == 2 && !MGX_FLOW_WAIT) {  // every kernel before the SiLU product is done once it lets this one start
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  } else {
-    mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
-  }
-  if constexpr (kFlow == 1) {
-    if (blockIdx.x == 0) {
-      for (int i = threadIdx.x; i < (silu_f >> 7); i += blockDim.x) clear[i] = 0u;
-    }
-  }
-  peek(at);
+  mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
   load_x(at, even);
-  peek(next(at.x, at.y));
   while (at.x < groups) {
     int2 later = next(at.x, at.y);
     load_w(later, odd);
     load_x(later, odd);
-    peek(next(later.x, later.y));
     compute(at, even);
     at = later;
     if (at.x >= groups) break;
     later = next(at.x, at.y);
     load_w(later, even);
     load_x(later, even);
-    peek(next(later.x, later.y));
     compute(at, odd);
     at = later;
   }
@@ -1492,18 +1421,12 @@ __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4*
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false, int kFlow = 0>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
-                                               const NormIn* norm, unsigned* flow = nullptr, unsigned* clear = nullptr) {
-  if constexpr (kFlow == 1) {  // the SiLU product (silu_f > 0: gemv.py launches it so only)
-    gemv_imma<true, true, kNorm, kMulti, W, false, kStaged, 1>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
-                                                               group_shift, silu_f, norm, flow, clear);
-  } else if constexpr (kFlow == 2) {
-    gemv_imma<true, false, kNorm, kMulti, W, false, false, 2>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
-                                                              group_shift, 0, norm, flow);
-  } else if constexpr (kArgmax) {
+                                               const NormIn* norm) {
+  if constexpr (kArgmax) {
     gemv_imma<true, false, kNorm, kMulti, W, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
                                                 0, norm);
   } else if (silu_f > 0) {
@@ -1682,20 +1605,6 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma4_staged_bf16, 4 * 32, gemv_w8a16_imma, (, f
                  MGX_W8A16_ARGS)
 MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, true),
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-
-// Step flow (kFlow; gemv.py's gemv_flow): NAME(out, x or rec, ..., flow, clear) of the SiLU product on
-// imma_w4's staged twin, adding its groups to flow [silu_f / 128] after zeroing clear [silu_f / 128]; and
-// down on imma_w16 waiting for its x's steps in flow. Grids and bits as the kinds' own entries.
-#define MGX_FLOW_ENTRY(NAME, THREADS, X, FLAGS, PARAMS, ARGS)                                                       \
-  extern "C" __global__ void __launch_bounds__(THREADS, 65536 / (64 * (THREADS)))                          \
-      MGX_ENTRY(NAME)(__nv_bfloat16* out, const X* x, MGX_UNPAREN PARAMS, unsigned* flow,                      \
-                      unsigned* clear) {                                                                     \
-    mgx_gemv::gemv_int4_imma<false MGX_UNPAREN FLAGS>(out, reinterpret_cast<const uint4*>(x),               \
-                                                     MGX_UNPAREN ARGS, nullptr, flow, clear);                  \
-  }
-MGX_FLOW_ENTRY(mgx_gemv_int4_imma4_staged_flow_bf16, 4 * 32, uint4, (, false, 4, false, true, 1), MGX_INT4_PARAMS, MGX_INT4_ARGS)
-MGX_FLOW_ENTRY(mgx_gemv_int4_imma16_flow_bf16, 16 * 32, __nv_bfloat16, (, false, 16, false, false, 2), MGX_INT4_PARAMS,
-               MGX_INT4_ARGS)
 
 // The RMSNorm that also stages its output for the staged GEMVs (norm_stage_row): NAME(out, res_out, res,
 // delta, g, eps, rec, k) on one block of up to kMaxThreads threads with 2K bytes of dynamic shared

@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16", "FLOW_ENTRIES", "FLOW_STEP", "flow_applies", "flow_counters"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -327,18 +327,12 @@ def gemv(
     out: torch.Tensor | None = None,
     kind: str = "gemv",
     norm: NormPrologue | None = None,
-    flow: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ W[N, K]^T (+ bias) -> [1, N] bf16; with ``silu_mul`` W holds gate rows then up rows
     and the result is silu(gate) * up, [1, N/2]; with ``norm``, rms_norm(x + norm.delta) * norm.weight
-    takes x's place; with ``flow`` (the step counters of the flow SiLU product that writes x, see
-    FLOW_ENTRIES; ``flow_applies``), each step of x is awaited there. The caller checks ``gemv_applies`` first."""
+    takes x's place. The caller checks ``gemv_applies`` first."""
     out = _out_row(w, silu_mul, out, x.device)
-    if flow is None:
-        _launch(x, w, bias, kernels, kind, out, silu_mul, norm, ENTRIES)
-    else:
-        _launch(x, w, bias, kernels, kind, out, silu_mul, None, {(_ENTRY_KIND[kind], "int4"): FLOW_ENTRIES[kind]},
-                [_ptr(flow), _ptr(None)])  # fmt: skip
+    _launch(x, w, bias, kernels, kind, out, silu_mul, norm, ENTRIES)
     return out
 
 
@@ -417,48 +411,12 @@ def gemv_staged(
     kind: str,
     silu_mul: bool = False,
     out: torch.Tensor | None = None,
-    flow: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``gemv`` of ``kind`` on the row that ``stage_x`` staged into ``rec`` (for W's scheme): the same
-    result, to the bit. With ``flow`` = (counters, counters to clear), the SiLU product also counts its
-    stored steps for the GEMV after it (FLOW_ENTRIES; ``flow_applies``). The caller checks ``staged_applies`` first."""
+    result, to the bit. The caller checks ``staged_applies`` first."""
     out = _out_row(w, silu_mul, out, rec.device)
-    if flow is None:
-        _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED)
-    else:
-        _launch(rec, w, bias, kernels, kind, out, silu_mul, None, {(_ENTRY_KIND[kind], "int4"): FLOW_ENTRIES[kind]},
-                [_ptr(flow[0]), _ptr(flow[1])])  # fmt: skip
+    _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED)
     return out
-
-
-# Step flow from the SiLU product into down (gemv.cu's kFlow; an experiment of the thirty-eighth session):
-# gate/up on ``imma_w4``'s staged twin adds each stored group of outputs to the counter of its 128-column
-# step (``flow``) after zeroing another GEMV's counters (``clear``), and down on ``imma_w16`` waits for
-# each step of its x in ``flow`` instead of for the whole gate/up kernel. int4 only. A GEMV's counters must
-# be zeroed again before its next use, by a later flow SiLU product (``clear``): the counters of the
-# layers in turn, each layer's gate/up clearing the next layer's (``flow_counters``).
-FLOW_ENTRIES = {"imma_w4": f"mgx_gemv_int4_imma4_staged_flow_bf16_v{KERNEL_ABI}",
-                "imma_w16": f"mgx_gemv_int4_imma16_flow_bf16_v{KERNEL_ABI}"}  # fmt: skip
-FLOW_STEP = MMA_COLUMNS  # outputs a counter counts (a step of down's x)
-
-
-def flow_counters(layers: int, width: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed step counters of ``layers`` flow pairs whose SiLU products are ``width`` wide: int32
-    [layers, width / 128] (``gemv_staged(flow=(c[i], c[(i + 1) % layers]))`` and ``gemv(flow=c[i])``).
-    Two layers at least: a SiLU product must not clear the counters its own down reads."""
-    if layers < 2 or width % FLOW_STEP:
-        raise ValueError(f"flow counters need 2 layers or more and a width of a multiple of {FLOW_STEP}, "
-                         f"not {layers} x {width}")  # fmt: skip
-    return torch.zeros(layers, width // FLOW_STEP, dtype=torch.int32, device=device)
-
-
-def flow_applies(kernels: CudaKernels | None, w: GpuWeight, kind: str, silu_mul: bool) -> bool:
-    """Whether ``kind`` takes part in the step flow on W: the SiLU product on ``imma_w4`` (staged), or
-    the GEMV after it on ``imma_w16``; int4 weights, 128-column steps, loaded kernels holding the entry."""
-    if kernels is None or w.scheme != "int4" or kind not in FLOW_ENTRIES or silu_mul != (kind == "imma_w4"):
-        return False
-    width = w.n // 2 if silu_mul else w.k
-    return width % FLOW_STEP == 0 and kernels.has(FLOW_ENTRIES[kind])
 
 
 # A MGX_IMMA_TILE16 build of gemv.cu (the cuda_kernels pass's, for an artifact whose int4 or W8A16
@@ -534,10 +492,8 @@ def _launch(
     silu_mul: bool,
     norm: NormPrologue | None,
     entries: dict[tuple[str, str], str],
-    more: list[ctypes.c_void_p] | None = None,
 ) -> None:
-    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``; ``more``:
-    arguments after the scheme's (the flow entries' counters)."""
+    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``."""
     n_out = w.n // 2 if silu_mul else w.n
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
@@ -557,7 +513,6 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
     if w.scheme == "int4" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["scales"]):
         args[3:5] = [_ptr(imma_tiles(w, silu_mul)), _ptr(None)]
-    args += more or []
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k

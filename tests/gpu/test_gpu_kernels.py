@@ -413,69 +413,6 @@ def test_native_gemv_rmsnorm_prologue_declines_what_it_cannot_take(native) -> No
                                norm=cg.NormPrologue(None, None, 1e-6))  # fmt: skip
 
 
-@pytest.mark.parametrize("tiled_build", [False, True])
-@pytest.mark.parametrize("graphed", [False, True])
-def test_step_flow_from_the_silu_product_into_down_gives_the_kinds_bits(native, tiled, tiled_build: bool,
-                                                                         graphed: bool) -> None:  # noqa: ANN001
-    """Three layers of x staged -> gate/up on imma_w4's staged twin -> down on imma_w16, each layer's x the
-    last one's down output, launched overlapped: with the step flow (down waits for each step of its x in
-    gate/up's counters instead of for the gate/up kernel; gemv.FLOW_ENTRIES) every output equals the
-    kinds' own, ordinary launches, to the bit, eagerly and in each of several replays of a CUDA graph;
-    afterwards each layer's counters hold 128 a step but the first layer's, cleared by the last gate/up."""
-    from mgx.kernels.cuda import gemv as cg
-    from mgx.kernels.triton.testing import tile16
-
-    major, minor = torch.cuda.get_device_capability()
-    if major < 9 or not native.module.supports_overlap:
-        pytest.skip("overlapped launches need sm_90 and cuLaunchKernelEx")
-    kernels = tiled if tiled_build else native
-    gen = torch.Generator(device="cuda").manual_seed(38)
-    h, f, layers = 1024, 2816, 3  # 22 steps of down's x: ragged against down's 16 warps
-    weights = []
-    for i in range(layers):
-        gu = make_weight("int4", 2 * f, h, device="cuda", generator=gen, group_size=128, symmetric=i == 1)
-        dn = make_weight("int4", h, f, device="cuda", generator=gen, group_size=128, symmetric=i != 1)
-        weights.append((tile16(gu), tile16(dn)) if tiled_build else (gu, dn))
-    assert all(cg.flow_applies(kernels, gu, "imma_w4", True) and cg.flow_applies(kernels, dn, "imma_w16", False)
-               for gu, dn in weights)  # fmt: skip
-    x0 = (4 * torch.randn(1, h, device="cuda", generator=gen)).to(torch.bfloat16)
-    counters = cg.flow_counters(layers, f, "cuda")
-
-    def chain(flow: bool) -> list[torch.Tensor]:
-        outs, x = [], x0
-        for i, (gu, dn) in enumerate(weights):
-            rec = cg.stage_x(x, "int4", kernels=kernels)
-            pair = (counters[i], counters[(i + 1) % layers]) if flow else None
-            up = cg.gemv_staged(rec, gu, kernels=kernels, kind="imma_w4", silu_mul=True, flow=pair)
-            x = cg.gemv(up, dn, kernels=kernels, kind="imma_w16", flow=counters[i] if flow else None)
-            outs += [up, x]
-        return outs
-
-    kernels.overlap = False
-    want = chain(False)
-    try:
-        assert kernels.allow_overlap(10 * major + minor)
-        if graphed:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = chain(True)
-            for _ in range(4):
-                for t in outs:
-                    t.fill_(float("nan"))
-                graph.replay()
-                torch.cuda.synchronize()
-                for a, b in zip(outs, want, strict=True):
-                    assert torch.equal(a, b)
-        else:
-            for _ in range(2):
-                for a, b in zip(chain(True), want, strict=True):
-                    assert torch.equal(a, b)
-    finally:
-        kernels.overlap = False
-    torch.cuda.synchronize()
-    assert not counters[0].any() and bool((counters[1:] == cg.FLOW_STEP).all())
-
-
 @pytest.mark.parametrize("graphed", [False, True])
 def test_overlapped_launches_give_the_same_results(native, graphed: bool) -> None:
     """A decoder layer's native chain (add + RMSNorm, GEMV, add + RMSNorm, gate/up GEMV, down GEMV,

@@ -116,25 +116,6 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
     assert not cg.norm_stage_applies(None, x, norm, "int4") and not cg.norm_stage_applies(every, x, norm, "none")
 
 
-def test_step_flow_pairs_the_silu_product_with_the_gemv_after_it() -> None:
-    """The flow entries (gemv.cu's kFlow): the SiLU product on imma_w4 and the GEMV after it on imma_w16,
-    int4 only, steps of 128; counters for two layers or more, zeroed (the kernels: tests/gpu)."""
-    assert all(name.endswith(f"_v{cg.KERNEL_ABI}") and "_flow_" in name for name in cg.FLOW_ENTRIES.values())
-    every = FakeKernels(*cg.FLOW_ENTRIES.values())
-    gate_up, down = make_weight("int4", 2 * 256, 128, group_size=128), make_weight("int4", 128, 256, group_size=128)
-    assert cg.flow_applies(every, gate_up, "imma_w4", silu_mul=True) and cg.flow_applies(every, down, "imma_w16", False)
-    assert not cg.flow_applies(every, gate_up, "imma_w4", silu_mul=False)  # a signal needs the SiLU product
-    assert not cg.flow_applies(every, down, "imma_w16", silu_mul=True) and not cg.flow_applies(every, down, "imma", False)
-    assert not cg.flow_applies(None, down, "imma_w16", False) and not cg.flow_applies(FakeKernels(), down, "imma_w16", False)
-    assert not cg.flow_applies(every, make_weight("int4", 2 * 200, 128, group_size=8), "imma_w4", True)  # 200 % 128
-    assert not cg.flow_applies(every, make_weight("w8a16", 128, 256), "imma_w16", False)
-    c = cg.flow_counters(3, 384, "cpu")
-    assert c.shape == (3, 3) and c.dtype == torch.int32 and not c.any()
-    for layers, width in ((1, 384), (2, 200)):
-        with pytest.raises(ValueError, match="flow counters"):
-            cg.flow_counters(layers, width, "cpu")
-
-
 @pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
                          [(40, 512, False, 128, False), (2 * 20, 256, True, 256, True), (33, 384, False, 128, True)])
 def test_imma_tiles_hold_each_lanes_scales_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
