@@ -413,6 +413,71 @@ def test_native_gemv_rmsnorm_prologue_declines_what_it_cannot_take(native) -> No
                                norm=cg.NormPrologue(None, None, 1e-6))  # fmt: skip
 
 
+@pytest.mark.parametrize("tiled_build", [False, True])
+@pytest.mark.parametrize(("graphed", "inf"), [(False, False), (True, False), (True, True)])
+def test_down_in_flow_gives_the_kinds_bits(native, tiled, tiled_build: bool, graphed: bool, inf: bool) -> None:  # noqa: ANN001
+    """Three layers of x staged -> gate/up on imma_w4's staged twin -> down on imma_w16, each layer's x the
+    last one's down output, launched overlapped: with down in flow (reading gate/up's output as it is
+    stored into an emptied buffer instead of waiting for its kernel; gemv.FLOW_ENTRY) every output equals
+    the kinds' own, ordinary launches, to the bit, eagerly and in each of several replays of a CUDA graph,
+    also when an Inf in x makes them NaN (which the empty mark is not); afterwards every buffer but the
+    last layer's is empty again."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.testing import tile16
+
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9 or not native.module.supports_overlap:
+        pytest.skip("overlapped launches need sm_90 and cuLaunchKernelEx")
+    kernels = tiled if tiled_build else native
+    gen = torch.Generator(device="cuda").manual_seed(38)
+    h, f, layers = 1024, 2816, 3  # 22 steps of down's x: ragged against down's 16 warps
+    weights = []
+    for i in range(layers):
+        gu = make_weight("int4", 2 * f, h, device="cuda", generator=gen, group_size=128, symmetric=i == 1)
+        dn = make_weight("int4", h, f, device="cuda", generator=gen, group_size=128, symmetric=i != 1)
+        weights.append((tile16(gu), tile16(dn)) if tiled_build else (gu, dn))
+    x0 = (4 * torch.randn(1, h, device="cuda", generator=gen)).to(torch.bfloat16)
+    if inf:
+        x0[0, 5] = float("inf")
+    bufs = cg.flow_buffers(layers, f, "cuda")
+    assert all(cg.flow_applies(kernels, bufs[0], dn, "imma_w16") for _, dn in weights)
+
+    def chain(flow: bool) -> list[torch.Tensor]:
+        outs, x = [], x0
+        for i, (gu, dn) in enumerate(weights):
+            rec = cg.stage_x(x, "int4", kernels=kernels)
+            up = cg.gemv_staged(rec, gu, kernels=kernels, kind="imma_w4", silu_mul=True, out=bufs[i] if flow else None)
+            x = cg.gemv(up, dn, kernels=kernels, kind="imma_w16", flow_reset=bufs[i - 1] if flow else None)
+            outs += [up.clone() if flow else up, x]
+        return outs
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN's bits too
+
+    kernels.overlap = False
+    want = chain(False)
+    assert inf == bool(torch.isnan(want[-1]).all())
+    try:
+        assert kernels.allow_overlap(10 * major + minor)
+        if graphed:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = chain(True)
+            for _ in range(4):
+                for t in outs:
+                    t.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert all(same(a, b) for a, b in zip(outs, want, strict=True))
+        else:
+            for _ in range(2):
+                assert all(same(a, b) for a, b in zip(chain(True), want, strict=True))
+    finally:
+        kernels.overlap = False
+    torch.cuda.synchronize()
+    assert bool((bufs[:-1].view(torch.int16) == -1).all()) and not bool((bufs[-1].view(torch.int16) == -1).any())
+
+
 @pytest.mark.parametrize("graphed", [False, True])
 def test_overlapped_launches_give_the_same_results(native, graphed: bool) -> None:
     """A decoder layer's native chain (add + RMSNorm, GEMV, add + RMSNorm, gate/up GEMV, down GEMV,
