@@ -28,9 +28,6 @@ values are stale, the time is not), then with the norms before QKV and gate/up w
 
     python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up
 
-``--flow`` (int4, gate/up staged on ``imma_w4``, down on ``imma_w16``) adds the chain staged by the norms
-with down reading gate/up's output as it is stored (``gemv.FLOW_ENTRY``) instead of waiting for its kernel.
-
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
 
@@ -107,8 +104,6 @@ class Chain:
         self.staged: set[str] = set()  # projections whose x is staged once (--staged)
         self.stage_in_graph = True  # False: their records are staged before the graph (stale, for timing)
         self.norm_stages = False  # the norms before QKV and gate/up write the records (gemv.norm_stage)
-        self.flow = False  # down reads gate/up's output in flow (--flow)
-        self.flow_h = None  # the layers' gate/up outputs for it (gemv.flow_buffers)
         self.records: dict[str, object] = {}
         self.tiled: list[dict] | None = None  # the layers in cuda_tile16 (layers_for)
         self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
@@ -124,16 +119,15 @@ class Chain:
         out, rec = norm_stage(res, NormPrologue(x, g, 1e-5, total), self.scheme, kernels=kernels)
         return out, total, rec
 
-    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False, rec=None, out=None,  # noqa: ANN001, ANN202
-              flow_reset=None):  # noqa: ANN001
+    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False, rec=None):  # noqa: ANN001, ANN202
         """One projection, as --staged says: the kind itself, or x staged once (``rec``: by the norm)
-        and its staged twin; ``out``, ``flow_reset``: --flow's buffers."""
+        and its staged twin."""
         from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x, staged_bytes
 
         if name not in self.staged:
-            return gemv(x, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul, flow_reset=flow_reset)
+            return gemv(x, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
         if rec is not None:
-            return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul, out=out)
+            return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
         import torch
 
         rec = self.records.get(name)
@@ -143,7 +137,7 @@ class Chain:
             stage_x(x, w[name].scheme, kernels=kernels, out=rec)
         return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
 
-    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str, i: int = 0) -> None:  # noqa: ANN001
+    def layer(self, w: dict, kernels, kinds: dict[str, str], part: str) -> None:  # noqa: ANN001
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
         gemvs, norms = part in ("all", "gemvs", "no_norms"), part in ("all", "others", "norms")
@@ -164,12 +158,8 @@ class Chain:
         x2, rec = o, None
         if norms:
             x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
-        flow = self.flow and rec is not None
-        h = (self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec,
-                        out=self.flow_h[i] if flow else None)
-             if gemvs else self.stand_in["gate_up"])  # fmt: skip
-        self.x["d"] = (self._gemv("down", h, w, kernels, kinds["down"], flow_reset=self.flow_h[i - 1] if flow else None)
-                       if gemvs else self.stand_in["down"])  # fmt: skip
+        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if gemvs else self.stand_in["gate_up"]
+        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
         self.x["res"] = res
 
     def layers_for(self, kernels) -> list[dict]:  # noqa: ANN001
@@ -189,8 +179,8 @@ class Chain:
         layers = self.layers_for(kernels)
 
         def run() -> None:
-            for i, w in enumerate(layers):
-                self.layer(w, kernels, kinds, part, i)
+            for w in layers:
+                self.layer(w, kernels, kinds, part)
 
         return run
 
@@ -250,9 +240,6 @@ def main(argv: list[str] | None = None) -> int:
                     "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
-    ap.add_argument("--flow", action="store_true", help="also staged by the norms with down reading gate/up's output "
-                    "in flow (int4; --staged with gate_up on imma_w4, down on imma_w16)")
-    ap.add_argument("--skip-stored", action="store_true", help="time only the --nvcc-flag builds")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
@@ -264,9 +251,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if bad := [p for p in staged if p not in kinds or kinds[p] not in STAGED_KINDS]:
         ap.error(f"--staged: {', '.join(bad)} not a projection on one of {', '.join(STAGED_KINDS)}")
-    if args.flow and (args.scheme != "int4" or "gate_up" not in staged or kinds["gate_up"] != "imma_w4"
-                      or kinds["down"] != "imma_w16"):  # fmt: skip
-        ap.error("--flow: int4 with --staged naming gate_up, gate_up on imma_w4 and down on imma_w16")
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
@@ -280,29 +264,23 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_layer needs an NVIDIA GPU")
-    builds = {} if args.skip_stored and args.nvcc_flag else {"stored flags": load_kernels(())}
+    builds = {"stored flags": load_kernels(())}
     builds.update({flag: load_kernels(tuple(flag.split())) for flag in args.nvcc_flag})  # "-DA=1 -DB=2": both
     from mgx.runtime.backend_cuda import SELF_MERGE_MAX_SPLITS
 
     chain = Chain(args.scheme, args.context, table_blocks=args.table_blocks)
-    if args.flow:
-        from mgx.kernels.cuda.gemv import flow_buffers
-
-        chain.flow_h = flow_buffers(LAYERS, FFN, "cuda")
     print(f"{args.scheme}, {LAYERS} layers, context {args.context}, {chain.splits} attention pieces, kinds {kinds}")
     for limit in limits:
         chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
         merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
-        variants = [("", set(), True, False, False)]
+        variants = [("", set(), True, False)]
         if staged:
-            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False, False),
-                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False, False)]  # fmt: skip
+            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False),
+                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
             if {"qkv", "gate_up"} & set(staged):
-                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True, False))
-            if args.flow:
-                variants.append((f" [{'+'.join(staged)} staged by their norms, down in flow]", set(staged), True, True, True))
+                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
         for label, kernels in builds.items():
-            for how, chain.staged, chain.stage_in_graph, chain.norm_stages, chain.flow in variants:
+            for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
                 for part in parts:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)

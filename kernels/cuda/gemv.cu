@@ -976,22 +976,6 @@ __device__ __forceinline__ ImmaTally<W>& imma_tally() {
 // kArgmax (the greedy LM head): out is float [2 groups]; the group's largest output and its row (the
 // smallest on ties; NaN counts as -inf, so a group of NaN still gives its first row, as lm_head.py's
 // kernels) go to out[blk] and, as int, out[groups + blk] instead of the outputs.
-// x in flow (kFlow in gemv_imma; an experiment of the thirty-eighth session): the GEMV after the SiLU
-// product does not wait for that kernel but reads its x as it is stored, from a buffer that held
-// kFlowEmpty in every column before (0xFFFF, a NaN that the product's rounding never makes: it rounds
-// NaN to 0x7FFF), loading a word again until none of its columns holds it. No fence and no counter: a
-// column's store is one 2-byte write. The buffer is set back to kFlowEmpty by a later flow GEMV.
-constexpr uint32_t kFlowEmpty = 0xFFFFFFFFu;  // two empty columns
-__device__ __forceinline__ uint4 x_oct_now(const uint4* x, int o) {  // x_oct from L2, not the read-only path
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(x + o));
-  return v;
-}
-__device__ __forceinline__ bool flow_empty(uint4 v) {  // whether a column of the word is still empty
-  return (__vcmpeq2(v.x, kFlowEmpty) | __vcmpeq2(v.y, kFlowEmpty) | __vcmpeq2(v.z, kFlowEmpty) |
-          __vcmpeq2(v.w, kFlowEmpty)) != 0u;
-}
-
 template <int W, bool kArgmax = false>
 __device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
@@ -1155,15 +1139,11 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
 // kStaged: x is not the row but its steps as imma_stage_rows staged them (ImmaStaged): each lane loads
 // its B words and the step's factor and sum X instead of staging x itself (the same values, so the
 // same bits as the kernel without it).
-// kFlow (see kFlowEmpty): x is the SiLU product's output as it is stored, awaited word by word instead of
-// the kernel before; the block's share of reset [reset_n] is set to kFlowEmpty.
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false,
-          bool kFlow = false>
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
-                          int group_shift, int silu_f, const NormIn* norm, uint4* reset = nullptr, int reset_n = 0) {
-  static_assert(!kFlow || (kInt4 && !kSilu && !kNorm && !kStaged && !kArgmax), "kFlow: an int4 GEMV on x");
+                          int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -1254,9 +1234,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
       const bool in = s < steps && at.x < groups && !reuse(at.x, s);
-      if constexpr (kFlow) {
-        p.xv[u] = in ? x_oct_now(x, s * 16 + (lane >> 1)) : make_uint4(0, 0, 0, 0);
-      } else if constexpr (kStaged) {
+      if constexpr (kStaged) {
         p.xv[u] = in ? x_oct<false>(x, s * 32 + lane) : make_uint4(0, 0, 0, 0);
         p.fs[u] = in ? staged_fs(x, steps, s) : make_float2(0.0f, 0.0f);
       } else if constexpr (kInt4) {
@@ -1286,14 +1264,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         factor = fs.x;
         sum_x = fs.y;
       } else {
-        uint4 xv = p.xv[u];
-        if constexpr (kFlow) {  // the word as loaded a pass before, or again until it is stored
-          while (__any_sync(0xFFFFFFFFu, flow_empty(xv))) {
-            __nanosleep(64);
-            xv = x_oct_now(x, s * 16 + (lane >> 1));
-          }
-        }
-        factor = kInt4 ? imma4_stage_x(buf, xv, lane, sum_x)
+        factor = kInt4 ? imma4_stage_x(buf, p.xv[u], lane, sum_x)
                        : imma_stage_x(buf, make_uint2(p.xv[u].x, p.xv[u].y), lane);
         const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
         bw = make_uint4(b0.x, b0.y, b1.x, b1.y);
@@ -1365,16 +1336,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   // (build flag MGX_IMMA_PREFETCH, twenty-first session) lost on the H200 (the 8B layer chained 32
   // times: INT4 2.24 vs 1.81 ms, W8A16 2.92 vs 2.32).
   load_w(at, even);
-  if constexpr (kFlow) {  // every kernel before the SiLU product is done once it lets this one start
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    const int per = (reset_n + gridDim.x - 1) / gridDim.x;  // 16-byte words a block
-    for (int i = blockIdx.x * per + threadIdx.x; i < min(reset_n, (blockIdx.x + 1) * per); i += blockDim.x)
-      reset[i] = make_uint4(kFlowEmpty, kFlowEmpty, kFlowEmpty, kFlowEmpty);
-  } else {
-    mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
-  }
+  mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
   load_x(at, even);
   while (at.x < groups) {
     int2 later = next(at.x, at.y);
@@ -1459,16 +1421,12 @@ __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4*
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false,
-          bool kFlow = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
-                                               const NormIn* norm, uint4* reset = nullptr, int reset_n = 0) {
-  if constexpr (kFlow) {
-    gemv_imma<true, false, false, false, W, false, false, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
-                                                                group_shift, 0, nullptr, reset, reset_n);
-  } else if constexpr (kArgmax) {
+                                               const NormIn* norm) {
+  if constexpr (kArgmax) {
     gemv_imma<true, false, kNorm, kMulti, W, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
                                                 0, norm);
   } else if (silu_f > 0) {
@@ -1647,19 +1605,6 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma4_staged_bf16, 4 * 32, gemv_w8a16_imma, (, f
                  MGX_W8A16_ARGS)
 MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, true),
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-
-// x in flow (kFlow; gemv.py's FLOW_ENTRY): NAME(out, x, ..., reset, reset_n) of kind imma_w16 on int4
-// weights, x the SiLU product's output as it is stored (see kFlowEmpty); reset [reset_n] 16-byte words set
-// to kFlowEmpty. Grid and bits as the kind's own entry.
-extern "C" __global__ void __launch_bounds__(16 * 32)
-    MGX_ENTRY(mgx_gemv_int4_imma16_flow_bf16)(__nv_bfloat16* out, const __nv_bfloat16* x, const uint8_t* w,
-                                              const float* scales, const uint8_t* zeros, const __nv_bfloat16* bias,
-                                              int n, int k, long long stride_w, long long stride_s, int group_shift,
-                                              int silu_f, uint4* reset, int reset_n) {
-  mgx_gemv::gemv_int4_imma<false, false, 16, false, false, true>(out, reinterpret_cast<const uint4*>(x), w, scales, zeros,
-                                                                 bias, n, k, stride_w, stride_s, group_shift, silu_f,
-                                                                 nullptr, reset, reset_n);
-}
 
 // The RMSNorm that also stages its output for the staged GEMVs (norm_stage_row): NAME(out, res_out, res,
 // delta, g, eps, rec, k) on one block of up to kMaxThreads threads with 2K bytes of dynamic shared

@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16", "FLOW_ENTRY", "flow_applies", "flow_buffers"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -327,20 +327,12 @@ def gemv(
     out: torch.Tensor | None = None,
     kind: str = "gemv",
     norm: NormPrologue | None = None,
-    flow_reset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ W[N, K]^T (+ bias) -> [1, N] bf16; with ``silu_mul`` W holds gate rows then up rows
     and the result is silu(gate) * up, [1, N/2]; with ``norm``, rms_norm(x + norm.delta) * norm.weight
-    takes x's place; with ``flow_reset`` (a row of ``flow_buffers`` other than x's, see FLOW_ENTRY), x is
-    read in flow and ``flow_reset`` set back to empty. The caller checks ``gemv_applies`` (``flow_applies``) first."""
+    takes x's place. The caller checks ``gemv_applies`` first."""
     out = _out_row(w, silu_mul, out, x.device)
-    if flow_reset is None:
-        _launch(x, w, bias, kernels, kind, out, silu_mul, norm, ENTRIES)
-    else:
-        if flow_reset.data_ptr() == x.data_ptr() or flow_reset.numel() * 2 % 16:
-            raise ValueError("flow_reset must be another flow buffer than x, of whole 16-byte words")
-        _launch(x, w, bias, kernels, kind, out, False, None, {("imma16", "int4"): FLOW_ENTRY},
-                [_ptr(flow_reset), ctypes.c_int(flow_reset.numel() * 2 // 16)])  # fmt: skip
+    _launch(x, w, bias, kernels, kind, out, silu_mul, norm, ENTRIES)
     return out
 
 
@@ -427,32 +419,6 @@ def gemv_staged(
     return out
 
 
-# x in flow (gemv.cu's kFlow; an experiment of the thirty-eighth session): down on ``imma_w16`` (int4)
-# reads the SiLU product's output as gate/up stores it, instead of waiting for the gate/up kernel. The
-# product writes into a buffer whose columns all held 0xFFFF (a NaN its rounding never makes), and
-# down loads a word again until none of its columns does; each down sets another buffer back (the
-# layer before's, long read): ``flow_buffers`` makes one a layer, ``gemv(flow_reset=)`` names the one to set.
-FLOW_ENTRY = f"mgx_gemv_int4_imma16_flow_bf16_v{KERNEL_ABI}"
-_FLOW_EMPTY = -1  # 0xFFFF as int16
-
-
-def flow_buffers(layers: int, width: int, device: torch.device | str) -> torch.Tensor:
-    """The SiLU products' outputs of ``layers`` layers for down in flow, all columns empty: bf16 [layers,
-    1, width] (layer i's gate/up writes row i, its down reads it and sets row i - 1 back). Two layers at
-    least: a down must not set back the x it reads."""
-    if layers < 2 or width % MMA_COLUMNS:
-        raise ValueError(f"flow buffers need 2 layers or more and a width of a multiple of {MMA_COLUMNS}, "
-                         f"not {layers} x {width}")  # fmt: skip
-    return torch.full((layers, 1, width), _FLOW_EMPTY, dtype=torch.int16, device=device).view(torch.bfloat16)
-
-
-def flow_applies(kernels: CudaKernels | None, x: torch.Tensor, w: GpuWeight, kind: str) -> bool:
-    """Whether ``gemv(x, w, kind=kind, flow_reset=...)`` reads x in flow: kind ``imma_w16`` on int4
-    weights with its flow entry loaded, and what ``gemv_applies`` needs."""
-    return (kind == "imma_w16" and w.scheme == "int4" and kernels is not None and kernels.has(FLOW_ENTRY)
-            and gemv_applies(kernels, x, w, kind=kind))  # fmt: skip
-
-
 # A MGX_IMMA_TILE16 build of gemv.cu (the cuda_kernels pass's, for an artifact whose int4 or W8A16
 # weights are in the cuda_tile16 layout): its imma kinds read those schemes' codes in that layout only.
 TILE16_MARKER = f"mgx_imma_tile16_v{KERNEL_ABI}"
@@ -526,10 +492,8 @@ def _launch(
     silu_mul: bool,
     norm: NormPrologue | None,
     entries: dict[tuple[str, str], str],
-    more: list[ctypes.c_void_p | ctypes.c_int] | None = None,
 ) -> None:
-    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``; ``more``:
-    arguments after the scheme's (the flow entry's)."""
+    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``."""
     n_out = w.n // 2 if silu_mul else w.n
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
@@ -549,7 +513,6 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
     if w.scheme == "int4" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["scales"]):
         args[3:5] = [_ptr(imma_tiles(w, silu_mul)), _ptr(None)]
-    args += more or []
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k

@@ -116,23 +116,6 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
     assert not cg.norm_stage_applies(None, x, norm, "int4") and not cg.norm_stage_applies(every, x, norm, "none")
 
 
-def test_flow_buffers_start_empty_and_flow_takes_int4_on_imma_w16_only() -> None:
-    """x in flow (gemv.cu's kFlow): the buffers hold 0xFFFF in every column (the empty mark), one row a
-    layer, two layers or more; the flow entry is imma_w16's on int4 weights (the kernel: tests/gpu)."""
-    assert cg.FLOW_ENTRY.endswith(f"_v{cg.KERNEL_ABI}") and "imma16_flow" in cg.FLOW_ENTRY
-    h = cg.flow_buffers(3, 256, "cpu")
-    assert h.shape == (3, 1, 256) and h.dtype == torch.bfloat16 and bool((h.view(torch.int16) == -1).all())
-    for layers, width in ((1, 256), (2, 200)):
-        with pytest.raises(ValueError, match="flow buffers"):
-            cg.flow_buffers(layers, width, "cpu")
-    x = torch.randn(1, 256).to(torch.bfloat16)
-    every = FakeKernels(*cg.ENTRIES.values(), cg.FLOW_ENTRY)
-    assert not cg.flow_applies(every, x, make_weight("int4", 64, 256, group_size=128), "imma_w16")  # a CPU row
-    assert not cg.flow_applies(every, x, make_weight("w8a16", 64, 256), "imma_w16")
-    assert not cg.flow_applies(None, x, make_weight("int4", 64, 256, group_size=128), "imma_w16")
-    assert not cg.flow_applies(every, x, make_weight("int4", 64, 256, group_size=128), "imma")
-
-
 @pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
                          [(40, 512, False, 128, False), (2 * 20, 256, True, 256, True), (33, 384, False, 128, True)])
 def test_imma_tiles_hold_each_lanes_scales_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
