@@ -796,75 +796,6 @@ constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
 // its loads off with zero fills (cuda_tile16 int4 imma4 staged: 131 -> 120 SASS instructions a step
 // that does not end its group; same bits). The 8B INT4 layer chain lost: staged by the norms 1.703 ->
 // 1.718 ms, staged 1.752 -> 1.775, unstaged 1.828 -> 1.827; fewer instructions alone do not pay.
-// Build flag MGX_IMMA_BULK=D (an experiment, thirty-ninth session; 0 by default): with MGX_IMMA_TILE16,
-// the int4 imma kernels stream each warp's codes through a ring of D one-step slots in shared memory
-// (a step's 16 rows: rows lo, then rows hi, 512 contiguous bytes each in cuda_tile16), copied by
-// cp.async.bulk on an mbarrier a slot, D steps ahead of the step computed, where the default build
-// keeps one pass ahead in registers: more bytes in flight a warp without registers to hold them (the
-// kernels stall first on their loads, Nsight Compute above). The ring takes at most
-// MGX_IMMA_BULK_KIB of static shared memory a block, half that beside ImmaCache (kNorm, kMulti); D is
-// cut to fit (32 KiB: imma_w4 8 steps, imma 4, imma_w16 2). Same codes, same sums, so the same bits.
-// sm_90 and newer only.
-#ifndef MGX_IMMA_BULK
-#define MGX_IMMA_BULK 0
-#endif
-#ifndef MGX_IMMA_BULK_KIB
-#define MGX_IMMA_BULK_KIB 32
-#endif
-
-template <int W, int D>
-struct ImmaRing {
-  uint4 slot[W][D][64];             // a step: lane l's 16 bytes of rows lo at l, of rows hi at 32 + l
-  unsigned long long full[W][D];    // its mbarrier: the copy's 1,024 bytes have landed
-};
-
-template <int W, int D>
-__device__ __forceinline__ ImmaRing<W, D>& imma_ring() {
-  __shared__ __align__(128) ImmaRing<W, D> ring;
-  return ring;
-}
-
-__device__ __forceinline__ uint32_t shared_at(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// One lane: a barrier expecting one arrival (then the bytes of one copy), visible to the async proxy.
-__device__ __forceinline__ void bulk_init(unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_at(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-// One lane: 512 bytes from lo to slot and 512 from hi to slot + 512, completing bar's phase.
-__device__ __forceinline__ void bulk_copy(uint4* slot, unsigned long long* bar, const uint8_t* lo, const uint8_t* hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t b = shared_at(bar), s = shared_at(slot);
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 1024;" ::"r"(b) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 512, [%2];"
-               ::"r"(s), "l"(lo), "r"(b) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 512, [%2];"
-               ::"r"(s + 512u), "l"(hi), "r"(b) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// Every lane: until bar's phase of parity `parity` has completed.
-__device__ __forceinline__ void bulk_wait(unsigned long long* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n\t.reg .pred done;\n\tBULK_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra BULK_WAIT;\n\t}" ::"r"(shared_at(bar)), "r"(parity) : "memory");
-#else
-  __trap();
-#endif
-}
-
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1229,11 +1160,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   constexpr int kU = kImmaUnroll;
   constexpr int kW = kInt4 ? 1 : 2;  // 16-byte words of a row a lane loads per step
   constexpr int kPass = W * kU;
-  // MGX_IMMA_BULK: the codes come through the warp's ring (bulk_* above), not the passes' registers.
-  constexpr int kRingFit = (kNorm || kMulti ? MGX_IMMA_BULK_KIB / 2 : MGX_IMMA_BULK_KIB) / W;  // beside ImmaCache's 16 KiB
-  constexpr int kDepth = kInt4 && kTile16 ? (MGX_IMMA_BULK < kRingFit ? MGX_IMMA_BULK : kRingFit) : 0;
-  constexpr bool kBulk = kDepth > 0;
-  static_assert(!kBulk || kU == 1, "MGX_IMMA_BULK streams one step a pass");
   struct Pass {
     uint4 lo[kW * kU], hi[kW * kU];  // step u's words of rows lo and hi at kW u ..: W8A16 bytes 16 t .. and
                                      // 64 + 16 t .., int4 bytes 16 t .. (columns 32 t ..)
@@ -1279,7 +1205,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
 #pragma unroll
-      for (int v = 0; v < kW && !kBulk; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
+      for (int v = 0; v < kW; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
         p.lo[kW * u + v] = in ? load_stream_fetch(a + kWordBytes / 16 * v) : zero;
         p.hi[kW * u + v] = in ? load_stream_fetch(b + kWordBytes / 16 * v) : zero;
       }
@@ -1319,23 +1245,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
     }
   };
-  // kBulk: the warp's steps in stream order, `ahead` the next whose codes its ring asks for (lane 0),
-  // `issued` and `took` the steps asked for and computed; step i goes to slot i % kDepth.
-  int2 ahead = make_int2(blockIdx.x, warp);
-  uint32_t issued = 0, took = 0;
-  const auto ask = [&]() {
-    if constexpr (kBulk) {
-      if (ahead.x >= groups || warp >= steps) return;  // past the block's groups; a warp with no step
-      ImmaRing<W, kDepth>& ring = imma_ring<W, kDepth>();
-      const uint32_t slot = issued % kDepth, step = static_cast<uint32_t>(ahead.y) * kStepBytes;
-      if (lane == 0) {
-        bulk_copy(ring.slot[warp][slot], &ring.full[warp][slot], w + (code_at(ahead.x, false) + step),
-                  w + (code_at(ahead.x, true) + step));
-      }
-      ++issued;
-      ahead = next(ahead.x, ahead.y);
-    }
-  };
   float acc_lo = 0.0f, acc_hi = 0.0f;
   int uses = 0;  // groups this warp has finished
   const auto compute = [&](int2 at, const Pass& p) {  // then, at a group's last pass, its sums out
@@ -1364,14 +1273,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
           if (lane == 0) imma_cache<W>().fs[s / W][warp] = make_float2(factor, sum_x);
         }
       }
-      uint4 c_lo = p.lo[kW * u], c_hi = p.hi[kW * u];  // int4: the step's codes
-      if constexpr (kBulk) {
-        ImmaRing<W, kDepth>& ring = imma_ring<W, kDepth>();
-        const uint32_t slot = took % kDepth;
-        bulk_wait(&ring.full[warp][slot], (took / kDepth) & 1u);
-        c_lo = ring.slot[warp][slot][lane];
-        c_hi = ring.slot[warp][slot][32 + lane];
-      }
       int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // W8A16: 64-column halves; int4: low and high nibbles
@@ -1383,8 +1284,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
                           : make_uint4((v.x >> 4) & kLowNibbles, (v.y >> 4) & kLowNibbles, (v.z >> 4) & kLowNibbles,
                                        (v.w >> 4) & kLowNibbles);
           };
-          mma_imma<true>(d, nibbles(c_lo), b.x, b.y);
-          mma_imma<true>(e, nibbles(c_hi), b.x, b.y);
+          mma_imma<true>(d, nibbles(p.lo[u]), b.x, b.y);
+          mma_imma<true>(e, nibbles(p.hi[u]), b.x, b.y);
         } else {
           mma_imma<false>(d, p.lo[2 * u + h], b.x, b.y);
           mma_imma<false>(e, p.hi[2 * u + h], b.x, b.y);
@@ -1400,11 +1301,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
         acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
       }
-      if constexpr (kBulk) {  // the slot is read (its words went into the MMAs): ask for step took + kDepth
-        ++took;
-        __syncwarp();
-        ask();
-      }
     }
     if (at.y + kPass < steps) return;
 #pragma unroll
@@ -1415,18 +1311,9 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
-  if constexpr (kBulk) {  // the ring's barriers, and its first kDepth steps before any wait
-    ImmaRing<W, kDepth>& ring = imma_ring<W, kDepth>();
-    if (lane == 0) {
-      for (int i = 0; i < kDepth; ++i) bulk_init(&ring.full[warp][i]);
-    }
-    __syncwarp();
-    for (int i = 0; i < kDepth; ++i) ask();
-  }
   int2 at = make_int2(blockIdx.x, warp);
   if constexpr (kNorm) {  // as in gemv_rows
-    if constexpr (kBulk) {  // the ring has asked for them
-    } else if constexpr (kTile16) {  // the lane's words of its first pass
+    if constexpr (kTile16) {  // the lane's words of its first pass
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const uint32_t s = static_cast<uint32_t>(warp + u * W);
