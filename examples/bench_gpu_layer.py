@@ -5,6 +5,8 @@ weights, then the same chain with parts left out:
 
 - ``all``: norm, QKV, attention, o_proj, add + norm, gate/up with SiLU, down (no embedding, LM head);
 - ``gemvs``: the four GEMVs alone; ``others``: everything but the GEMVs; ``norms``; ``attention``;
+- ``qkv``, ``o``, ``gate_up``, ``down``: that projection alone, 32 times (with the rate at which it
+  reads its weights: codes, scales and zeros);
 - ``no_norms``: the GEMVs and attention without the norms (what a step would take if the norms cost
   nothing: with ``--staged``, read the variant whose records are staged before the graph).
 
@@ -42,7 +44,8 @@ from collections.abc import Callable
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 4096, 32, 8, 128, 14336, 32
 DEFAULT_KINDS = {"int4": "qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16",
                  "w8a16": "qkv=imma,o=imma,gate_up=imma_w4,down=imma_w16"}  # the 44th/45th runs' tunings
-PARTS = ("all", "gemvs", "others", "norms", "attention", "no_norms")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+PARTS = ("all", "gemvs", "others", "norms", "attention", "no_norms", *PROJECTIONS)  # a projection: it alone
 
 
 def parse_kinds(text: str) -> dict[str, str]:
@@ -141,12 +144,13 @@ class Chain:
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
         gemvs, norms = part in ("all", "gemvs", "no_norms"), part in ("all", "others", "norms")
+        runs = {p: gemvs or part == p for p in PROJECTIONS}
         attend = part in ("all", "others", "attention", "no_norms")
         res = self.x["res"]
         x, rec = self.x["d"], None
         if norms:
             x, res, rec = self._norm("qkv", x, res, w["g1"], kernels)
-        qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"], rec=rec) if gemvs else self.stand_in["qkv"]
+        qkv = self._gemv("qkv", x, w, kernels, kinds["qkv"], rec=rec) if runs["qkv"] else self.stand_in["qkv"]
         a = self.stand_in["attention"]
         if attend:
             q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
@@ -154,12 +158,12 @@ class Chain:
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
                                        counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
-        o = self._gemv("o", a, w, kernels, kinds["o"]) if gemvs else self.stand_in["down"]
+        o = self._gemv("o", a, w, kernels, kinds["o"]) if runs["o"] else self.stand_in["down"]
         x2, rec = o, None
         if norms:
             x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
-        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if gemvs else self.stand_in["gate_up"]
-        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if gemvs else self.stand_in["down"]
+        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if runs["gate_up"] else self.stand_in["gate_up"]
+        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if runs["down"] else self.stand_in["down"]
         self.x["res"] = res
 
     def layers_for(self, kernels) -> list[dict]:  # noqa: ANN001
@@ -183,6 +187,12 @@ class Chain:
                 self.layer(w, kernels, kinds, part)
 
         return run
+
+
+def weight_bytes(w) -> int:  # noqa: ANN001
+    """Bytes a GEMV reads of quantized weight ``w``: its codes, scales and zeros."""
+    zeros = None if w.symmetric else w.zeros  # symmetric: the kernels read none
+    return sum(t.numel() * t.element_size() for t in (w.weight, w.scales, zeros) if t is not None)
 
 
 def graph_ms(fn: Callable[[], None], replays: int) -> float:
@@ -284,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
                 chain.records.clear()
                 for part in parts:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
-                    print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
+                    rate = ""
+                    if part in PROJECTIONS:
+                        gb = sum(weight_bytes(w[part]) for w in chain.layers_for(kernels)) / 1e9
+                        rate = f", {1e3 * gb / ms:.0f} GB/s of weights"
+                    print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer{rate})", flush=True)
     return 0
 
 
