@@ -1,0 +1,274 @@
+"""What the GPU gives kernels that only read memory: a floor under the decode step's GEMV chain, and
+what a kernel boundary costs against a grid barrier inside one persistent kernel.
+
+- ``floor``: kernels that read (and fold) exactly as many bytes as each projection of the
+  Llama-3.1-8B INT4 layer reads of its weights (int4 codes, fp32 scales and u8 zeros a group of 128),
+  chained by programmatic dependent launches in one CUDA graph as ``bench_gpu_layer.py`` chains the
+  GEMVs: the layer's four projections 32 times, each projection alone 32 times, and one kernel
+  reading all of it (the rate without boundaries). Each reader loads its first bytes before its wait,
+  as the GEMVs do. Compare a projection's rate here with ``bench_gpu_layer.py --parts qkv,o,...``.
+- ``boundaries``: P phases each reading S bytes, as P kernels chained by programmatic dependent
+  launch against one persistent kernel with a grid barrier between its phases (a release add on one
+  counter, then each block polling it with acquire loads), whose blocks ask for their share of the
+  next phase's first bytes before the barrier ("early") or after it ("late"): what a persistent
+  decode kernel would pay for each boundary it removes.
+
+    python examples/bench_gpu_floor.py [--parts floor,boundaries] [--blocks-per-sm 1,2,4]
+
+Needs an NVIDIA GPU (sm_90 or newer: programmatic dependent launches) and nvcc. Times are medians,
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+PARTS = ("floor", "boundaries")
+LAYERS = 32
+# (N, K) of the 8B layer's one-row products (as bench_gpu_layer.py: gate/up holds the gate, then the up rows).
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+GROUP = 128  # int4 columns a scale and a zero
+
+SOURCE = r"""
+#include <cstdint>
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+constexpr int U = 8;  // 16-byte words a thread asks for at a time
+struct Batch { uint4 v[U]; };
+__device__ __forceinline__ void load_batch(Batch& b, const uint4* src, long long i, long long hi) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const long long j = i + static_cast<long long>(u) * blockDim.x;
+    b.v[u] = j < hi ? ld_stream(src + j) : make_uint4(0, 0, 0, 0);
+  }
+}
+__device__ __forceinline__ uint32_t fold(const Batch& b) {
+  uint32_t a = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) a ^= b.v[u].x ^ b.v[u].y ^ b.v[u].z ^ b.v[u].w;
+  return a;
+}
+// The block's words [lo, hi): `first` (the batch at lo + thread) already asked for, then a batch ahead.
+__device__ __forceinline__ uint32_t stream_from(Batch& first, const uint4* src, long long lo, long long hi) {
+  const long long step = static_cast<long long>(blockDim.x) * U;
+  uint32_t acc = 0;
+  Batch next;
+  for (long long i = lo + threadIdx.x; i < hi; i += step) {
+    load_batch(next, src, i + step, hi);
+    acc ^= fold(first);
+    first = next;
+  }
+  return acc;
+}
+__device__ __forceinline__ void share(long long words, int phase, long long& lo, long long& hi) {
+  const long long per = (words + gridDim.x - 1) / gridDim.x, base = static_cast<long long>(phase) * words;
+  lo = base + blockIdx.x * per;
+  hi = min(lo + per, base + words);
+}
+extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* src, long long words, int phase, uint32_t* sink) {
+  long long lo, hi;
+  share(words, phase, lo, hi);
+  Batch first;
+  load_batch(first, src, lo + threadIdx.x, hi);  // before the wait, as the GEMVs' first step
+  pdl_wait();
+  const uint32_t acc = stream_from(first, src, lo, hi);
+  if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;  // keeps the loads
+}
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    unsigned seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
+  }
+  __syncthreads();
+}
+extern "C" __global__ void __launch_bounds__(256) floor_phases(const uint4* src, long long words, int phases,
+                                                               unsigned* counter, uint32_t* sink, int early) {
+  long long lo, hi;
+  share(words, 0, lo, hi);
+  Batch first;
+  load_batch(first, src, lo + threadIdx.x, hi);
+  uint32_t total = 0;
+  for (int p = 0; p < phases; ++p) {
+    share(words, p, lo, hi);
+    total ^= stream_from(first, src, lo, hi);
+    const bool more = p + 1 < phases;
+    if (more) share(words, p + 1, lo, hi);
+    if (more && early) load_batch(first, src, lo + threadIdx.x, hi);
+    grid_barrier(counter, static_cast<unsigned>(p + 1) * gridDim.x);
+    if (more && !early) load_batch(first, src, lo + threadIdx.x, hi);
+  }
+  if (total == 0x9E3779B9u) sink[blockIdx.x] = total;
+}
+"""
+
+
+def projection_bytes() -> dict[str, int]:
+    """Bytes each 8B INT4 projection reads of its weight: N K / 2 of codes, N K / 128 fp32 scales and
+    as many u8 zeros (``make_weight``'s asymmetric int4, as ``bench_gpu_layer.py`` times it)."""
+    return {p: n * k // 2 + (n * k // GROUP) * (4 + 1) for p, (n, k) in SHAPES.items()}
+
+
+def floor_plans() -> dict[str, list[int]]:
+    """Each chain's reads in launch order: the layer's four projections 32 times, each one alone 32
+    times, and everything in one read."""
+    size = projection_bytes()
+    plans = {"layer (4 projections)": [size[p] for _ in range(LAYERS) for p in SHAPES]}
+    plans.update({p: [size[p]] * LAYERS for p in SHAPES})
+    plans["one kernel, all of it"] = [LAYERS * sum(size.values())]
+    return plans
+
+
+def build(arch: str) -> bytes:
+    from mgx.kernels.cuda.build import CudaBuildError, find_nvcc, gencode
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise SystemExit("bench_gpu_floor needs nvcc")
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="mgx-floor-") as tmp:
+        unit, cubin = Path(tmp) / "floor.cu", Path(tmp) / "floor.cubin"
+        unit.write_text(SOURCE)
+        proc = subprocess.run([nvcc, "-cubin", gencode(arch), "-O3", "-o", str(cubin), str(unit)], capture_output=True,
+                              text=True)  # fmt: skip
+        if proc.returncode != 0:
+            raise CudaBuildError(f"nvcc failed:\n{proc.stderr.strip()}")
+        return cubin.read_bytes()
+
+
+class Bench:
+    def __init__(self, reps: int) -> None:
+        import torch
+
+        from mgx.kernels.cuda.driver import CudaModule
+
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            raise SystemExit(f"bench_gpu_floor needs sm_90 or newer (programmatic dependent launches), not sm_{major}{minor}")
+        self.torch, self.reps = torch, reps
+        self.module = CudaModule(build(f"sm_{major}{minor}" + ("a" if major >= 9 else "")))
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        plans = floor_plans()
+        need = max(sum((n + 255) // 256 * 256 for n in plan) for plan in plans.values())
+        self.src = torch.randint(0, 255, (need,), dtype=torch.uint8, device="cuda")
+        self.sink = torch.zeros(4096, dtype=torch.int32, device="cuda")
+        self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def _launch(self, name: str, blocks: int, args: list, overlap: bool) -> None:
+        stream = self.torch.cuda.current_stream().cuda_stream
+        self.module.launch(name, (blocks,), (256,), args, stream, overlap=overlap)
+
+    def _ms(self, fn, graph: bool) -> float:  # noqa: ANN001
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        run = fn
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        times = []
+        for _ in range(self.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def chain(self, plan: list[int], blocks: int) -> float:
+        """One reader a size of ``plan``, each on fresh bytes, chained by PDL in a graph."""
+
+        def run() -> None:
+            at = 0
+            for nbytes in plan:
+                args = [ctypes.c_void_p(self.src.data_ptr() + at), ctypes.c_longlong(nbytes // 16), ctypes.c_int(0),
+                        ctypes.c_void_p(self.sink.data_ptr())]  # fmt: skip
+                self._launch("floor_read", blocks, args, overlap=True)
+                at += (nbytes + 255) // 256 * 256
+
+        return self._ms(run, graph=True)
+
+    def persistent(self, words: int, phases: int, blocks: int, early: bool) -> float:
+        def run() -> None:
+            self.counter.zero_()
+            args = [ctypes.c_void_p(self.src.data_ptr()), ctypes.c_longlong(words), ctypes.c_int(phases),
+                    ctypes.c_void_p(self.counter.data_ptr()), ctypes.c_void_p(self.sink.data_ptr()), ctypes.c_int(int(early))]  # fmt: skip
+            self._launch("floor_phases", blocks, args, overlap=False)
+
+        return self._ms(run, graph=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which, of {', '.join(PARTS)}")
+    ap.add_argument("--blocks-per-sm", default="1,2,4", help="reader blocks (256 threads) an SM, comma-separated")
+    ap.add_argument("--phases", type=int, default=128, help="phases of the boundaries part")
+    ap.add_argument("--phase-mb", default="29,12,3,0.25", help="MB a phase reads in the boundaries part, comma-separated")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
+    try:
+        per_sm = [int(x) for x in args.blocks_per_sm.split(",")]
+        phase_mb = [float(x) for x in args.phase_mb.split(",")]
+    except ValueError:
+        ap.error("--blocks-per-sm and --phase-mb take comma-separated numbers")
+    if min(per_sm) < 1 or min(phase_mb) <= 0 or args.phases < 1 or args.reps < 1:
+        ap.error("--blocks-per-sm, --phase-mb, --phases and --reps must be positive")
+    if args.phases * max(phase_mb) * 1e6 > LAYERS * sum(projection_bytes().values()):
+        ap.error("--phases x --phase-mb is more than the floor's buffer (the 8B layers' INT4 weights)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_floor needs an NVIDIA GPU")
+    bench = Bench(args.reps)
+    print(f"{torch.cuda.get_device_name()}, {bench.sms} SMs; persistent blocks an SM at most "
+          f"{bench.module.max_blocks_per_sm('floor_phases', 256)}")  # fmt: skip
+    if "floor" in parts:
+        for k in per_sm:
+            for name, plan in floor_plans().items():
+                ms = bench.chain(plan, k * bench.sms)
+                print(f"  floor, {k} blocks an SM: {name}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer, "
+                      f"{sum(plan) / ms / 1e6:.0f} GB/s)", flush=True)  # fmt: skip
+    if "boundaries" in parts:
+        most = bench.module.max_blocks_per_sm("floor_phases", 256)
+        for mb in phase_mb:
+            words = int(mb * 1e6) // 16
+            for k in per_sm:
+                blocks = k * bench.sms
+                one = bench.chain([words * 16 * args.phases], blocks)
+                pdl = bench.chain([words * 16] * args.phases, blocks)
+                line = (f"  boundaries, {mb:g} MB x {args.phases} phases, {k} blocks an SM: one kernel {one:.3f} ms; "
+                        f"PDL chain {pdl:.3f} ms ({1e3 * (pdl - one) / args.phases:.2f} us a boundary)")  # fmt: skip
+                if k <= most:  # a grid barrier needs every block resident
+                    for early in (False, True):
+                        ms = bench.persistent(words, args.phases, blocks, early)
+                        line += (f"; persistent, next bytes {'before' if early else 'after'} the barrier {ms:.3f} ms "
+                                 f"({1e3 * (ms - one) / args.phases:.2f} us a barrier)")  # fmt: skip
+                print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
