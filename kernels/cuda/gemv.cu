@@ -796,43 +796,6 @@ constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
 // its loads off with zero fills (cuda_tile16 int4 imma4 staged: 131 -> 120 SASS instructions a step
 // that does not end its group; same bits). The 8B INT4 layer chain lost: staged by the norms 1.703 ->
 // 1.718 ms, staged 1.752 -> 1.775, unstaged 1.828 -> 1.827; fewer instructions alone do not pay.
-// Build flag MGX_IMMA_RING=D (an experiment, thirty-ninth session; 0 by default): with MGX_IMMA_TILE16,
-// the int4 imma kernels stream each warp's codes through a ring of D one-step slots in shared memory,
-// each lane copying its own 16 bytes of rows lo and of rows hi with cp.async (one commit group a step,
-// empty past the warp's last step, so that cp.async.wait_group D - 1 always means "this step's
-// copies"), D steps ahead of the step computed, where the default build keeps one pass ahead in
-// registers: more bytes in flight a warp without registers to hold them. A lane reads back only what
-// it copied, so no barrier. The ring takes at most MGX_IMMA_RING_KIB of static shared memory a block,
-// a quarter of that beside ImmaCache and the prologue's row (kNorm, kMulti); D is cut to fit (32 KiB:
-// imma_w4 8 steps, imma 4, imma_w16 2). Same codes, same sums, so the same bits.
-#ifndef MGX_IMMA_RING
-#define MGX_IMMA_RING 0
-#endif
-#ifndef MGX_IMMA_RING_KIB
-#define MGX_IMMA_RING_KIB 32
-#endif
-
-template <int W, int D>
-struct ImmaRing {
-  uint4 slot[W][D][64];  // a step: lane l's 16 bytes of rows lo at l, of rows hi at 32 + l
-};
-
-template <int W, int D>
-__device__ __forceinline__ ImmaRing<W, D>& imma_ring() {
-  __shared__ __align__(128) ImmaRing<W, D> ring;
-  return ring;
-}
-
-__device__ __forceinline__ void ring_copy(uint4* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void ring_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 #ifndef MGX_IMMA_WARPS
 #define MGX_IMMA_WARPS 8
 #endif
@@ -1197,11 +1160,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   constexpr int kU = kImmaUnroll;
   constexpr int kW = kInt4 ? 1 : 2;  // 16-byte words of a row a lane loads per step
   constexpr int kPass = W * kU;
-  // MGX_IMMA_RING: the codes come through the warp's ring (ring_* above), not the passes' registers.
-  constexpr int kRingFit = (kNorm || kMulti ? MGX_IMMA_RING_KIB / 4 : MGX_IMMA_RING_KIB) / W;  // beside ImmaCache (16 KiB), the row
-  constexpr int kDepth = kInt4 && kTile16 ? (MGX_IMMA_RING < kRingFit ? MGX_IMMA_RING : kRingFit) : 0;
-  constexpr bool kRing = kDepth > 0;
-  static_assert(!kRing || kU == 1, "MGX_IMMA_RING streams one step a pass");
   struct Pass {
     uint4 lo[kW * kU], hi[kW * kU];  // step u's words of rows lo and hi at kW u ..: W8A16 bytes 16 t .. and
                                      // 64 + 16 t .., int4 bytes 16 t .. (columns 32 t ..)
@@ -1247,7 +1205,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
 #pragma unroll
-      for (int v = 0; v < kW && !kRing; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
+      for (int v = 0; v < kW; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
         p.lo[kW * u + v] = in ? load_stream_fetch(a + kWordBytes / 16 * v) : zero;
         p.hi[kW * u + v] = in ? load_stream_fetch(b + kWordBytes / 16 * v) : zero;
       }
@@ -1287,23 +1245,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
     }
   };
-  // kRing: the warp's steps in stream order, `ahead` the next whose codes its ring asks for (each lane its own 16 bytes of each half),
-  // `issued` and `took` the steps asked for and computed; step i goes to slot i % kDepth.
-  int2 ahead = make_int2(blockIdx.x, warp);
-  uint32_t issued = 0, took = 0;
-  const auto ask = [&]() {
-    if constexpr (kRing) {
-      if (ahead.x < groups && warp < steps) {  // else an empty group: past the block's groups, or no step
-        ImmaRing<W, kDepth>& ring = imma_ring<W, kDepth>();
-        const uint32_t slot = issued % kDepth, step = static_cast<uint32_t>(ahead.y) * kStepBytes;
-        ring_copy(&ring.slot[warp][slot][lane], w + (code_at(ahead.x, false) + step));
-        ring_copy(&ring.slot[warp][slot][32 + lane], w + (code_at(ahead.x, true) + step));
-        ++issued;
-        ahead = next(ahead.x, ahead.y);
-      }
-      ring_commit();
-    }
-  };
   float acc_lo = 0.0f, acc_hi = 0.0f;
   int uses = 0;  // groups this warp has finished
   const auto compute = [&](int2 at, const Pass& p) {  // then, at a group's last pass, its sums out
@@ -1332,14 +1273,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
           if (lane == 0) imma_cache<W>().fs[s / W][warp] = make_float2(factor, sum_x);
         }
       }
-      uint4 c_lo = p.lo[kW * u], c_hi = p.hi[kW * u];  // int4: the step's codes
-      if constexpr (kRing) {
-        ImmaRing<W, kDepth>& ring = imma_ring<W, kDepth>();
-        const uint32_t slot = took % kDepth;
-        ring_wait<kDepth - 1>();  // this step's group: the oldest of the kDepth committed
-        c_lo = ring.slot[warp][slot][lane];
-        c_hi = ring.slot[warp][slot][32 + lane];
-      }
       int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};  // rows lo (set 1) and hi (set 2)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // W8A16: 64-column halves; int4: low and high nibbles
@@ -1351,8 +1284,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
                           : make_uint4((v.x >> 4) & kLowNibbles, (v.y >> 4) & kLowNibbles, (v.z >> 4) & kLowNibbles,
                                        (v.w >> 4) & kLowNibbles);
           };
-          mma_imma<true>(d, nibbles(c_lo), b.x, b.y);
-          mma_imma<true>(e, nibbles(c_hi), b.x, b.y);
+          mma_imma<true>(d, nibbles(p.lo[u]), b.x, b.y);
+          mma_imma<true>(e, nibbles(p.hi[u]), b.x, b.y);
         } else {
           mma_imma<false>(d, p.lo[2 * u + h], b.x, b.y);
           mma_imma<false>(e, p.hi[2 * u + h], b.x, b.y);
@@ -1368,10 +1301,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
         acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
       }
-      if constexpr (kRing) {  // the slot is read (its words went into the MMAs): ask for step took + kDepth
-        ++took;
-        ask();
-      }
     }
     if (at.y + kPass < steps) return;
 #pragma unroll
@@ -1382,13 +1311,9 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
-  if constexpr (kRing) {  // the ring's first kDepth steps before any wait
-    for (int i = 0; i < kDepth; ++i) ask();
-  }
   int2 at = make_int2(blockIdx.x, warp);
   if constexpr (kNorm) {  // as in gemv_rows
-    if constexpr (kRing) {  // the ring has asked for them
-    } else if constexpr (kTile16) {  // the lane's words of its first pass
+    if constexpr (kTile16) {  // the lane's words of its first pass
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const uint32_t s = static_cast<uint32_t>(warp + u * W);
