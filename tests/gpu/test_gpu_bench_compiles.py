@@ -3,25 +3,17 @@ and tails, then the kernels' differing arguments. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from _examples import load_example
 
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 pytestmark = pytest.mark.gpu
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_compiles.py"
-
 
 def test_gpu_passes_report_their_compiles(capsys) -> None:  # noqa: ANN001
-    spec = importlib.util.spec_from_file_location("bench_compiles", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_example("bench_compiles", register=True)
     assert bench.main(["--shape", "tiny", "--warm-up", "--passes", "eager,graphs", "--prompts", "6", "--rate", "50"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("warm-up: ") and " batch sizes in " in out[0]

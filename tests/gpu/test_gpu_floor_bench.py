@@ -3,16 +3,12 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _examples import load_example
 
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.gpu
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_floor.py"
 
 
 def test_gpu_floor_and_boundaries_report_a_time_for_each_chain(capsys) -> None:  # noqa: ANN001
@@ -20,9 +16,7 @@ def test_gpu_floor_and_boundaries_report_a_time_for_each_chain(capsys) -> None: 
 
     if build.find_nvcc() is None or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs nvcc and sm_90")
-    spec = importlib.util.spec_from_file_location("bench_gpu_floor", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_example("bench_gpu_floor")
     assert bench.main(["--blocks-per-sm", "2", "--phases", "8", "--phase-mb", "1", "--reps", "2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     floor = [line for line in lines if line.startswith("  floor")]

@@ -3,17 +3,13 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _examples import load_example
 
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 pytestmark = pytest.mark.gpu
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_layer.py"
 
 
 def test_gpu_chains_run_and_print_a_time_for_each_part(capsys) -> None:  # noqa: ANN001
@@ -23,9 +19,7 @@ def test_gpu_chains_run_and_print_a_time_for_each_part(capsys) -> None:  # noqa:
 
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
-    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_example("bench_gpu_layer")
     assert bench.main(["--scheme", "w8a16", "--replays", "2", "--nvcc-flag=-DMGX_IMMA_UNROLL=2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert len(lines) == 2 * len(bench.PARTS)
@@ -40,9 +34,7 @@ def test_gpu_long_context_chain_times_each_merge_limit(capsys) -> None:  # noqa:
 
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
-    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_example("bench_gpu_layer")
     argv = ["--context", "1500", "--table-blocks", "128", "--parts", "attention", "--self-merge-max", "8,64", "--replays", "2"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
@@ -58,9 +50,7 @@ def test_gpu_staged_chains_run_in_the_graph_and_before_it(capsys) -> None:  # no
 
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
-    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_example("bench_gpu_layer")
     assert bench.main(["--scheme", "int4", "--parts", "all,gemvs", "--staged", "qkv,gate_up", "--replays", "2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert len(lines) == 8

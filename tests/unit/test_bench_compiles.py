@@ -3,22 +3,13 @@ argument checks (the load itself runs on an NVIDIA GPU only)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_compiles.py"
+from _examples import load_example
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("bench_compiles", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return load_example("bench_compiles", register=True)  # its dataclass looks its module up
 
 
 def test_varying_args_names_the_parameters_whose_specialization_differed(bench) -> None:  # noqa: ANN001

@@ -3,20 +3,13 @@ without a GPU (the chains run on an NVIDIA GPU only: tests/gpu/test_gpu_floor_be
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_floor.py"
+from _examples import load_example
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("bench_gpu_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("bench_gpu_floor")
 
 
 def test_readers_read_what_each_int4_projection_reads_of_its_weight(bench) -> None:  # noqa: ANN001

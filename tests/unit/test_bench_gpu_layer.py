@@ -3,20 +3,13 @@ an NVIDIA GPU only: tests/gpu/test_gpu_layer_bench.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_layer.py"
+from _examples import load_example
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("bench_gpu_layer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("bench_gpu_layer")
 
 
 def test_kinds_name_each_projection_once(bench) -> None:  # noqa: ANN001
@@ -48,3 +41,16 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
                  ["--context", "3000", "--table-blocks", "256", "--self-merge-max", "16,64"]):  # fmt: skip
         with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
             bench.main(argv)
+
+
+def test_a_projection_reads_its_codes_scales_and_zeros_unless_symmetric(bench) -> None:  # noqa: ANN001
+    pytest.importorskip("torch")
+    from mgx.kernels.triton.testing import make_weight
+
+    assert set(bench.PROJECTIONS) <= set(bench.PARTS)
+    asym = make_weight("int4", 48, 512, group_size=128, symmetric=False)
+    assert bench.weight_bytes(asym) == 48 * 256 + 48 * 4 * 4 + 48 * 4  # codes, fp32 scales, u8 zeros
+    sym = make_weight("int4", 48, 512, group_size=128, symmetric=True)
+    assert bench.weight_bytes(sym) == 48 * 256 + 48 * 4 * 4
+    w8 = make_weight("w8a16", 48, 512)
+    assert bench.weight_bytes(w8) == 48 * 512 + w8.scales.numel() * w8.scales.element_size()

@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_model.py"
+from _examples import load_example
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("bench_gpu_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    argv, sys.argv = sys.argv, [str(SCRIPT)]  # the script reads --smoke from argv on import
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.argv = argv
-    return module
+    return load_example("bench_gpu_model")  # the script reads --smoke from argv on import
 
 
 def test_gpu_state_takes_median_clocks_peak_heat_and_every_reason_seen(bench) -> None:  # noqa: ANN001

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _examples import load_example
 
 from mgx.runtime import backend_cuda as bc
 from mgx.runtime.errors import EngineError
@@ -89,17 +90,12 @@ def test_upload_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
 
 def test_bench_load_times_the_staging_fill_per_thread_count(tmp_path) -> None:  # noqa: ANN001
     """examples/bench_load.py --staging: a rate for each thread count, from a real artifact's tensors."""
-    import importlib.util
-    from pathlib import Path
 
     from test_artifact import make_contents
 
     from mgx.formats.artifact import write_artifact
 
-    script = Path(__file__).resolve().parents[2] / "examples" / "bench_load.py"
-    spec = importlib.util.spec_from_file_location("bench_load", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_example("bench_load")
     path = tmp_path / "m.mgx"
     write_artifact(path, make_contents())
     rates = bench.time_staging(str(path), [1, 2], runs=1)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _examples import load_example
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "ncu_gemv.py"
-_spec = importlib.util.spec_from_file_location("ncu_gemv", SCRIPT)
-ncu_gemv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ncu_gemv)
+ncu_gemv = load_example("ncu_gemv")
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",'
           '"Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type","Rule Description",'
