@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -141,8 +142,6 @@ def build(arch: str) -> bytes:
     nvcc = find_nvcc()
     if nvcc is None:
         raise SystemExit("bench_gpu_floor needs nvcc")
-    import subprocess
-
     with tempfile.TemporaryDirectory(prefix="mgx-floor-") as tmp:
         unit, cubin = Path(tmp) / "floor.cu", Path(tmp) / "floor.cubin"
         unit.write_text(SOURCE)
@@ -163,7 +162,7 @@ class Bench:
         if major < 9:
             raise SystemExit(f"bench_gpu_floor needs sm_90 or newer (programmatic dependent launches), not sm_{major}{minor}")
         self.torch, self.reps = torch, reps
-        self.module = CudaModule(build(f"sm_{major}{minor}" + ("a" if major >= 9 else "")))
+        self.module = CudaModule(build(f"sm_{major}{minor}a"))  # sm_90 and newer: the "a" target
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         plans = floor_plans()
         need = max(sum((n + 255) // 256 * 256 for n in plan) for plan in plans.values())
@@ -243,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_floor needs an NVIDIA GPU")
     bench = Bench(args.reps)
-    print(f"{torch.cuda.get_device_name()}, {bench.sms} SMs; persistent blocks an SM at most "
-          f"{bench.module.max_blocks_per_sm('floor_phases', 256)}")  # fmt: skip
+    most = bench.module.max_blocks_per_sm("floor_phases", 256)  # a grid barrier needs every block resident
+    print(f"{torch.cuda.get_device_name()}, {bench.sms} SMs; persistent blocks an SM at most {most}")
     if "floor" in parts:
         for k in per_sm:
             for name, plan in floor_plans().items():
@@ -252,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  floor, {k} blocks an SM: {name}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer, "
                       f"{sum(plan) / ms / 1e6:.0f} GB/s)", flush=True)  # fmt: skip
     if "boundaries" in parts:
-        most = bench.module.max_blocks_per_sm("floor_phases", 256)
         for mb in phase_mb:
             words = int(mb * 1e6) // 16
             for k in per_sm:
@@ -261,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 pdl = bench.chain([words * 16] * args.phases, blocks)
                 line = (f"  boundaries, {mb:g} MB x {args.phases} phases, {k} blocks an SM: one kernel {one:.3f} ms; "
                         f"PDL chain {pdl:.3f} ms ({1e3 * (pdl - one) / args.phases:.2f} us a boundary)")  # fmt: skip
-                if k <= most:  # a grid barrier needs every block resident
+                if k <= most:
                     for early in (False, True):
                         ms = bench.persistent(words, args.phases, blocks, early)
                         line += (f"; persistent, next bytes {'before' if early else 'after'} the barrier {ms:.3f} ms "

@@ -5,7 +5,6 @@ The GPU parts run on the H200 only; this checks the parsing, which is plain text
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from pathlib import Path
 
 import pytest
