@@ -1028,11 +1028,11 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_staged_gate_up_stages_downs_x_for_its_staged_twin(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A staged fused gate/up whose kernel can also stage its SiLU product (``stage_out_applies``)
-    writes down's record (``StageOut``: the record and the step counters made for down's width at
-    start), and down runs its staged twin on it; ``MGX_CUDA_STAGED_OUT=0`` leaves down unstaged. Stand-ins
+@pytest.mark.parametrize("switch", ["1", "0", None])
+def test_staged_gate_up_stages_downs_x_for_its_staged_twin(switch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``MGX_CUDA_STAGED_OUT=1`` a staged fused gate/up whose kernel can also stage its SiLU product
+    (``stage_out_applies``) writes down's record (``StageOut``: the record and the step counters made for
+    down's width at start), and down runs its staged twin on it; "0" or unset leaves down unstaged. Stand-ins
     as above (the GPU kernels run in tests/gpu): the record stands for the row it stages, so the tokens
     and logits must be the reference's."""
     from mgx.kernels.triton.linear import linear, linear_silu_mul
@@ -1065,7 +1065,10 @@ def test_staged_gate_up_stages_downs_x_for_its_staged_twin(switch: str, monkeypa
     monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
     monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", "imma_w4")
-    monkeypatch.setenv("MGX_CUDA_STAGED_OUT", switch)
+    if switch is None:
+        monkeypatch.delenv("MGX_CUDA_STAGED_OUT", raising=False)
+    else:
+        monkeypatch.setenv("MGX_CUDA_STAGED_OUT", switch)
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     runners = [ModelRunner(graph, backend), ModelRunner(graph, "reference")]
     _decode_side_by_side(graph, runners, steps=3, atol=ATOL, after_prompt=lambda: not calls)
@@ -1681,7 +1684,8 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
 @pytest.mark.parametrize("scheme", ["int4", "w8a16"])
 def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``MGX_CUDA_STAGED_X=imma_w4`` on a model whose K is a multiple of 128: batch-1 decode runs the
-    norm that stages its output and ``imma_w4``'s staged twin (gate/up's staging down's x), and every step's logits agree with the
+    norm that stages its output and ``imma_w4``'s staged twin (with ``MGX_CUDA_STAGED_OUT=1`` gate/up's
+    staging down's x), and every step's logits agree with the
     same model's without the switch within 2% of their largest magnitude (other kernels, each
     rounding to bf16 once), fed the same tokens."""
     import copy
@@ -1706,6 +1710,7 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
     image = {arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))}  # reorder_weights tiled it
     launches: list[str] = []
     runners = []
+    monkeypatch.setenv("MGX_CUDA_STAGED_OUT", "1")
     for switch in ("imma_w4", "0"):
         monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
         backend = CUDABackend(graph, dtype="bf16", graphs=False)
