@@ -989,6 +989,20 @@ def _decode_side_by_side(graph, runners: list[ModelRunner], steps: int, rel: flo
         logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
 
 
+def _norm_stage_stand_in(calls: list[str]):  # noqa: ANN202
+    """A CPU stand-in for ``gemv.norm_stage``: the Triton add + RMSNorm, and as its record the tuple
+    ("record of", the normalized row), which the tests' ``gemv_staged`` stand-ins read; logs each call."""
+    from mgx.kernels.triton.rmsnorm import rms_norm
+
+    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
+        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
+        norm.total.copy_(total)
+        calls.append("norm_stage")
+        return normed, ("record of", normed)
+
+    return norm_stage
+
+
 @pytest.mark.interpreted
 @pytest.mark.parametrize("switch", ["imma_w4", "1", "0"])
 def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -998,17 +1012,10 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
     so the greedy tokens and logits must be the reference's. "1" follows the stored tunings (none here:
     nothing staged), "0" is off."""
     from mgx.kernels.triton.linear import linear, linear_silu_mul
-    from mgx.kernels.triton.rmsnorm import rms_norm
     from mgx.runtime import backend_cuda
 
     graph = compiled("gqa", "dense-fused")
     calls: list[str] = []
-
-    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
-        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
-        norm.total.copy_(total)
-        calls.append("norm_stage")
-        return normed, ("record of", normed)
 
     def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False, out=None, stage_out=None):  # noqa: ANN001, ANN202
         calls.append(kind)
@@ -1016,7 +1023,7 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
 
     monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
     monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
-    monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
+    monkeypatch.setattr(backend_cuda, "norm_stage", _norm_stage_stand_in(calls))
     monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
     runners = [ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="f32")), ModelRunner(graph, "reference")]
@@ -1036,18 +1043,11 @@ def test_staged_gate_up_stages_downs_x_for_its_staged_twin(switch: str | None, m
     as above (the GPU kernels run in tests/gpu): the record stands for the row it stages, so the tokens
     and logits must be the reference's."""
     from mgx.kernels.triton.linear import linear, linear_silu_mul
-    from mgx.kernels.triton.rmsnorm import rms_norm
     from mgx.runtime import backend_cuda
 
     graph = compiled("wide-fused", "dense-fused")  # down's K = 256: two 128-column steps
     calls: list[str] = []
     staged_rows: dict[int, torch.Tensor] = {}  # a StageOut record's address -> the row it stands for
-
-    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
-        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
-        norm.total.copy_(total)
-        calls.append("norm_stage")
-        return normed, ("record of", normed)
 
     def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False, out=None, stage_out=None):  # noqa: ANN001, ANN202
         x = staged_rows.pop(rec.data_ptr()) if isinstance(rec, torch.Tensor) else rec[1]
@@ -1062,7 +1062,7 @@ def test_staged_gate_up_stages_downs_x_for_its_staged_twin(switch: str | None, m
     monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
     monkeypatch.setattr(backend_cuda, "stage_out_applies", lambda kernels, w, kind, silu_mul, scheme: silu_mul)
     monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
-    monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
+    monkeypatch.setattr(backend_cuda, "norm_stage", _norm_stage_stand_in(calls))
     monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", "imma_w4")
     if switch is None:
