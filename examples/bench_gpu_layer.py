@@ -26,10 +26,9 @@ in the backend; ``--self-merge-max 16,64`` times each limit (whether self-mergin
 (``gemv.stage_x``, a kernel of its own before the GEMV) and run on their kinds' staged twins
 (``gemv.gemv_staged``), then with the records staged before the graph and only the twins in it (the
 values are stale, the time is not), then with the norms before QKV and gate/up writing their records
-(``gemv.norm_stage``: one kernel for the norm and the staging); with gate_up and down both named,
-then also with the staged gate/up writing down's record (``gemv.StageOut``: no stage kernel for down):
+(``gemv.norm_stage``: one kernel for the norm and the staging):
 
-    python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up,down
+    python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up
 
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
@@ -108,8 +107,6 @@ class Chain:
         self.staged: set[str] = set()  # projections whose x is staged once (--staged)
         self.stage_in_graph = True  # False: their records are staged before the graph (stale, for timing)
         self.norm_stages = False  # the norms before QKV and gate/up write the records (gemv.norm_stage)
-        self.stage_out = False  # with norm_stages: the staged gate/up writes down's record too (gemv.StageOut)
-        self.out_stage = None  # its StageOut (made on first use, before any capture)
         self.records: dict[str, object] = {}
         self.tiled: list[dict] | None = None  # the layers in cuda_tile16 (layers_for)
         self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
@@ -125,15 +122,15 @@ class Chain:
         out, rec = norm_stage(res, NormPrologue(x, g, 1e-5, total), self.scheme, kernels=kernels)
         return out, total, rec
 
-    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False, rec=None, stage_out=None):  # noqa: ANN001, ANN202
-        """One projection, as --staged says: the kind itself, or x staged once (``rec``: by the norm,
-        or by gate/up for down) and its staged twin (``stage_out``: also staging its output)."""
+    def _gemv(self, name: str, x, w: dict, kernels, kind: str, silu_mul: bool = False, rec=None):  # noqa: ANN001, ANN202
+        """One projection, as --staged says: the kind itself, or x staged once (``rec``: by the norm)
+        and its staged twin."""
         from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x, staged_bytes
 
         if name not in self.staged:
             return gemv(x, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
         if rec is not None:
-            return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul, stage_out=stage_out)
+            return gemv_staged(rec, w[name], kernels=kernels, kind=kind, silu_mul=silu_mul)
         import torch
 
         rec = self.records.get(name)
@@ -165,16 +162,8 @@ class Chain:
         x2, rec = o, None
         if norms:
             x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
-        stage_out = None
-        if self.stage_out and rec is not None and runs["gate_up"]:
-            from mgx.kernels.cuda.gemv import StageOut
-
-            if self.out_stage is None:
-                self.out_stage = StageOut.new(FFN, self.scheme, "cuda")
-            stage_out = self.out_stage
-        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec, stage_out=stage_out) if runs["gate_up"] else self.stand_in["gate_up"]
-        down_rec = stage_out.rec if stage_out is not None else None
-        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"], rec=down_rec) if runs["down"] else self.stand_in["down"]
+        h = self._gemv("gate_up", x2, w, kernels, kinds["gate_up"], silu_mul=True, rec=rec) if runs["gate_up"] else self.stand_in["gate_up"]
+        self.x["d"] = self._gemv("down", h, w, kernels, kinds["down"]) if runs["down"] else self.stand_in["down"]
         self.x["res"] = res
 
     def layers_for(self, kernels) -> list[dict]:  # noqa: ANN001
@@ -294,17 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     for limit in limits:
         chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
         merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
-        variants = [("", set(), True, False, False)]
+        variants = [("", set(), True, False)]
         if staged:
-            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False, False),
-                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False, False)]  # fmt: skip
+            variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False),
+                         (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
             if {"qkv", "gate_up"} & set(staged):
-                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True, False))
-            if {"gate_up", "down"} <= set(staged):
-                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms, down by gate/up]", set(staged),
-                                 True, True, True))  # fmt: skip
+                variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
         for label, kernels in builds.items():
-            for how, chain.staged, chain.stage_in_graph, chain.norm_stages, chain.stage_out in variants:
+            for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
                 for part in parts:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)

@@ -26,8 +26,7 @@ batch 1, an add and the RMSNorm after it that feed an INT4 projection on an imma
 ``norm_stage``, which also stages the normalized row once for every block, and the projection runs
 the kind's staged twin on that record (``gemv_staged``; ``STAGED_SCHEMES`` says what it gained).
 ``MGX_CUDA_STAGED_X=1`` does so for W8A16 too, a kind's name (``imma``, ``imma_w4``, ``imma_w16``)
-forces that kind, ``=0`` turns it off; ``MGX_CUDA_STAGED_OUT=1`` has a staged gate/up stage its SiLU
-product for down's staged twin too (``StageOut``; off by default: no gain on the H200). On sm_90 and newer the
+forces that kind, ``=0`` turns it off. On sm_90 and newer the
 decode-path kernels are launched overlapped (programmatic dependent launches; the Triton linear,
 decode attention and LM head kernels and the native ones): each may start while the kernel before it
 finishes and waits for it before reading its output or writing anything (``overlap_launches``;
@@ -96,19 +95,15 @@ from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import (
     ARGMAX_ENTRIES,
     ARGMAX_LABEL,
-    MMA_COLUMNS,
     TILE16_MARKER,
     NormPrologue,
-    StageOut,
     gemv,
     gemv_applies,
     gemv_argmax,
     gemv_staged,
     norm_stage,
     norm_stage_applies,
-    stage_out_applies,
     staged_applies,
-    staged_bytes,
 )
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
 from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
@@ -328,7 +323,6 @@ class _Fusions:
     silu_after_linear: dict[int, Op] = field(default_factory=dict)  # id(linear) -> the silu_mul it computes
     rope_into_attention: dict[int, Op] = field(default_factory=dict)  # id(rope) -> the attention it joins
     linear_after_norm: dict[int, Op] = field(default_factory=dict)  # id(rms_norm after an add) -> its one reader
-    linear_after_silu: dict[int, Op] = field(default_factory=dict)  # id(silu_mul) -> the one linear reading it
     # id(linear) -> (the add reading it alone, that add's rms_norm, the one linear reading the norm)
     norm_across: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
 
@@ -429,16 +423,6 @@ class CUDABackend(Backend):
         self.staged_kind = "" if staged in ("", "0", "1") else staged
         self.staged_schemes = STAGED_SCHEMES if staged == "" else None  # None: any the kernels take
         self.staged_x_pinned = staged != ""  # else a stored tuning's (mgx-run tune)
-        # MGX_CUDA_STAGED_OUT=1: a staged gate/up also stages its SiLU product for down's staged twin
-        # (``_stage_for_reader``), so down's blocks load the record instead of each staging all of its x.
-        # Off by default: on the H200 (122nd run, 8B INT4, 32 layers in a graph, cuda_tile16) gate/up
-        # took 0.07 ms longer (0.600 -> 0.672) and down 0.07 ms less (0.390 -> 0.321): the two 0.971
-        # ms against 0.975, the layer chain 1.700 / 1.709 against 1.679 / 1.687 ms.
-        self.staged_out = os.environ.get("MGX_CUDA_STAGED_OUT", "0") == "1"
-        # Its step counters, one array per width (int32, zeroed now as the decode counters, left zeroed).
-        widths = {self._weights[id(r)].k for r in self._fuse.linear_after_silu.values()}
-        self._stage_counters = {f: torch.zeros(f // MMA_COLUMNS, dtype=torch.int32, device=self.device)
-                                for f in widths if f % MMA_COLUMNS == 0}  # fmt: skip
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
@@ -511,8 +495,6 @@ class CUDABackend(Backend):
             elif (op.kind == "rms_norm" and prev is not None and f.norm_after_add.get(id(prev)) is op
                   and nxt.kind == "linear" and nxt.inputs == op.outputs and only_next):  # fmt: skip
                 f.linear_after_norm[id(op)] = nxt
-            elif op.kind == "silu_mul" and nxt.kind == "linear" and nxt.inputs == op.outputs and only_next:
-                f.linear_after_silu[id(op)] = nxt
             prev = op
         for op, nxt in zip(ops, ops[1:]):
             norm = f.norm_after_add.get(id(nxt))
@@ -1205,10 +1187,7 @@ class CUDABackend(Backend):
             self._pending[id(across.add)] = across
             return x
         if isinstance(normed, _StagedX):  # x staged by its norm: the kind's staged twin reads the record
-            out = torch.empty((1, w.n // 2 if silu is not None else w.n), dtype=torch.bfloat16, device=x.device)
-            stage_out = self._stage_for_reader(silu, w, normed.kind, out) if silu is not None else None
-            out = gemv_staged(normed.rec, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=normed.kind,
-                              out=out, stage_out=stage_out)  # fmt: skip
+            out = gemv_staged(normed.rec, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=normed.kind)
         elif isinstance(normed, NormIn):  # x is the norm's input, normalized as the GEMV loads it
             run = linear if silu is None else linear_silu_mul
             out = run(x, w, bias, config=self._config(op, m), workspace=self._split_ws, norm=normed)
@@ -1237,26 +1216,6 @@ class CUDABackend(Backend):
         if silu is not None:
             self._pending[id(silu)] = out
         return out
-
-    def _stage_for_reader(self, silu: Op, w: GpuWeight, kind: str, out: Array) -> StageOut | None:
-        """Where the staged gate/up ``w`` (on ``kind``'s twin, writing ``out``) also stages its SiLU product
-        for the one linear reading it (down), whose staged twin then runs on that record: as
-        ``_norm_stage_into_gemv`` decides for a norm's reader (the stored tuning's kind, or the kind
-        named). None where it does not apply."""
-        reader = self._fuse.linear_after_silu.get(id(silu)) if self.staged_out else None
-        if reader is None or out.shape[1] not in self._stage_counters:
-            return None
-        rw, rbias = self._weights[id(reader)], self._bias[id(reader)]
-        config = self._config(reader, 1)
-        rkind = self.staged_kind or (config.native if config is not None and self.tuned_gemvs else "")
-        if not (self._stages(rw.scheme) and staged_applies(self.cuda_kernels, out, rw, rkind, rbias)
-                and stage_out_applies(self.cuda_kernels, w, kind, True, rw.scheme)):  # fmt: skip
-            return None
-        f = out.shape[1]
-        stage = StageOut(torch.empty(staged_bytes(f), dtype=torch.uint8, device=self.device), self._stage_counters[f],
-                         rw.scheme)  # fmt: skip
-        self._pending[id(reader)] = _StagedX(rkind, stage.rec)
-        return stage
 
     def _native_kind(self, x: Array, w: GpuWeight, bias: Array | None, config: LinearConfig | None) -> str:
         """The native GEMV kind that runs one row of ``w`` under ``config`` ("" for the Triton kernels):

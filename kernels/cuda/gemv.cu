@@ -874,20 +874,6 @@ __device__ __forceinline__ uint4 x_oct(const uint4* __restrict__ x, int o) {
   }
 }
 
-// The same loads of a row other blocks of this kernel wrote (stage_finished_step): from L2, after the
-// acquire that saw their release, not through the non-coherent path.
-__device__ __forceinline__ uint2 x_quad_written(const uint4* x, int l) {
-  uint2 v;
-  asm volatile("ld.relaxed.gpu.global.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(reinterpret_cast<const uint2*>(x) + l));
-  return v;
-}
-
-__device__ __forceinline__ uint4 x_oct_written(const uint4* x, int o) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(x + o));
-  return v;
-}
-
 // The step's scale from m, the bits of its largest |x| (bf16, sign cleared, warp-reduced): up = 2^(148 -
 // ec) makes x integer; the returned factor 2^(e - 148) undoes it (NaN: Inf or NaN in the step's x).
 __device__ __forceinline__ float imma_factor(uint32_t m, float& up) {
@@ -991,7 +977,7 @@ __device__ __forceinline__ ImmaTally<W>& imma_tally() {
 // smallest on ties; NaN counts as -inf, so a group of NaN still gives its first row, as lm_head.py's
 // kernels) go to out[blk] and, as int, out[groups + blk] instead of the outputs.
 template <int W, bool kArgmax = false>
-__device__ __forceinline__ bool imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
+__device__ __forceinline__ void imma_finish(__nv_bfloat16* __restrict__ out, float acc_lo, float acc_hi, int blk,
                                             int use, int n, int silu_f, const float* __restrict__ row_scale,
                                             const __nv_bfloat16* __restrict__ bias, bool silu_mul) {
   ImmaTally<W>& tally = imma_tally<W>();
@@ -1012,7 +998,7 @@ __device__ __forceinline__ bool imma_finish(__nv_bfloat16* __restrict__ out, flo
     last = atomicAdd(&tally.arrived[h], 1) == W - 1;
     __threadfence_block();
   }
-  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;
+  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   float v = 0.0f;
   if (lane < 16) {
     for (int i = 0; i < W; ++i) v += tally.part[h][i][lane];
@@ -1055,7 +1041,6 @@ __device__ __forceinline__ bool imma_finish(__nv_bfloat16* __restrict__ out, flo
     __threadfence_block();
     atomicAdd(&tally.stored[h], 1);
   }
-  return true;
 }
 
 // With the RMSNorm prologue, and in kind imma_persistent's entry (kMulti), a block takes several output
@@ -1100,16 +1085,14 @@ constexpr int kStageWarps = 4;  // warps a block of imma_stage_rows (a step each
 
 // One warp's step s of x (global memory, or with kShared the block's row) into rec: staged in the
 // warp's buffer as a GEMV warp stages it, then each lane's B words as that lane reads them, and the
-// step's factor and sum X. Every lane of the warp calls it. kWritten: x is global memory that other
-// blocks of this kernel wrote (x_oct_written).
-template <bool kInt4, bool kShared, bool kWritten = false>
+// step's factor and sum X. Every lane of the warp calls it.
+template <bool kInt4, bool kShared>
 __device__ __forceinline__ void imma_stage_step(uint4* __restrict__ rec, uint8_t* buf, const uint4* __restrict__ x, int s,
                                                 int steps) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float sum_x = 0.0f;
-  const int o = s * 16 + (lane >> 1), l = s * 32 + lane;
-  const float factor = kInt4 ? imma4_stage_x(buf, kWritten ? x_oct_written(x, o) : x_oct<kShared>(x, o), lane, sum_x)
-                             : imma_stage_x(buf, kWritten ? x_quad_written(x, l) : x_quad<kShared>(x, l), lane);
+  const float factor = kInt4 ? imma4_stage_x(buf, x_oct<kShared>(x, s * 16 + (lane >> 1)), lane, sum_x)
+                             : imma_stage_x(buf, x_quad<kShared>(x, s * 32 + lane), lane);
   const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);  // as gemv_imma's lane (g, t)
   const uint2 b0 = *reinterpret_cast<const uint2*>(buf + b_at), b1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
   rec[s * 32 + lane] = make_uint4(b0.x, b0.y, b1.x, b1.y);
@@ -1149,44 +1132,15 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   // Each block normalizes the whole row (its sum of squares needs all of it; the reads are one batch
   // of L2 round trips a thread) but writes and stages only its share: steps warps w of the grid, w +
   // all the grid's warps, ...; block 0 writes res + delta (norm_prologue). One block staging all 32
-  // steps of an 8B row took four steps a warp, one after another, on the chain's critical path.
+  // steps of an 8B row took four steps a warp, one after another, on the chain's critical path: on the
+  // H200 (fortieth session, 122nd run) the 8B INT4 layer chain staged by the norms, cuda_tile16 build,
+  // took 1.679 and 1.687 ms on a step a warp (4 blocks) against 1.701 and 1.697 on one block, the
+  // norms alone 0.115 and 0.117 against 0.147 and 0.148 (32 layers).
   const int warps = blockDim.x >> 5, all = gridDim.x * warps, first_step = blockIdx.x * warps + warp;
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < (k >> 3); j += gridDim.x * blockDim.x) {
     reinterpret_cast<uint4*>(out)[j] = xs[j];
   }
   for (int s = first_step; s < steps; s += all) imma_stage_step<kInt4, true>(rec, buf, xs, s, steps);
-}
-
-// ---- gate/up staging down's x (kStageOut) -------------------------------------------------------------
-//
-// The fused gate/up's output is down's x, and down's 256 blocks (8B) each stage all of its 112 steps
-// again (with the records made beforehand, down took 2.1 us less a layer on the H200, 101st run); a
-// stage kernel between them costs a kernel boundary. With kStageOut the gate/up GEMV writes down's
-// record itself: the warp that stores a group's 8 SiLU products counts the group on its 128-column
-// step's counter (16 groups a step; a release, so the step's stores are visible to whoever sees the
-// count), and the warp that brings a step's count to 16 stages that step from the stored row (after
-// the acquire, from L2) exactly as stage_x does, then zeroes the counter for the next launch (which
-// starts after this one ends). The record is stage_x of the output, to the bit.
-struct StageOut {
-  uint4* rec;     // the record of the output row (staged_bytes(F))
-  int* counters;  // [F / 128] zeroed, and left zeroed
-};
-
-template <bool kInt4>
-__device__ __forceinline__ void stage_finished_step(const __nv_bfloat16* out, const StageOut& next, int blk, int f,
-                                                    uint8_t* buf) {
-  const int lane = threadIdx.x & 31, s = blk >> 4;  // 16 groups of 8 outputs a 128-column step
-  __syncwarp();                                     // the group's stores (lanes 0-7) before lane 0's release
-  int last = 0;
-  if (lane == 0) {
-    int before;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(next.counters + s) : "memory");
-    last = before == 15;
-    if (last) next.counters[s] = 0;
-  }
-  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
-  __syncwarp();  // lane 0's acquire before the lanes' loads
-  imma_stage_step<kInt4, false, true>(next.rec, buf, reinterpret_cast<const uint4*>(out), s, f >> 7);
 }
 
 // kInt4: int4 codes (u8 nibbles, scales and zeros per group of a multiple of 128 columns, applied per
@@ -1195,15 +1149,11 @@ __device__ __forceinline__ void stage_finished_step(const __nv_bfloat16* out, co
 // kStaged: x is not the row but its steps as imma_stage_rows staged them (ImmaStaged): each lane loads
 // its B words and the step's factor and sum X instead of staging x itself (the same values, so the
 // same bits as the kernel without it).
-// kStageOut (with kSilu and kStaged): the output's record for the next GEMV's staged twin too
-// (stage_finished_step; `stage_out`).
-template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false,
-          bool kStageOut = false>
+template <bool kInt4, bool kSilu, bool kNorm, bool kMulti, int W, bool kArgmax = false, bool kStaged = false>
 __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                           const float* __restrict__ scales, const uint8_t* __restrict__ zeros,
                           const __nv_bfloat16* __restrict__ bias, int n, int k, long long stride_w, long long stride_s,
-                          int group_shift, int silu_f, const NormIn* norm, StageOut stage_out = {}) {
-  static_assert(!kStageOut || (kSilu && kStaged), "the output staged for the next GEMV: the fused gate/up's, staged");
+                          int group_shift, int silu_f, const NormIn* norm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n_out = kSilu ? silu_f : n;
   const int groups = (n_out + (kSilu ? 7 : 15)) / (kSilu ? 8 : 16);
@@ -1368,11 +1318,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
       acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
     }
-    const bool stored = imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales,
-                                                bias, kSilu);
-    if constexpr (kStageOut) {
-      if (stored) stage_finished_step<kInt4>(out, stage_out, at.x, silu_f, buf);
-    }
+    imma_finish<W, kArgmax>(out, acc_lo, acc_hi, at.x, uses++, n, silu_f, kInt4 ? nullptr : scales, bias, kSilu);
     acc_lo = acc_hi = 0.0f;
   };
   int2 at = make_int2(blockIdx.x, warp);
@@ -1469,35 +1415,33 @@ __device__ __forceinline__ void gemv_w8a16_tc(__nv_bfloat16* out, const uint4* x
 }
 
 // kArgmax: the entries of the greedy LM head (imma_finish; no SiLU product).
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false,
-          bool kStageOut = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_w8a16_imma(__nv_bfloat16* out, const uint4* x, const int8_t* w, const float* scales,
                                                 const __nv_bfloat16* bias, int n, int k, long long stride_w, int silu_f,
-                                                const NormIn* norm, StageOut next = {}) {
+                                                const NormIn* norm) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
   if constexpr (kArgmax) {
     gemv_imma<false, false, kNorm, kMulti, W, true>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0, 0, norm);
   } else if (silu_f > 0) {
-    gemv_imma<false, true, kNorm, kMulti, W, false, kStaged, kStageOut>(out, x, codes, scales, nullptr, bias, n, k,
-                                                                        stride_w, 0, 0, silu_f, norm, next);
+    gemv_imma<false, true, kNorm, kMulti, W, false, kStaged>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0,
+                                                             silu_f, norm);
   } else {
     gemv_imma<false, false, kNorm, kMulti, W, false, kStaged>(out, x, codes, scales, nullptr, bias, n, k, stride_w, 0, 0,
                                                               silu_f, norm);
   }
 }
 
-template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false,
-          bool kStageOut = false>
+template <bool kNorm, bool kMulti = false, int W = kImmaWarps, bool kArgmax = false, bool kStaged = false>
 __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* x, const uint8_t* w, const float* scales,
                                                const uint8_t* zeros, const __nv_bfloat16* bias, int n, int k,
                                                long long stride_w, long long stride_s, int group_shift, int silu_f,
-                                               const NormIn* norm, StageOut next = {}) {
+                                               const NormIn* norm) {
   if constexpr (kArgmax) {
     gemv_imma<true, false, kNorm, kMulti, W, true>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s, group_shift,
                                                 0, norm);
   } else if (silu_f > 0) {
-    gemv_imma<true, true, kNorm, kMulti, W, false, kStaged, kStageOut>(out, x, w, scales, zeros, bias, n, k, stride_w,
-                                                                       stride_s, group_shift, silu_f, norm, next);
+    gemv_imma<true, true, kNorm, kMulti, W, false, kStaged>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
+                                                            group_shift, silu_f, norm);
   } else {
     gemv_imma<true, false, kNorm, kMulti, W, false, kStaged>(out, x, w, scales, zeros, bias, n, k, stride_w, stride_s,
                                                              group_shift, silu_f, norm);
@@ -1671,28 +1615,6 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma4_staged_bf16, 4 * 32, gemv_w8a16_imma, (, f
                  MGX_W8A16_ARGS)
 MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, true),
                  MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-
-// The fused gate/up's staged twins that also write their output's record for down's (kStageOut):
-// NAME(out, rec, ..., next_rec, next_counters), silu_f % 128 == 0; next_counters [silu_f / 128] int32
-// zeroed, and left zeroed.
-#define MGX_STAGED_OUT_ENTRY(NAME, THREADS, FN, FLAGS, PARAMS, ARGS)                                          \
-  extern "C" __global__ void __launch_bounds__(THREADS, 65536 / (64 * (THREADS)))                          \
-      MGX_ENTRY(NAME)(__nv_bfloat16* out, const uint4* rec, MGX_UNPAREN PARAMS, uint4* next_rec, int* next_counters) { \
-    mgx_gemv::FN<false MGX_UNPAREN FLAGS>(out, rec, MGX_UNPAREN ARGS, nullptr, mgx_gemv::StageOut{next_rec, next_counters}); \
-  }
-
-MGX_STAGED_OUT_ENTRY(mgx_gemv_int4_imma_staged_out_bf16, mgx_gemv::kImmaWarps * 32, gemv_int4_imma,
-                     (, false, mgx_gemv::kImmaWarps, false, true, true), MGX_INT4_PARAMS, MGX_INT4_ARGS)
-MGX_STAGED_OUT_ENTRY(mgx_gemv_int4_imma4_staged_out_bf16, 4 * 32, gemv_int4_imma, (, false, 4, false, true, true),
-                     MGX_INT4_PARAMS, MGX_INT4_ARGS)
-MGX_STAGED_OUT_ENTRY(mgx_gemv_int4_imma16_staged_out_bf16, 16 * 32, gemv_int4_imma, (, false, 16, false, true, true),
-                     MGX_INT4_PARAMS, MGX_INT4_ARGS)
-MGX_STAGED_OUT_ENTRY(mgx_gemv_w8a16_imma_staged_out_bf16, mgx_gemv::kImmaWarps * 32, gemv_w8a16_imma,
-                     (, false, mgx_gemv::kImmaWarps, false, true, true), MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-MGX_STAGED_OUT_ENTRY(mgx_gemv_w8a16_imma4_staged_out_bf16, 4 * 32, gemv_w8a16_imma, (, false, 4, false, true, true),
-                     MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
-MGX_STAGED_OUT_ENTRY(mgx_gemv_w8a16_imma16_staged_out_bf16, 16 * 32, gemv_w8a16_imma, (, false, 16, false, true, true),
-                     MGX_W8A16_PARAMS, MGX_W8A16_ARGS)
 
 // The RMSNorm that also stages its output for the staged GEMVs (norm_stage_row): NAME(out, res_out, res,
 // delta, g, eps, rec, k) on any number of blocks (they split the steps) of up to kMaxThreads threads

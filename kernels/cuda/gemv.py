@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGED_OUT_ENTRIES", "StageOut", "stage_out_applies", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -104,10 +104,6 @@ STAGED_KINDS = ("imma", "imma_w4", "imma_w16")
 STAGED_ENTRIES = {(kind, scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(f"_bf16_v{KERNEL_ABI}", f"_staged_bf16_v{KERNEL_ABI}")
                   for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}  # fmt: skip
 _STAGED = {(_ENTRY_KIND[kind], scheme): name for (kind, scheme), name in STAGED_ENTRIES.items()}  # as _launch looks up
-# The fused gate/up's staged twins that also write the record of their output for down's staged twin
-# (``gemv_staged(..., stage_out=)``; gemv.cu's kStageOut).
-STAGED_OUT_ENTRIES = {key: name.replace("_staged_bf16", "_staged_out_bf16") for key, name in STAGED_ENTRIES.items()}
-_STAGED_OUT = {(_ENTRY_KIND[kind], scheme): name for (kind, scheme), name in STAGED_OUT_ENTRIES.items()}
 STAGE_ENTRIES = {"int4": f"mgx_imma_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_imma_stage_w8a16_v{KERNEL_ABI}"}
 STAGE_WARPS = 4  # kStageWarps in gemv.cu: warps (steps) a block of the stage kernel
 # The RMSNorm that also writes the record (``norm_stage``: one kernel instead of the norm's and the stage's).
@@ -412,34 +408,6 @@ def norm_stage(
     return out, rec
 
 
-@dataclass(frozen=True)
-class StageOut:
-    """Where a fused gate/up's staged twin also writes the record of its output (``stage_x`` of it, to
-    the bit, for ``scheme``'s staged GEMVs): ``rec`` (``staged_bytes(F)`` bytes) and ``counters``, int32
-    [F / 128], zeroed once and left zeroed by every launch (``new``). A launch's 16 output groups of a
-    128-column step count themselves there, and the last stages the step."""
-
-    rec: torch.Tensor
-    counters: torch.Tensor
-    scheme: str
-
-    @staticmethod
-    def new(f: int, scheme: str, device: torch.device | str) -> StageOut:
-        """Record and counters for a row of F columns staged for ``scheme``'s weights."""
-        if f % MMA_COLUMNS:
-            raise ValueError(f"a staged row needs a multiple of {MMA_COLUMNS} columns, not {f}")
-        rec = torch.empty(staged_bytes(f), dtype=torch.uint8, device=device)
-        return StageOut(rec, torch.zeros(f // MMA_COLUMNS, dtype=torch.int32, device=device), scheme)
-
-
-def stage_out_applies(kernels: CudaKernels | None, w: GpuWeight, kind: str, silu_mul: bool, scheme: str) -> bool:
-    """Whether ``gemv_staged`` of ``kind`` on the fused gate/up ``w`` can also stage its output for
-    ``scheme``'s staged GEMVs (``stage_out``): the SiLU product, of a multiple of 128 columns, on the
-    same scheme's weights, and the entry loaded. The caller checks ``staged_applies`` for w first."""
-    return (silu_mul and scheme == w.scheme and (kind, w.scheme) in STAGED_OUT_ENTRIES and kernels is not None
-            and kernels.has(STAGED_OUT_ENTRIES[kind, w.scheme]) and (w.n // 2) % MMA_COLUMNS == 0)  # fmt: skip
-
-
 def gemv_staged(
     rec: torch.Tensor,
     w: GpuWeight,
@@ -449,22 +417,11 @@ def gemv_staged(
     kind: str,
     silu_mul: bool = False,
     out: torch.Tensor | None = None,
-    stage_out: StageOut | None = None,
 ) -> torch.Tensor:
     """``gemv`` of ``kind`` on the row that ``stage_x`` staged into ``rec`` (for W's scheme): the same
-    result, to the bit. With ``stage_out`` (a fused gate/up; ``stage_out_applies``) the kernel also
-    writes the record of its output there, as ``stage_x`` of it would be. The caller checks
-    ``staged_applies`` first."""
+    result, to the bit. The caller checks ``staged_applies`` first."""
     out = _out_row(w, silu_mul, out, rec.device)
-    if stage_out is None:
-        _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED)
-        return out
-    if not stage_out_applies(kernels, w, kind, silu_mul, stage_out.scheme):
-        raise ValueError(f"{kind} on {w.scheme} weights of {w.n} x {w.k} cannot stage its output for {stage_out.scheme}")
-    if stage_out.rec.numel() < staged_bytes(w.n // 2) or stage_out.counters.numel() < (w.n // 2) // MMA_COLUMNS:
-        raise ValueError(f"stage_out holds less than a row of {w.n // 2} columns")
-    extra = [_ptr(stage_out.rec), _ptr(stage_out.counters)]
-    _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED_OUT, extra)
+    _launch(rec, w, bias, kernels, kind, out, silu_mul, None, _STAGED)
     return out
 
 
@@ -541,10 +498,8 @@ def _launch(
     silu_mul: bool,
     norm: NormPrologue | None,
     entries: dict[tuple[str, str], str],
-    extra: list[ctypes.c_void_p] | None = None,
 ) -> None:
-    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``; ``extra``:
-    arguments after the scheme's."""
+    """Launch ``kind``'s entry of ``entries`` (its _norm twin with ``norm``) writing ``out``."""
     n_out = w.n // 2 if silu_mul else w.n
     base = _ENTRY_KIND[kind]
     rows = MMA_ROWS if base in _MMA else ROWS
@@ -574,5 +529,4 @@ def _launch(
     elif kind in _EQUAL_SHARES:
         blocks = equal_shares(blocks, _EQUAL_SHARES[kind] * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    args += extra or []
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)

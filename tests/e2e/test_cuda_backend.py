@@ -989,20 +989,6 @@ def _decode_side_by_side(graph, runners: list[ModelRunner], steps: int, rel: flo
         logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
 
 
-def _norm_stage_stand_in(calls: list[str]):  # noqa: ANN202
-    """A CPU stand-in for ``gemv.norm_stage``: the Triton add + RMSNorm, and as its record the tuple
-    ("record of", the normalized row), which the tests' ``gemv_staged`` stand-ins read; logs each call."""
-    from mgx.kernels.triton.rmsnorm import rms_norm
-
-    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
-        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
-        norm.total.copy_(total)
-        calls.append("norm_stage")
-        return normed, ("record of", normed)
-
-    return norm_stage
-
-
 @pytest.mark.interpreted
 @pytest.mark.parametrize("switch", ["imma_w4", "1", "0"])
 def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1012,18 +998,25 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
     so the greedy tokens and logits must be the reference's. "1" follows the stored tunings (none here:
     nothing staged), "0" is off."""
     from mgx.kernels.triton.linear import linear, linear_silu_mul
+    from mgx.kernels.triton.rmsnorm import rms_norm
     from mgx.runtime import backend_cuda
 
     graph = compiled("gqa", "dense-fused")
     calls: list[str] = []
 
-    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False, out=None, stage_out=None):  # noqa: ANN001, ANN202
+    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
+        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
+        norm.total.copy_(total)
+        calls.append("norm_stage")
+        return normed, ("record of", normed)
+
+    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False):  # noqa: ANN001, ANN202
         calls.append(kind)
         return (linear_silu_mul if silu_mul else linear)(rec[1], w, bias)
 
     monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
     monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
-    monkeypatch.setattr(backend_cuda, "norm_stage", _norm_stage_stand_in(calls))
+    monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
     monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
     runners = [ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="f32")), ModelRunner(graph, "reference")]
@@ -1032,50 +1025,6 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
     # norm (QKV; the first layer's follows the embedding, no add), each a norm_stage and a staged GEMV
     per_step = ["norm_stage", "imma_w4"] * 3
     assert calls == (per_step * 3 if switch == "imma_w4" else [])
-
-
-@pytest.mark.interpreted
-@pytest.mark.parametrize("switch", ["1", "0", None])
-def test_staged_gate_up_stages_downs_x_for_its_staged_twin(switch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``MGX_CUDA_STAGED_OUT=1`` a staged fused gate/up whose kernel can also stage its SiLU product
-    (``stage_out_applies``) writes down's record (``StageOut``: the record and the step counters made for
-    down's width at start), and down runs its staged twin on it; "0" or unset leaves down unstaged. Stand-ins
-    as above (the GPU kernels run in tests/gpu): the record stands for the row it stages, so the tokens
-    and logits must be the reference's."""
-    from mgx.kernels.triton.linear import linear, linear_silu_mul
-    from mgx.runtime import backend_cuda
-
-    graph = compiled("wide-fused", "dense-fused")  # down's K = 256: two 128-column steps
-    calls: list[str] = []
-    staged_rows: dict[int, torch.Tensor] = {}  # a StageOut record's address -> the row it stands for
-
-    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False, out=None, stage_out=None):  # noqa: ANN001, ANN202
-        x = staged_rows.pop(rec.data_ptr()) if isinstance(rec, torch.Tensor) else rec[1]
-        got = (linear_silu_mul if silu_mul else linear)(x, w, bias)
-        if stage_out is not None:
-            assert silu_mul and stage_out.rec.numel() == backend_cuda.staged_bytes(got.shape[1])
-            assert stage_out.counters is backend._stage_counters[got.shape[1]] and not stage_out.counters.any()
-            staged_rows[stage_out.rec.data_ptr()] = got
-        calls.append(kind + ("+out" if stage_out is not None else ""))
-        return got
-
-    monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
-    monkeypatch.setattr(backend_cuda, "stage_out_applies", lambda kernels, w, kind, silu_mul, scheme: silu_mul)
-    monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
-    monkeypatch.setattr(backend_cuda, "norm_stage", _norm_stage_stand_in(calls))
-    monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
-    monkeypatch.setenv("MGX_CUDA_STAGED_X", "imma_w4")
-    if switch is None:
-        monkeypatch.delenv("MGX_CUDA_STAGED_OUT", raising=False)
-    else:
-        monkeypatch.setenv("MGX_CUDA_STAGED_OUT", switch)
-    backend = CUDABackend(graph, device="cpu", dtype="f32")
-    runners = [ModelRunner(graph, backend), ModelRunner(graph, "reference")]
-    _decode_side_by_side(graph, runners, steps=3, atol=ATOL, after_prompt=lambda: not calls)
-    # the first layer: (QKV unstaged) gate/up's norm, gate/up [+ down's record], [down]; the second: QKV's too
-    gate_up_down = ["norm_stage", "imma_w4+out", "imma_w4"] if switch == "1" else ["norm_stage", "imma_w4"]
-    per_step = gate_up_down + ["norm_stage", "imma_w4"] + gate_up_down
-    assert calls == per_step * 3 and not staged_rows
 
 
 @pytest.mark.parametrize(("switch", "stages"), [(None, {"int4"}), ("", {"int4"}), ("1", {"int4", "w8a16", "none"}),
@@ -1684,8 +1633,7 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
 @pytest.mark.parametrize("scheme", ["int4", "w8a16"])
 def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``MGX_CUDA_STAGED_X=imma_w4`` on a model whose K is a multiple of 128: batch-1 decode runs the
-    norm that stages its output and ``imma_w4``'s staged twin (with ``MGX_CUDA_STAGED_OUT=1`` gate/up's
-    staging down's x), and every step's logits agree with the
+    norm that stages its output and ``imma_w4``'s staged twin, and every step's logits agree with the
     same model's without the switch within 2% of their largest magnitude (other kernels, each
     rounding to bf16 once), fed the same tokens."""
     import copy
@@ -1710,7 +1658,6 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
     image = {arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))}  # reorder_weights tiled it
     launches: list[str] = []
     runners = []
-    monkeypatch.setenv("MGX_CUDA_STAGED_OUT", "1")
     for switch in ("imma_w4", "0"):
         monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
         backend = CUDABackend(graph, dtype="bf16", graphs=False)
@@ -1721,9 +1668,7 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
                                 lambda name, *a, _l=launch, **k: launches.append(name) or _l(name, *a, **k))  # fmt: skip
         runners.append(ModelRunner(graph, backend))
     _decode_side_by_side(graph, runners, steps=6, rel=0.02)
-    # gate/up's staged twin also stages down's x (intermediate 512: four steps), and down runs its twin
-    assert {cg.NORM_STAGE_ENTRIES[scheme], cg.STAGED_ENTRIES["imma_w4", scheme],
-            cg.STAGED_OUT_ENTRIES["imma_w4", scheme]} <= set(launches)  # fmt: skip
+    assert {cg.NORM_STAGE_ENTRIES[scheme], cg.STAGED_ENTRIES["imma_w4", scheme]} <= set(launches)
 
 
 @pytest.mark.interpreted

@@ -277,52 +277,6 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
                                       kind=kind)).all()  # fmt: skip
 
 
-@pytest.mark.parametrize(("f", "k"), [(14336, 4096), (256, 512), (1024, 128)])
-@pytest.mark.parametrize("kind", ["imma", "imma_w4", "imma_w16"])
-@pytest.mark.parametrize("scheme", ["w8a16", "int4"])
-def test_native_staged_gate_up_stages_its_output_for_down(native, f: int, k: int, kind: str, scheme: str) -> None:  # noqa: ANN001
-    """The fused gate/up's staged twin with ``stage_out`` gives its own bits and writes the record
-    ``stage_x`` makes of its output, to the bit, with its step counters left zeroed; down's staged twin
-    on that record gives the kind's product of the row; over three launches in a CUDA graph replayed
-    with a new x (the counters reused), and with a step whose x holds an outlier and one whose holds a NaN."""
-    from mgx.kernels.cuda import gemv as cg
-
-    gen = torch.Generator(device="cuda").manual_seed(f + k + 11)
-    kw = {"group_size": 128, "symmetric": False} if scheme == "int4" else {}
-    up = make_weight(scheme, 2 * f, k, device="cuda", generator=gen, **kw)
-    down = make_weight(scheme, 256, f, device="cuda", generator=gen, **kw)
-    x = (2 * torch.randn(1, k, device="cuda", generator=gen)).to(torch.bfloat16)
-    assert cg.stage_out_applies(native, up, kind, True, scheme)
-    assert not cg.stage_out_applies(native, up, kind, False, scheme)  # the SiLU product only
-    assert not cg.stage_out_applies(native, up, kind, True, "w8a16" if scheme == "int4" else "int4")
-    stage = cg.StageOut.new(f, scheme, "cuda")
-    rec = cg.stage_x(x, scheme, kernels=native)
-    plain = cg.gemv_staged(rec, up, kernels=native, kind=kind, silu_mul=True)
-    got = cg.gemv_staged(rec, up, kernels=native, kind=kind, silu_mul=True, stage_out=stage)
-    assert torch.equal(got, plain)
-    assert torch.equal(stage.rec, cg.stage_x(got, scheme, kernels=native)) and not stage.counters.any()
-    assert torch.equal(cg.gemv_staged(stage.rec, down, kernels=native, kind=kind), cg.gemv(got, down, kernels=native, kind=kind))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [cg.gemv_staged(cg.stage_x(x, scheme, kernels=native, out=rec), up, kernels=native, kind=kind, silu_mul=True,
-                               stage_out=stage) for _ in range(3)]  # fmt: skip
-        down_out = cg.gemv_staged(stage.rec, down, kernels=native, kind=kind)
-    x.copy_(torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16))
-    graph.replay()
-    want = cg.gemv(x, up, kernels=native, kind=kind, silu_mul=True)
-    assert all(torch.equal(o, want) for o in outs) and not stage.counters.any()
-    assert torch.equal(stage.rec, cg.stage_x(want, scheme, kernels=native))
-    assert torch.equal(down_out, cg.gemv(want, down, kernels=native, kind=kind))
-    # rows of up whose SiLU products are an outlier (output 3, step 0) and NaN (output F - 1, the last step)
-    up.scales[3] *= 64.0
-    up.scales[f - 1] = float("nan")
-    got = cg.gemv_staged(rec, up, kernels=native, kind=kind, silu_mul=True, stage_out=stage)
-    assert torch.isnan(got[0, f - 1]) and not torch.isnan(got[0, : f - 128]).any()
-    assert torch.equal(stage.rec, cg.stage_x(got, scheme, kernels=native)) and not stage.counters.any()
-    with pytest.raises(ValueError, match="less than a row"):
-        cg.gemv_staged(rec, up, kernels=native, kind=kind, silu_mul=True, stage_out=cg.StageOut.new(f - 128, scheme, "cuda"))
-
-
 @pytest.fixture(scope="module")
 def tiled():
     """The native kernels built with MGX_IMMA_TILE16=1 (the imma kinds read int4 and W8A16 codes in the
