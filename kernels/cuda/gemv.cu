@@ -1135,7 +1135,9 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   // steps of an 8B row took four steps a warp, one after another, on the chain's critical path: on the
   // H200 (fortieth session, 122nd run) the 8B INT4 layer chain staged by the norms, cuda_tile16 build,
   // took 1.679 and 1.687 ms on a step a warp (4 blocks) against 1.701 and 1.697 on one block, the
-  // norms alone 0.115 and 0.117 against 0.147 and 0.148 (32 layers).
+  // norms alone 0.115 and 0.117 against 0.147 and 0.148 (32 layers); the 8B INT4 model's graph was
+  // unchanged (1.794 ms, 124th run). The thirty-fifth session's same change had lost (96th run: 1.725
+  // against 1.706 ms), before the norm's weights were loaded ahead of the wait.
   const int warps = blockDim.x >> 5, all = gridDim.x * warps, first_step = blockIdx.x * warps + warp;
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < (k >> 3); j += gridDim.x * blockDim.x) {
     reinterpret_cast<uint4*>(out)[j] = xs[j];
