@@ -394,15 +394,15 @@ def norm_stage(
     stages its share of the steps; the result does not depend on how many. The caller checks
     ``norm_stage_applies`` first."""
     k = x.shape[1]
+    if blocks is None:
+        blocks = -(-(k // MMA_COLUMNS) // (MAX_THREADS // 32))
+    elif blocks < 1:
+        raise ValueError(f"norm_stage needs at least one block, not {blocks}")
     out = torch.empty_like(x) if out is None else out
     rec = torch.empty(staged_bytes(k), dtype=torch.uint8, device=x.device) if rec is None else rec
     args = [_ptr(out), _ptr(norm.total), _ptr(x), _ptr(norm.delta), _ptr(norm.weight), ctypes.c_float(norm.eps),
             _ptr(rec), ctypes.c_int(k)]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    if blocks is None:
-        blocks = -(-(k // MMA_COLUMNS) // (MAX_THREADS // 32))
-    elif blocks < 1:
-        raise ValueError(f"norm_stage needs at least one block, not {blocks}")
     kernels.module.launch(NORM_STAGE_ENTRIES[scheme], (blocks,), (MAX_THREADS,), args, stream, shared_bytes=2 * k,
                           overlap=kernels.overlap)  # fmt: skip
     return out, rec

@@ -114,6 +114,9 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
     norm = cg.NormPrologue(None, None, 1e-6)
     assert not cg.norm_stage_applies(FakeKernels(*cg.NORM_STAGE_ENTRIES.values()), x, norm, "int4")  # a CPU row
     assert not cg.norm_stage_applies(None, x, norm, "int4") and not cg.norm_stage_applies(every, x, norm, "none")
+    for blocks in (0, -2):  # refused before anything is allocated or launched
+        with pytest.raises(ValueError, match=f"at least one block, not {blocks}"):
+            cg.norm_stage(x, norm, "int4", kernels=every, blocks=blocks)
 
 
 @pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
