@@ -156,13 +156,14 @@ class Bench:
     def __init__(self, reps: int) -> None:
         import torch
 
+        from mgx.kernels.cuda.build import arch_for
         from mgx.kernels.cuda.driver import CudaModule
 
         major, minor = torch.cuda.get_device_capability()
         if major < 9:
             raise SystemExit(f"bench_gpu_floor needs sm_90 or newer (programmatic dependent launches), not sm_{major}{minor}")
         self.torch, self.reps = torch, reps
-        self.module = CudaModule(build(f"sm_{major}{minor}a"))  # sm_90 and newer: the "a" target
+        self.module = CudaModule(build(arch_for(major, minor)))
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         plans = floor_plans()
         need = max(sum((n + 255) // 256 * 256 for n in plan) for plan in plans.values())

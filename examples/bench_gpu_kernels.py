@@ -641,11 +641,11 @@ def main() -> None:
     print(f"# copy bandwidth {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     kernels = None
     if DEVICE == "cuda" and only & {"rmsnorm", "gemv", "native"}:
-        from mgx.kernels.cuda.build import build_cuda_kernels
+        from mgx.kernels.cuda.build import arch_for, build_cuda_kernels
         from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
 
         major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+        arch = arch_for(major, minor)
         image = open(args.cubin, "rb").read() if args.cubin else build_cuda_kernels(arch, extra_flags=tuple(args.nvcc_flag))
         kernels = load_cuda_kernels(image, arch)
     sections = [

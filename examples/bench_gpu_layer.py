@@ -225,11 +225,11 @@ def load_kernels(flags: tuple[str, ...]):  # noqa: ANN201
     """The native kernels built for this GPU with ``flags``, launched overlapped where they can be."""
     import torch
 
-    from mgx.kernels.cuda.build import build_cuda_kernels
+    from mgx.kernels.cuda.build import arch_for, build_cuda_kernels
     from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
 
     major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    arch = arch_for(major, minor)
     kernels = load_cuda_kernels(build_cuda_kernels(arch, extra_flags=flags), arch)
     if kernels is None:
         raise SystemExit(f"the native kernels built for {arch} do not load on this GPU")

@@ -132,12 +132,12 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
     import torch
 
     from mgx.kernels.cuda import gemv as cg
-    from mgx.kernels.cuda.build import build_cuda_kernels
+    from mgx.kernels.cuda.build import arch_for, build_cuda_kernels
     from mgx.kernels.cuda.rmsnorm import load_cuda_kernels
     from mgx.kernels.triton.testing import as_read_by, make_weight
 
     major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    arch = arch_for(major, minor)
     for flag in flags:  # a block of another warp count launches with as many threads
         if flag.startswith("-DMGX_IMMA_WARPS="):
             cg.IMMA_THREADS = 32 * int(flag.split("=", 1)[1])

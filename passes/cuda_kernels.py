@@ -49,9 +49,9 @@ def _device_arch() -> str | None:
 
     if not torch.cuda.is_available():
         return None
-    major, minor = torch.cuda.get_device_capability()
-    # sm_90a: machine code for exactly that chip (the native kernels are tuned on the H200).
-    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+    from mgx.kernels.cuda.build import arch_for
+
+    return arch_for(*torch.cuda.get_device_capability())
 
 
 def kernel_flags(graph: ir.Graph) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["CudaBuildError", "SOURCES", "build_cuda_kernels", "cache_dir", "find_nvcc", "gencode"]
+__all__ = ["CudaBuildError", "SOURCES", "arch_for", "build_cuda_kernels", "cache_dir", "find_nvcc", "gencode"]
 
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted(p.name for p in HERE.glob("*.cu"))  # every .cu here goes into the one cubin
@@ -46,6 +46,13 @@ def find_nvcc() -> str | None:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return c
     return None
+
+
+def arch_for(major: int, minor: int) -> str:
+    """The architecture the native kernels are built for on a GPU of compute capability major.minor:
+    sm_90a on sm_90 (machine code for exactly that chip, where the kernels are tuned), else sm_XY.
+    The ``cuda_kernels`` pass's default, and what the benchmarks and GPU tests build."""
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
 def gencode(arch: str) -> str:

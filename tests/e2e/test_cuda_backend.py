@@ -1617,8 +1617,7 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     graph = compiled("gqa", pipeline, target="cuda")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    arch = build.arch_for(*torch.cuda.get_device_capability())
     native = CUDABackend(graph, dtype="bf16", graphs=False)
     assert "GEMV" in native.use_cuda_kernels({arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))})
     launches: list[str] = []
@@ -1653,8 +1652,7 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
     quantize = ("quantize_int4", {"group_size": 128}) if scheme == "int4" else ("quantize_w8a16", {})
     for name, options in (quantize, ("reorder_weights", {})):
         PASSES[name](graph, dict(options), PassContext(target="cuda"))
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    arch = build.arch_for(*torch.cuda.get_device_capability())
     image = {arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))}  # reorder_weights tiled it
     launches: list[str] = []
     runners = []

@@ -164,7 +164,7 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Native:
     from _tiny_hf import build_model_dir
 
     major, minor = torch.cuda.get_device_capability()
-    here = "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"  # the pass's default
+    here = build.arch_for(major, minor)  # the pass's default
     other = "sm_80" if major != 8 else "sm_90a"
     base = tmp_path_factory.mktemp("native")
     folder = build_model_dir(base / "qwen3", "qwen3")  # q/k norms: grouped rows too

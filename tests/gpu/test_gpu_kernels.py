@@ -30,8 +30,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def device_arch() -> str:
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+    return build.arch_for(*torch.cuda.get_device_capability())
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,12 @@ def test_arch_matching_rules() -> None:
     assert build.gencode("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
     with pytest.raises(build.CudaBuildError):
         build.gencode("hopper")
+    # what the pass, the benchmarks and the GPU tests build for a GPU: the "a" target on sm_90 only,
+    # and each runs on the GPU it names
+    assert [build.arch_for(*cc) for cc in ((9, 0), (8, 0), (8, 6), (10, 0), (12, 0))] == [
+        "sm_90a", "sm_80", "sm_86", "sm_100", "sm_120"]  # fmt: skip
+    assert all(cuda_rmsnorm.arch_runs_on(build.arch_for(major, minor), 10 * major + minor)
+               for major, minor in ((9, 0), (8, 0), (8, 6), (10, 0)))  # fmt: skip
 
 
 @pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc")
