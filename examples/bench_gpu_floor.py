@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 PARTS = ("floor", "boundaries")
 LAYERS = 32
@@ -137,19 +134,11 @@ def floor_plans() -> dict[str, list[int]]:
 
 
 def build(arch: str) -> bytes:
-    from mgx.kernels.cuda.build import CudaBuildError, find_nvcc, gencode
+    from mgx.kernels.cuda.build import compile_unit, find_nvcc
 
-    nvcc = find_nvcc()
-    if nvcc is None:
+    if find_nvcc() is None:
         raise SystemExit("bench_gpu_floor needs nvcc")
-    with tempfile.TemporaryDirectory(prefix="mgx-floor-") as tmp:
-        unit, cubin = Path(tmp) / "floor.cu", Path(tmp) / "floor.cubin"
-        unit.write_text(SOURCE)
-        proc = subprocess.run([nvcc, "-cubin", gencode(arch), "-O3", "-o", str(cubin), str(unit)], capture_output=True,
-                              text=True)  # fmt: skip
-        if proc.returncode != 0:
-            raise CudaBuildError(f"nvcc failed:\n{proc.stderr.strip()}")
-        return cubin.read_bytes()
+    return compile_unit(SOURCE, arch)
 
 
 class Bench:

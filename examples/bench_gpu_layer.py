@@ -189,12 +189,6 @@ class Chain:
         return run
 
 
-def weight_bytes(w) -> int:  # noqa: ANN001
-    """Bytes a GEMV reads of quantized weight ``w``: its codes, scales and zeros."""
-    zeros = None if w.symmetric else w.zeros  # symmetric: the kernels read none
-    return sum(t.numel() * t.element_size() for t in (w.weight, w.scales, zeros) if t is not None)
-
-
 def graph_ms(fn: Callable[[], None], replays: int) -> float:
     """Median milliseconds of a replay of ``fn`` captured in a CUDA graph with overlapped launches."""
     import torch
@@ -296,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
                     rate = ""
                     if part in PROJECTIONS:
-                        gb = sum(weight_bytes(w[part]) for w in chain.layers_for(kernels)) / 1e9
+                        gb = sum(w[part].nbytes for w in chain.layers_for(kernels)) / 1e9  # codes, scales, zeros
                         rate = f", {1e3 * gb / ms:.0f} GB/s of weights"
                     print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer{rate})", flush=True)
     return 0

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["CudaBuildError", "SOURCES", "arch_for", "build_cuda_kernels", "cache_dir", "find_nvcc", "gencode"]
+__all__ = ["CudaBuildError", "SOURCES", "arch_for", "build_cuda_kernels", "cache_dir", "compile_unit", "find_nvcc", "gencode"]
 
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted(p.name for p in HERE.glob("*.cu"))  # every .cu here goes into the one cubin
@@ -69,23 +69,38 @@ def gencode(arch: str) -> str:
 def build_cuda_kernels(arch: str = "sm_90a", *, nvcc: str | None = None, extra_flags: tuple[str, ...] = ()) -> bytes:
     """Compile every kernel in ``kernels/cuda/*.cu`` into one cubin for ``arch``; returns its bytes
     (a kept image when nothing that decides them has changed: see the module docstring)."""
-    nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise CudaBuildError("nvcc not found (set NVCC or CUDA_HOME, or put it on PATH)")
-    flags = [gencode(arch), "-O3", "-std=c++17", "-lineinfo", *extra_flags]
+    nvcc = _nvcc(nvcc)
+    flags = _flags(arch, extra_flags)
     key = _cache_key(nvcc, flags)
     image = _MEMO.get(key) or _read_kept(key)
     if image is None:
-        image = _run_nvcc(nvcc, flags)
+        image = _run_nvcc(nvcc, flags, "".join(f'#include "{HERE / name}"\n' for name in SOURCES))
         _keep(key, image)
     _MEMO[key] = image
     return image
 
 
-def _run_nvcc(nvcc: str, flags: list[str]) -> bytes:
+def compile_unit(text: str, arch: str, *, nvcc: str | None = None, extra_flags: tuple[str, ...] = ()) -> bytes:
+    """One CUDA translation unit's ``text`` compiled into a cubin for ``arch`` with the kernels'
+    flags, not kept (a benchmark's own kernels)."""
+    return _run_nvcc(_nvcc(nvcc), _flags(arch, extra_flags), text)
+
+
+def _nvcc(nvcc: str | None) -> str:
+    found = nvcc or find_nvcc()
+    if found is None:
+        raise CudaBuildError("nvcc not found (set NVCC or CUDA_HOME, or put it on PATH)")
+    return found
+
+
+def _flags(arch: str, extra_flags: tuple[str, ...]) -> list[str]:
+    return [gencode(arch), "-O3", "-std=c++17", "-lineinfo", *extra_flags]
+
+
+def _run_nvcc(nvcc: str, flags: list[str], text: str) -> bytes:
     with tempfile.TemporaryDirectory(prefix="mgx-cuda-") as tmp:
         unit = Path(tmp) / "mgx_kernels.cu"
-        unit.write_text("".join(f'#include "{HERE / name}"\n' for name in SOURCES))
+        unit.write_text(text)
         cubin = Path(tmp) / "mgx_kernels.cubin"
         cmd = [nvcc, "-cubin", *flags, "-o", str(cubin), str(unit)]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -111,3 +111,17 @@ def test_a_failing_nvcc_is_reported_and_nothing_is_kept(fake_nvcc: tuple[str, Pa
     with pytest.raises(build.CudaBuildError, match="error: no"):
         build.build_cuda_kernels("sm_90a", nvcc=str(bad))
     assert not list((tmp / "cache").glob("*.cubin"))
+
+
+def test_a_unit_compiled_alone_takes_the_kernels_flags_and_is_not_kept(fake_nvcc: tuple[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_unit`` (a benchmark's own kernels): the kernels' flags for the architecture, a build
+    each call, nothing in the cache; without nvcc a CudaBuildError that says so."""
+    nvcc, tmp = fake_nvcc
+    first = build.compile_unit("__global__ void k() {}", "sm_90a", nvcc=nvcc)
+    assert build.compile_unit("__global__ void k() {}", "sm_90a", nvcc=nvcc) == first and _builds(tmp) == 2
+    assert first.startswith(b"\x7fELF") and build.gencode("sm_90a").encode() in first and b"-lineinfo" in first
+    assert not (tmp / "cache").exists() or not any((tmp / "cache").iterdir())
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    with pytest.raises(build.CudaBuildError, match="nvcc not found"):
+        build.compile_unit("", "sm_90a")
