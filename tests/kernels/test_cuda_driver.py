@@ -22,6 +22,18 @@ def test_launch_structures_have_cuda_h_layout() -> None:
     assert (LaunchConfig.attrs.offset, LaunchConfig.num_attrs.offset) == (40, 48)
 
 
+def test_launch_attribute_values_keep_their_zero_bytes() -> None:
+    """A cluster's dimensions (8, 1, 1) are 08 00 00 00 01 ...: all twelve bytes reach the value
+    (a plain assignment to the c_char array stopped at the first zero byte, so the driver read a
+    cluster of 8 x 0 x 0 and refused the launch), and the rest of the 64 is zeros."""
+    import struct
+
+    attr = LaunchAttribute.of(4, struct.pack("<III", 8, 1, 1))
+    raw = ctypes.string_at(ctypes.addressof(attr), ctypes.sizeof(attr))
+    assert raw[:4] == struct.pack("<i", 4)
+    assert raw[8:20] == struct.pack("<III", 8, 1, 1) and raw[20:] == bytes(52)
+
+
 class FakeModule:
     def __init__(self, entries: set[str], supports_overlap: bool) -> None:
         self.entries, self.supports_overlap = entries, supports_overlap
