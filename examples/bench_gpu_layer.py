@@ -36,7 +36,6 @@ Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds f
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 from collections.abc import Callable
@@ -47,20 +46,6 @@ DEFAULT_KINDS = {"int4": "qkv=imma,o=imma_w16,gate_up=imma_w4,down=imma_w16",
                  "w8a16": "qkv=imma,o=imma,gate_up=imma_w4,down=imma_w16"}  # the 44th/45th runs' tunings
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 PARTS = ("all", "gemvs", "others", "norms", "attention", "no_norms", *PROJECTIONS)  # a projection: it alone
-
-
-def parse_attention(name: str, max_context: int) -> tuple[str, int]:
-    """``triton`` -> (name, 0); ``native`` -> (name, the pieces ``decode_pieces`` gives the table's
-    context); ``nativeN`` -> (name, N)."""
-    from mgx.kernels.cuda.attention import MAX_CLUSTER, decode_pieces
-
-    if name == "triton":
-        return name, 0
-    if name == "native":
-        return name, decode_pieces(max_context)
-    if name.startswith("native") and name[6:].isdigit() and 1 <= int(name[6:]) <= MAX_CLUSTER:
-        return name, int(name[6:])
-    raise ValueError(f"--attention: {name!r} is not triton, native or nativeN with N in 1..{MAX_CLUSTER}")
 
 
 def parse_kinds(text: str) -> dict[str, str]:
@@ -113,7 +98,6 @@ class Chain:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context.
         self.splits = attention.decode_splits(1, KV_HEADS, self.max_context, sms, 64, 1)
-        self.native_pieces = 0  # > 0: the native decode attention on clusters of that many blocks (--attention)
         self.self_merge = True  # whether the pieces' last merges them (the backend's rule: SELF_MERGE_MAX_SPLITS)
         self.stand_in = {"qkv": torch.randn(1, qkv_n, device=dev).to(bf16),  # outputs of the parts left out
                          "attention": torch.randn(1, HEADS * HEAD_DIM, device=dev).to(bf16),
@@ -171,12 +155,6 @@ class Chain:
         if attend:
             q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
             rope = DecodeRope(qkv[:, q_end:k_end], qkv[:, k_end:], self.inv_freq)
-        if attend and self.native_pieces:
-            from mgx.kernels.cuda.attention import decode_attention
-
-            a = decode_attention(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context, kernels=kernels,
-                                 scale=HEAD_DIM**-0.5, pieces=self.native_pieces, rope=rope)  # fmt: skip
-        elif attend:
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
                                        counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
@@ -266,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
                     "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
-    ap.add_argument("--attention", default="triton", help="decode attention kernels to time, comma-separated: "
-                    "triton, native (clusters of blocks of 128 tokens, at most 8), nativeN (clusters of N blocks)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
@@ -279,10 +255,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if bad := [p for p in staged if p not in kinds or kinds[p] not in STAGED_KINDS]:
         ap.error(f"--staged: {', '.join(bad)} not a projection on one of {', '.join(STAGED_KINDS)}")
-    try:
-        attentions = [parse_attention(a, 16 * args.table_blocks) for a in args.attention.split(",")]
-    except ValueError as e:
-        ap.error(str(e))
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
@@ -311,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                          (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
             if {"qkv", "gate_up"} & set(staged):
                 variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
-        for (label, kernels), (att, chain.native_pieces) in itertools.product(builds.items(), attentions):
-            if chain.native_pieces:
-                label = f"{label} [{att} attention]"
+        for label, kernels in builds.items():
             for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
                 for part in parts:

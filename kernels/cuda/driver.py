@@ -17,9 +17,6 @@ CUDA_SUCCESS = 0
 _ATTR_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _ATTR_CC_MINOR = 76
 _LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_LAUNCH_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-PORTABLE_CLUSTER = 8  # blocks a cluster may have on any GPU that has clusters (more: H100/H200 take 16)
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -29,8 +26,9 @@ class LaunchAttribute(ctypes.Structure):
 
     @classmethod
     def of(cls, attr_id: int, value: bytes) -> LaunchAttribute:
-        """The attribute ``attr_id`` with ``value``'s bytes at the start of its value, zeros after them
-        (copied as bytes: assigning to a c_char array stops at the first zero byte)."""
+        """The attribute ``attr_id`` with ``value``'s bytes at the start of its value, zeros after them.
+        Copied as bytes: assigning to the c_char array stops at the first zero byte, which a value of
+        several fields (a cluster's 8, 1, 1) has inside it."""
         attr = cls(id=attr_id)
         ctypes.memmove(ctypes.addressof(attr) + cls.value.offset, value, len(value))
         return attr
@@ -76,7 +74,6 @@ def _driver() -> ctypes.CDLL:
         lib.cuModuleUnload.argtypes = [vp]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
         lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
-        lib.cuFuncSetAttribute.argtypes = [vp, i, i]
         if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 12.0 and newer drivers
             lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
         _check(lib, "cuInit", lib.cuInit(0))
@@ -130,7 +127,6 @@ class CudaModule:
         _check(lib, "cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(self._module), image))
         self._functions: dict[str, ctypes.c_void_p] = {}
         self._resident: dict[tuple[str, int, int], int] = {}
-        self._wide: set[str] = set()  # kernels allowed non-portable cluster sizes
 
     def function(self, name: str) -> ctypes.c_void_p:
         """The kernel ``name`` (an ``extern "C"`` symbol of the module)."""
@@ -151,31 +147,19 @@ class CudaModule:
         stream: int = 0,
         shared_bytes: int = 0,
         overlap: bool = False,
-        cluster: int = 1,
     ) -> None:
         """Launch kernel ``name`` on ``stream`` (a CUstream handle, e.g. torch's ``cuda_stream``).
 
         ``overlap``: a programmatic dependent launch (sm_90 and newer; ``supports_overlap``): the kernel
         may start while the one before it on the stream finishes, so it must wait for it
-        (griddepcontrol.wait) before it reads anything that kernel wrote, or writes anything at all.
-        ``cluster`` > 1: thread-block clusters of that many blocks along x (sm_90 and newer; grid x a
-        multiple of it; past ``PORTABLE_CLUSTER`` the kernel is allowed non-portable sizes first)."""
+        (griddepcontrol.wait) before it reads anything that kernel wrote, or writes anything at all."""
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        if overlap or cluster > 1:
-            attrs = []
-            if overlap:  # programmaticStreamSerializationAllowed = 1
-                attrs.append(LaunchAttribute.of(_LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION, struct.pack("<I", 1)))
-            if cluster > 1:
-                if gx % cluster:
-                    raise ValueError(f"grid x {gx} is not a multiple of the cluster size {cluster}")
-                if cluster > PORTABLE_CLUSTER:
-                    self._allow_wide_clusters(name)
-                attrs.append(LaunchAttribute.of(_LAUNCH_CLUSTER_DIMENSION, struct.pack("<III", cluster, 1, 1)))
-            table = (LaunchAttribute * len(attrs))(*attrs)
+        if overlap:
+            attr = LaunchAttribute.of(_LAUNCH_PROGRAMMATIC_STREAM_SERIALIZATION, struct.pack("<I", 1))  # allowed
             config = LaunchConfig((gx, gy, gz), (bx, by, bz), shared_bytes, ctypes.c_void_p(stream),
-                                  ctypes.cast(table, ctypes.POINTER(LaunchAttribute)), len(attrs))  # fmt: skip
+                                  ctypes.pointer(attr), 1)  # fmt: skip
             rc = self._lib.cuLaunchKernelEx(ctypes.byref(config), self.function(name), params, None)
             _check(self._lib, f"cuLaunchKernelEx({name})", rc)
             return
@@ -183,12 +167,6 @@ class CudaModule:
             self.function(name), gx, gy, gz, bx, by, bz, shared_bytes, ctypes.c_void_p(stream), params, None
         )
         _check(self._lib, f"cuLaunchKernel({name})", rc)
-
-    def _allow_wide_clusters(self, name: str) -> None:
-        if name not in self._wide:
-            rc = self._lib.cuFuncSetAttribute(self.function(name), _FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-            _check(self._lib, f"cuFuncSetAttribute({name}, non-portable clusters)", rc)
-            self._wide.add(name)
 
     def max_blocks_per_sm(self, name: str, threads: int, shared_bytes: int = 0) -> int:
         """How many blocks of kernel ``name`` (``threads`` each, ``shared_bytes`` of dynamic shared

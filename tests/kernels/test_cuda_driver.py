@@ -23,9 +23,9 @@ def test_launch_structures_have_cuda_h_layout() -> None:
 
 
 def test_launch_attribute_values_keep_their_zero_bytes() -> None:
-    """A cluster's dimensions (8, 1, 1) are 08 00 00 00 01 ...: all twelve bytes reach the value
-    (a plain assignment to the c_char array stopped at the first zero byte, so the driver read a
-    cluster of 8 x 0 x 0 and refused the launch), and the rest of the 64 is zeros."""
+    """A value of several fields (a cluster's dimensions 8, 1, 1: 08 00 00 00 01 ...) reaches the
+    attribute whole (a plain assignment to the c_char array stopped at the first zero byte: the
+    forty-first session's cluster launches read 8 x 0 x 0 and were refused), zeros after it."""
     import struct
 
     attr = LaunchAttribute.of(4, struct.pack("<III", 8, 1, 1))
