@@ -150,7 +150,7 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
             w = make_weight(scheme, n, k, device="cuda", **({"group_size": 128} if scheme == "int4" else {}))
             w = as_read_by(w, kernels)  # cuda_tile16 codes for a MGX_IMMA_TILE16 build
             x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-            weight_bytes = sum(t.numel() * t.element_size() for t in (w.weight, w.scales, w.zeros) if t is not None)
+            weight_bytes = w.nbytes  # codes, scales, zeros
             for kind in kinds:
                 base, staged = split_kind(kind)
                 if not (cg.staged_applies if staged else cg.gemv_applies)(kernels, x, w, kind=base):
