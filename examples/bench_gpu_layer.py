@@ -36,6 +36,7 @@ Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds f
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from collections.abc import Callable
@@ -98,6 +99,7 @@ class Chain:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context.
         self.splits = attention.decode_splits(1, KV_HEADS, self.max_context, sms, 64, 1)
+        self.attention_warps = 4  # the decode attention's warps a program (the backend's; --attention-warps)
         self.self_merge = True  # whether the pieces' last merges them (the backend's rule: SELF_MERGE_MAX_SPLITS)
         self.stand_in = {"qkv": torch.randn(1, qkv_n, device=dev).to(bf16),  # outputs of the parts left out
                          "attention": torch.randn(1, HEADS * HEAD_DIM, device=dev).to(bf16),
@@ -157,7 +159,8 @@ class Chain:
             rope = DecodeRope(qkv[:, q_end:k_end], qkv[:, k_end:], self.inv_freq)
             a = paged_attention_decode(qkv[:, :q_end], w["kc"], w["vc"], self.table, self.context,
                                        scale=HEAD_DIM**-0.5, num_splits=self.splits, max_context_len=self.max_context,
-                                       counters=w["counters"] if self.self_merge else None, rope=rope)  # fmt: skip
+                                       counters=w["counters"] if self.self_merge else None, rope=rope,
+                                       num_warps=self.attention_warps)  # fmt: skip
         o = self._gemv("o", a, w, kernels, kinds["o"]) if runs["o"] else self.stand_in["down"]
         x2, rec = o, None
         if norms:
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                     "several flags of one build apart by spaces)")
     ap.add_argument("--staged", default="", help="also with these projections' x staged once (of qkv, o, gate_up, "
                     "down; their kinds: imma, imma_w4 or imma_w16), staged in the graph and before it")
+    ap.add_argument("--attention-warps", default="4", help="warps a decode attention program, comma-separated "
+                    "counts to time (the backend launches 4)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     try:
@@ -255,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if bad := [p for p in staged if p not in kinds or kinds[p] not in STAGED_KINDS]:
         ap.error(f"--staged: {', '.join(bad)} not a projection on one of {', '.join(STAGED_KINDS)}")
+    try:
+        warps = [int(x) for x in args.attention_warps.split(",")]
+    except ValueError:
+        ap.error(f"--attention-warps: {args.attention_warps!r} is not a comma-separated list of integers")
+    if bad_warps := [w for w in warps if w not in (1, 2, 4, 8, 16)]:
+        ap.error(f"--attention-warps: {bad_warps} not a power of two from 1 to 16")
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
@@ -283,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                          (f" [{'+'.join(staged)} staged before the graph]", set(staged), False, False)]  # fmt: skip
             if {"qkv", "gate_up"} & set(staged):
                 variants.append((f" [{'+'.join(staged)} staged, qkv/gate_up by their norms]", set(staged), True, True))
-        for label, kernels in builds.items():
+        for (label, kernels), chain.attention_warps in itertools.product(builds.items(), warps):
+            if len(warps) > 1:
+                label = f"{label} [attention on {chain.attention_warps} warps]"
             for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
                 for part in parts:
