@@ -30,6 +30,9 @@ values are stale, the time is not), then with the norms before QKV and gate/up w
 
     python examples/bench_gpu_layer.py --scheme int4 --parts all,gemvs --staged qkv,gate_up
 
+``--attention-warps 4,2,8`` times every chain again with the decode attention on that many warps a
+program (the backend launches 4).
+
 Needs an NVIDIA GPU and nvcc. Times are medians of graph replays, milliseconds for all layers.
 """
 

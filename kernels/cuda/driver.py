@@ -29,6 +29,8 @@ class LaunchAttribute(ctypes.Structure):
         """The attribute ``attr_id`` with ``value``'s bytes at the start of its value, zeros after them.
         Copied as bytes: assigning to the c_char array stops at the first zero byte, which a value of
         several fields (a cluster's 8, 1, 1) has inside it."""
+        if len(value) > ctypes.sizeof(cls) - cls.value.offset:
+            raise ValueError(f"a launch attribute's value holds 64 bytes, not {len(value)}")
         attr = cls(id=attr_id)
         ctypes.memmove(ctypes.addressof(attr) + cls.value.offset, value, len(value))
         return attr

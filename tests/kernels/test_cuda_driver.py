@@ -32,6 +32,8 @@ def test_launch_attribute_values_keep_their_zero_bytes() -> None:
     raw = ctypes.string_at(ctypes.addressof(attr), ctypes.sizeof(attr))
     assert raw[:4] == struct.pack("<i", 4)
     assert raw[8:20] == struct.pack("<III", 8, 1, 1) and raw[20:] == bytes(52)
+    with pytest.raises(ValueError, match="64 bytes"):
+        LaunchAttribute.of(4, bytes(65))
 
 
 class FakeModule:
