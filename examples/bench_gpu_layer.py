@@ -195,6 +195,14 @@ class Chain:
         return run
 
 
+def int_list(ap: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """``option``'s comma-separated integers, or the parser's error naming it."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        ap.error(f"{option}: {text!r} is not a comma-separated list of integers")
+
+
 def graph_ms(fn: Callable[[], None], replays: int) -> float:
     """Median milliseconds of a replay of ``fn`` captured in a CUDA graph with overlapped launches."""
     import torch
@@ -263,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if bad := [p for p in staged if p not in kinds or kinds[p] not in STAGED_KINDS]:
         ap.error(f"--staged: {', '.join(bad)} not a projection on one of {', '.join(STAGED_KINDS)}")
-    try:
-        warps = [int(x) for x in args.attention_warps.split(",")]
-    except ValueError:
-        ap.error(f"--attention-warps: {args.attention_warps!r} is not a comma-separated list of integers")
+    warps = int_list(ap, "--attention-warps", args.attention_warps)
     if bad_warps := [w for w in warps if w not in (1, 2, 4, 8, 16)]:
         ap.error(f"--attention-warps: {bad_warps} not a power of two from 1 to 16")
     parts = args.parts.split(",")
@@ -274,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
     if not 0 < args.context <= 16 * args.table_blocks:
         ap.error(f"--context {args.context} is not within the table's {16 * args.table_blocks} tokens (--table-blocks)")
-    try:
-        limits = [int(x) for x in args.self_merge_max.split(",")] if args.self_merge_max else [None]
-    except ValueError:
-        ap.error(f"--self-merge-max: {args.self_merge_max!r} is not a comma-separated list of integers")
+    limits = int_list(ap, "--self-merge-max", args.self_merge_max) if args.self_merge_max else [None]
     import torch
 
     if not torch.cuda.is_available():
