@@ -306,7 +306,7 @@ def _native_gemv_row(x, w, label: str, case: str, nbytes: int, copy_gbps: float,
     from mgx.kernels.triton import linear as lin
     from mgx.kernels.triton.testing import as_read_by
 
-    w = as_read_by(w, kernels)  # a MGX_IMMA_TILE16 build's imma kinds take only tiled codes
+    w = as_read_by(w, kernels, silu_mul)  # tiled codes (and scale pairs) as the build reads them
     for kind in cg.KINDS:
         if kernels is None or not cg.gemv_applies(kernels, x, w, kind=kind):
             continue

@@ -113,7 +113,7 @@ class Chain:
         self.stage_in_graph = True  # False: their records are staged before the graph (stale, for timing)
         self.norm_stages = False  # the norms before QKV and gate/up write the records (gemv.norm_stage)
         self.records: dict[str, object] = {}
-        self.tiled: list[dict] | None = None  # the layers in cuda_tile16 (layers_for)
+        self.tiled: dict[bool, list[dict]] = {}  # the layers in cuda_tile16, without and with scale pairs (layers_for)
         self.totals = [torch.empty(1, HIDDEN, device=dev, dtype=bf16) for _ in range(2)]  # norm_stage's x + delta, by turns
 
     def _norm(self, name: str, x, res, g, kernels):  # noqa: ANN001, ANN202
@@ -174,16 +174,19 @@ class Chain:
 
     def layers_for(self, kernels) -> list[dict]:  # noqa: ANN001
         """The layers' weights as ``kernels`` read them: in the cuda_tile16 layout for a MGX_IMMA_TILE16
-        build (tiled once, kept beside the row-major ones), else row-major."""
-        from mgx.kernels.cuda.gemv import reads_tile16
+        build (tiled once, kept beside the row-major ones; with scale pairs for a MGX_IMMA_HALF_SCALES
+        one), else row-major."""
+        from mgx.kernels.cuda.gemv import reads_half_scales, reads_tile16
         from mgx.kernels.triton.testing import as_read_by
 
         if not reads_tile16(kernels, self.scheme):
             return self.layers
-        if self.tiled is None:
+        half = reads_half_scales(kernels)
+        if half not in self.tiled:
             names = ("qkv", "o", "gate_up", "down")
-            self.tiled = [{**w, **{p: as_read_by(w[p], kernels) for p in names}} for w in self.layers]
-        return self.tiled
+            self.tiled[half] = [{**w, **{p: as_read_by(w[p], kernels, p == "gate_up") for p in names}}
+                                for w in self.layers]  # fmt: skip
+        return self.tiled[half]
 
     def step(self, kernels, kinds: dict[str, str], part: str) -> Callable[[], None]:  # noqa: ANN001
         layers = self.layers_for(kernels)

@@ -148,7 +148,7 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
     for scheme in schemes:
         for n, k, silu in SHAPES:
             w = make_weight(scheme, n, k, device="cuda", **({"group_size": 128} if scheme == "int4" else {}))
-            w = as_read_by(w, kernels)  # cuda_tile16 codes for a MGX_IMMA_TILE16 build
+            w = as_read_by(w, kernels, silu)  # cuda_tile16 codes (and scale pairs) as the build reads them
             x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
             weight_bytes = w.nbytes  # codes, scales, zeros
             for kind in kinds:

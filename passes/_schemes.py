@@ -29,6 +29,7 @@ __all__ = [
     "Encoded",
     "COMPANION_ROLES",
     "encode_w8a16",
+    "f16_scales",
     "int4_fit",
     "int4_codes",
     "int4_decode",
@@ -100,19 +101,34 @@ def _blocks(a: np.ndarray, group: int) -> np.ndarray:
     return a.reshape(n, g, group)
 
 
-def int4_fit(w: np.ndarray, group: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def f16_scales(scales: np.ndarray) -> np.ndarray:
+    """``scales`` (f32) each raised to the nearest fp16 value at or above it where that is a normal fp16
+    number (2^-14 .. 65504), others kept: a larger step never clips a code that fitted before, and the
+    GPU's imma kernels can read such scales as fp16 pairs (``gemv.scale_pairs``) with no change of value."""
+    s = np.asarray(scales, np.float32)
+    with np.errstate(over="ignore"):  # past fp16's range: kept below
+        h = s.astype(np.float16)
+        h = np.where(h.astype(np.float32) < s, np.nextafter(h, np.float16(np.inf)), h).astype(np.float32)
+    return np.where((s >= 2.0**-14) & (h <= 65504.0), h, s).astype(np.float32)
+
+
+def int4_fit(w: np.ndarray, group: int, symmetric: bool, f16: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Scales [N, G] f32 and zero points [N, G] u8 (None when symmetric) of ``w`` [N, K], groups along K.
 
     Asymmetric: each group's range is widened to hold 0, then split into 15 steps. Symmetric: the
-    zero point is 8 and the scale maps the largest magnitude to 7 (nothing is clipped).
+    zero point is 8 and the scale maps the largest magnitude to 7 (nothing is clipped). ``f16``: the
+    scales raised to fp16 values (``f16_scales``) before the zero points are fitted to them.
     """
     blocks = _blocks(np.asarray(w, np.float32), group)  # zero padding sits inside [min(.,0), max(.,0)] anyway
     if symmetric:
         amax = _abs_max(blocks, axis=2)
-        return np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32), None
+        scales = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+        return (f16_scales(scales) if f16 else scales), None
     lo = np.minimum(blocks.min(axis=2), 0.0)
     hi = np.maximum(blocks.max(axis=2), 0.0)
     scales = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    if f16:
+        scales = f16_scales(scales)
     zeros = np.clip(np.rint(-lo / scales), 0, 15).astype(np.uint8)
     return scales, zeros
 
@@ -152,10 +168,11 @@ def unpack_nibbles(b: np.ndarray) -> np.ndarray:
 
 
 def encode_int4(w: np.ndarray, group: int, symmetric: bool, scales: np.ndarray | None = None,
-                zeros: np.ndarray | None = None) -> Encoded:
-    """int4 of ``w`` [N, K]; round-to-nearest unless ``scales``/``zeros`` were chosen already (GPTQ)."""
+                zeros: np.ndarray | None = None, f16: bool = False) -> Encoded:
+    """int4 of ``w`` [N, K]; round-to-nearest unless ``scales``/``zeros`` were chosen already (GPTQ);
+    ``f16``: as ``int4_fit``'s."""
     if scales is None:
-        scales, zeros = int4_fit(w, group, symmetric)
+        scales, zeros = int4_fit(w, group, symmetric, f16)
     q = int4_codes(w, scales, zeros, group)
     companions = {"scales": scales} if symmetric else {"scales": scales, "zeros": zeros}
     return Encoded("int4", pack_nibbles(q), companions,
@@ -205,9 +222,10 @@ def encode_sparse24(w: np.ndarray, mask: np.ndarray, dtype: ir.DType) -> Encoded
 
 
 def encode_sparse24_int4(values: np.ndarray, meta: np.ndarray, k: int, group: int, symmetric: bool,
-                         scales: np.ndarray | None = None, zeros: np.ndarray | None = None) -> Encoded:
+                         scales: np.ndarray | None = None, zeros: np.ndarray | None = None,
+                         f16: bool = False) -> Encoded:  # fmt: skip
     """int4 of the kept values [N, K/2] of a 2:4 sparse weight (groups run along the kept values)."""
-    inner = encode_int4(values, group, symmetric, scales, zeros)
+    inner = encode_int4(values, group, symmetric, scales, zeros, f16)
     return Encoded("sparse24_int4", inner.weight, {**inner.companions, "meta": meta},
                    {"group_size": group, "symmetric": symmetric, "cols": k})
 
@@ -314,11 +332,11 @@ def apply(graph: ir.Graph, name: str, enc: Encoded) -> None:
         op.weights.update({role: f"{stem}.{role}" for role in enc.companions})
 
 
-def int4_column_quantizer(group_cols: int, symmetric: bool) -> ColumnQuantizer:
+def int4_column_quantizer(group_cols: int, symmetric: bool, f16: bool = False) -> ColumnQuantizer:
     """int4 rounding for ``obs_solve``: parameters fitted per ``group_cols`` columns like ``int4_fit``."""
 
     def fit(span: np.ndarray) -> tuple[np.ndarray, ...]:
-        scales, zeros = int4_fit(span, span.shape[1], symmetric)
+        scales, zeros = int4_fit(span, span.shape[1], symmetric, f16)
         return (scales[:, 0],) if zeros is None else (scales[:, 0], zeros[:, 0])
 
     def round_(col: np.ndarray, params: tuple[np.ndarray, ...], index: int) -> np.ndarray:

@@ -288,9 +288,12 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.cuda.gemv import (
         NATIVE_TOLERANCE,
         gemv_applies,
+        half_scales_hold,
         native_error,
         native_error_text,
+        reads_half_scales,
         run_native,
+        scale_pairs,
     )
     from mgx.kernels.triton._common import overlapped_launches
     from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
@@ -314,11 +317,17 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 continue
             t = graph.tensor(op.weights["weight"])
             aux = {r: graph.tensor(op.weights[r]) for r in ("scales", "zeros", "meta") if r in op.weights}
-            try:
+            kernel = _kernel_of(graph, op)
+
+            def upload(t: ir.Tensor = t, aux: dict = aux, silu: bool = kernel == "linear_silu_mul") -> Any:
+                """The weight on the device as the CUDA backend holds it (scale pairs where it makes them)."""
                 w = gpu_weight(t, gpu_arrays(t, aux, device), dtype)
+                return scale_pairs(w, silu) if reads_half_scales(kernels) and half_scales_hold(w) else w
+
+            try:
+                w = upload()
             except ValueError as e:
                 raise PassError(f"autotune: {op.kind} {t.name}: {e}") from None
-            kernel = _kernel_of(graph, op)
             copies = ws = None  # copies of w, for timing the decode regime in graphs (made when first needed)
             for m in sorted({int(r) for r in opts.rows}):
                 key = (kernel, shape_key(w, m))
@@ -326,7 +335,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     continue  # dense weights with several rows run on cuBLAS in the CUDA backend
                 x = torch.randn(m, w.k, dtype=dtype, device=device)
                 if m <= GRAPH_MAX_M and copies is None:  # decode steps run as CUDA graphs: time them so
-                    copies = _weight_copies(w, lambda t=t, aux=aux: gpu_weight(t, gpu_arrays(t, aux, device), dtype), device)
+                    copies = _weight_copies(w, upload, device)
                 ws = copies if m <= GRAPH_MAX_M else None
                 best = None
                 fused = roles.get((kernel, w.n, w.k)) if m == 1 and w.scheme == "none" else None

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mgx.formats import ir
 
 from ._base import PassContext, PassError, PassResult
@@ -56,9 +58,34 @@ def _device_arch() -> str | None:
 
 def kernel_flags(graph: ir.Graph) -> tuple[str, ...]:
     """The nvcc flags the artifact's weights ask for: ``-DMGX_IMMA_TILE16=1`` where reorder_weights put
-    int4 or W8A16 weights in the cuda_tile16 layout (the imma GEMVs then read that layout only)."""
-    tiled = any(t.layout == "cuda_tile16" for t in graph.tensors.values())
-    return ("-DMGX_IMMA_TILE16=1",) if tiled else ()
+    int4 or W8A16 weights in the cuda_tile16 layout (the imma GEMVs then read that layout only), and
+    with it ``-DMGX_IMMA_HALF_SCALES=1`` where every int4 linear weight can give its scales and zeros
+    as fp16 pairs (``_half_scales``; the int4 imma GEMVs then read those only)."""
+    if not any(t.layout == "cuda_tile16" for t in graph.tensors.values()):
+        return ()
+    return ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1") if _half_scales(graph) else ("-DMGX_IMMA_TILE16=1",)
+
+
+def _half_scales(graph: ir.Graph) -> bool:
+    """Whether the graph has int4 linear weights (or LM head) and each has groups of a multiple of 128
+    columns and scales that are fp16 values (quantize_int4's ``f16_scales``), which is what the CUDA
+    backend's ``gemv.scale_pairs`` takes."""
+    found = False
+    for op in graph.ops:
+        if op.kind not in ("linear", "lm_head") or "weight" not in op.weights:
+            continue
+        t = graph.tensor(op.weights["weight"])
+        if t.scheme != "int4":
+            continue
+        scales = graph.tensor(op.weights["scales"]).data if "scales" in op.weights else None
+        k = int(t.scheme_params.get("cols", 2 * t.shape[1]))
+        if scales is None or int(t.scheme_params.get("group_size", 0)) % 128 or k % 128:
+            return False
+        with np.errstate(over="ignore"):
+            if not np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
+                return False
+        found = True
+    return found
 
 
 def _build(arch: str, flags: tuple[str, ...] = ()) -> bytes:

@@ -46,6 +46,9 @@ class Int4Options:
     method: Literal["rtn", "gptq"] = "rtn"  # round to nearest, or GPTQ (needs a calibration text)
     damp: float = 0.01  # gptq: added to the Hessian's diagonal, as a fraction of its mean
     act_order: bool = True  # gptq: visit columns by decreasing input energy (dense weights only)
+    # scales raised to fp16 values where fp16 holds them as normal numbers (_schemes.f16_scales): the GPU's
+    # int4 imma kernels then read scales and zeros as fp16 pairs, 4 bytes a row and group instead of 5
+    f16_scales: bool = True
     skip: Skip = field(default_factory=Skip)  # weights to keep as they are
 
     def __post_init__(self) -> None:
@@ -55,10 +58,10 @@ class Int4Options:
 
 def _rtn(graph: ir.Graph, site: WeightSite, dense: np.ndarray, opts: Int4Options) -> Encoded:
     t, companions = site_arrays(graph, site)
-    g, sym = opts.group_size, opts.symmetric
+    g, sym, f16 = opts.group_size, opts.symmetric, opts.f16_scales
     if t.scheme == "sparse24":
-        return encode_sparse24_int4(to_f32(t), companions["meta"].data, int(t.scheme_params["cols"]), g, sym)
-    return encode_int4(dense, g, sym)
+        return encode_sparse24_int4(to_f32(t), companions["meta"].data, int(t.scheme_params["cols"]), g, sym, f16=f16)
+    return encode_int4(dense, g, sym, f16=f16)
 
 
 def _gptq(graph: ir.Graph, sites: list[WeightSite], hessian: np.ndarray, opts: Int4Options) -> list[Encoded]:
@@ -73,7 +76,7 @@ def _gptq(graph: ir.Graph, sites: list[WeightSite], hessian: np.ndarray, opts: I
         metas = [site_arrays(graph, s)[1]["meta"].data for s in sites]
         keep = np.concatenate([sparse24_expand(np.ones((m.shape[0], k // 2), np.float32), m, k) != 0
                                for m in metas])
-    quantizer = int4_column_quantizer(2 * g if sparse else g, sym)
+    quantizer = int4_column_quantizer(2 * g if sparse else g, sym, opts.f16_scales)
     out, _, params = obs_solve(w, hessian, quantizer=quantizer, keep=keep, damp=opts.damp,
                                act_order=opts.act_order and not sparse)
     scales = np.stack([p[0] for p in params], axis=1).astype(np.float32)

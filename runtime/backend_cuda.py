@@ -101,8 +101,11 @@ from mgx.kernels.cuda.gemv import (
     gemv_applies,
     gemv_argmax,
     gemv_staged,
+    half_scales_hold,
     norm_stage,
     norm_stage_applies,
+    reads_half_scales,
+    scale_pairs,
     staged_applies,
 )
 from mgx.kernels.cuda.gemv import ENTRIES as GEMV_ENTRIES
@@ -698,11 +701,28 @@ class CUDABackend(Backend):
             gemvs.append(ARGMAX_LABEL)
         if self.cuda_kernels.has(TILE16_MARKER):
             gemvs.append("the integer tensor-core kinds on cuda_tile16 weights")
+        if reads_half_scales(self.cuda_kernels):
+            paired = self._pair_scales()
+            gemvs.append(f"int4 scales as fp16 pairs for {paired} weights")
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
         if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)
             note += ", launched overlapped" if overlapped else ", not overlapped (needs cuLaunchKernelEx, newer code)"
         return note
+
+    def _pair_scales(self) -> int:
+        """Give each int4 linear weight and LM head its scales and zeros as the fp16 pairs that the int4
+        imma kinds of a MGX_IMMA_HALF_SCALES build read (``gemv.scale_pairs``, ordered for the SiLU
+        product where its epilogue takes one; built on the device from the uploaded scales and kept
+        beside them, which the Triton kernels read). A weight whose scales fp16 would change keeps none
+        and runs on the Triton kernels. Returns how many got them."""
+        paired = 0
+        for op in self.graph.ops:
+            w = self._weights.get(id(op)) if op.kind in ("linear", "lm_head") else None
+            if w is not None and w.pairs is None and half_scales_hold(w):
+                self._weights[id(op)] = scale_pairs(w, id(op) in self._fuse.silu_after_linear)
+                paired += 1
+        return paired
 
     @property
     def overlap_launches(self) -> bool:

@@ -18,6 +18,7 @@
 // 16-byte (x) and word-size (W) aligned; blockDim.x a multiple of 32 and at most kMaxThreads.
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include "mgx_abi.cuh"
@@ -81,6 +82,18 @@ __device__ __forceinline__ float load_now(const float* p) {
 __device__ __forceinline__ float4 load_now(const float4* p) {
   float4 v;
   asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load_now(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load_now(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -766,23 +779,36 @@ __device__ void gemv_mma(__nv_bfloat16* __restrict__ out, const uint4* __restric
 // (S = K / 128 steps; kW = 1 int4, 2 W8A16), so a warp's load of 8 rows' step (or of a word of them)
 // is 512 contiguous bytes instead of 64 bytes of 8 rows, with the SiLU product's gate and up rows too.
 // Same sums, same bits. On the H200 (32nd session, 83rd run) the 8B layer chain took W8A16 2.308 ->
-// 2.260 ms and INT4 (x staged by the norms, its default) 1.728 -> 1.707 ms (1.671 with bit 1 below).
-// Build flag MGX_IMMA_TILES (an experiment, 31st session; 0 by default): bit 1, the int4 imma kernels
-// read each step's scales and zeros of the warp's 16 rows as one 128-byte line, a float4 (scale lo,
-// zero lo, scale hi, zero hi) per lane row g at ((group * steps + step) * 8 + g), one 16-byte load a
-// lane where there were four scattered scalar loads (8 lines each), from a table gemv.py's imma_tiles
-// builds beside the weight (8B INT4 layer chain with the codes tiled too: -3.8% against -2% without).
-// Scales and zeros tiled at element level instead (those of 16 rows and a group contiguous, four loads a
-// step as row-major but from 2 lines instead of 32): no gain (33rd session, 87th run: 1.716 vs 1.711 ms
-// staged by the norms, against 1.673 with the table), so the table's one 16-byte load is what counts.
+// 2.260 ms and INT4 (x staged by the norms, its default) 1.728 -> 1.707 ms.
+// Build flag MGX_IMMA_HALF_SCALES (0 by default; the cuda_kernels pass sets it beside MGX_IMMA_TILE16
+// when every int4 weight's scales are fp16 values, as quantize_int4 writes them, and its groups a
+// multiple of 128 columns): the int4 imma kinds read each group's scales and zeros of the warp's 16 rows
+// from a table of fp16 pairs that gemv.py's scale_pairs builds beside the weight when it is uploaded, a
+// uint2 (s lo, z lo, s hi, z hi) per lane row g at ((b * G + group) * 8 + g) for the kernel's output
+// group b (rows as row_lo and row_hi: with the SiLU product, lo a gate row and hi its up row), one 8-byte
+// load a lane and step where row-major fp32 scales and u8 zeros take four scalar loads; 64 bytes a warp's
+// 16 rows and group against 80. fp16 holds those scales and the zeros (0..15) exactly: the same values,
+// the same bits. On the H200 (42nd session, 133rd run) the 8B INT4 layer chain staged by the norms took
+// 1.685 / 1.689 -> 1.629 ms (the GEMVs alone 1.400 -> 1.354). Tried beside it in the same run: the
+// 31st session's table in fp32 (a float4 a lane, 128 bytes a group; build flag MGX_IMMA_TILES=1, gone)
+// 1.649 ms, and one fp16 (s, z) a row ([N / 8][G][8], the same for both row pairings), lanes t = 0, 2
+// loading row lo's and t = 1, 3 row hi's and a shuffle swapping them, 1.650 ms. The element-level
+// tiling of fp32 scales and zeros (33rd session: four loads from 2 lines instead of 32) gained nothing,
+// so what counts is the one load a lane.
 #ifndef MGX_IMMA_TILE16
 #define MGX_IMMA_TILE16 0
 #endif
-#ifndef MGX_IMMA_TILES
-#define MGX_IMMA_TILES 0
+#ifndef MGX_IMMA_HALF_SCALES
+#define MGX_IMMA_HALF_SCALES 0
 #endif
 constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
-constexpr bool kTileScales = (MGX_IMMA_TILES & 1) != 0;
+constexpr bool kHalfScales = MGX_IMMA_HALF_SCALES != 0;
+constexpr uint32_t kIdleHalves = 0x48000000u;  // (s, z) = (0, 8) as fp16 halves: a pass with no work
+
+// (s, z) from their fp16 halves (s in the low one).
+__device__ __forceinline__ float2 half_pair(uint32_t r) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
 // Tried on the H200 (36th session, 99th-100th runs) and dropped: each warp copying its next 1-4 passes
 // of codes, scales and zeros into shared memory with cp.async before mgx_pdl_wait (build flag
 // MGX_IMMA_PRELOAD). Same bits and occupancy, but the 8B INT4 chain lost (1.713 -> 1.883-2.240 ms) and
@@ -1211,7 +1237,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = at.y + u * W;
-      const uint32_t tile = static_cast<uint32_t>(at.x) * static_cast<uint32_t>(steps) + static_cast<uint32_t>(s);
       const uint4* a = reinterpret_cast<const uint4*>(w + (w_lo + static_cast<uint32_t>(s) * kStepBytes));
       const uint4* b = reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * kStepBytes));
       const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -1221,12 +1246,12 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
         p.lo[kW * u + v] = in ? load_stream_fetch(a + kWordBytes / 16 * v) : zero;
         p.hi[kW * u + v] = in ? load_stream_fetch(b + kWordBytes / 16 * v) : zero;
       }
-      if constexpr (kInt4 && kTileScales) {
-        const float4 sz = in ? load_now(reinterpret_cast<const float4*>(scales) + (tile * 8u + g)) : make_float4(0.f, 8.f, 0.f, 8.f);
-        p.s_lo[u] = sz.x;
-        p.z_lo[u] = __float_as_uint(sz.y);
-        p.s_hi[u] = sz.z;
-        p.z_hi[u] = __float_as_uint(sz.w);
+      if constexpr (kInt4 && kHalfScales) {
+        const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
+        const uint32_t i = (static_cast<uint32_t>(at.x) * static_cast<uint32_t>(stride_s) + grp) * 8u + static_cast<uint32_t>(g);
+        const uint2 sz = in ? load_now(reinterpret_cast<const uint2*>(scales) + i) : make_uint2(kIdleHalves, kIdleHalves);
+        p.z_lo[u] = sz.x;
+        p.z_hi[u] = sz.y;
       } else if constexpr (kInt4) {
         const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
         const uint32_t i_lo = static_cast<uint32_t>(lo) * static_cast<uint32_t>(stride_s) + grp;
@@ -1305,10 +1330,16 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       }
       if constexpr (kInt4) {  // s (sum q X - z sum X), the zero's part once a quad (lane t = 0)
         const float zx = t == 0 ? sum_x : 0.0f;
-        const float z_lo = kTileScales ? __uint_as_float(p.z_lo[u]) : static_cast<float>(p.z_lo[u]);
-        const float z_hi = kTileScales ? __uint_as_float(p.z_hi[u]) : static_cast<float>(p.z_hi[u]);
-        acc_lo = fmaf(factor * p.s_lo[u], fmaf(-z_lo, zx, imma_value(d, weigh)), acc_lo);
-        acc_hi = fmaf(factor * p.s_hi[u], fmaf(-z_hi, zx, imma_value(e, weigh)), acc_hi);
+        float s_lo, s_hi, z_lo, z_hi;
+        if constexpr (kHalfScales) {
+          const float2 a = half_pair(p.z_lo[u]), c = half_pair(p.z_hi[u]);
+          s_lo = a.x, z_lo = a.y, s_hi = c.x, z_hi = c.y;
+        } else {
+          s_lo = p.s_lo[u], s_hi = p.s_hi[u];
+          z_lo = static_cast<float>(p.z_lo[u]), z_hi = static_cast<float>(p.z_hi[u]);
+        }
+        acc_lo = fmaf(factor * s_lo, fmaf(-z_lo, zx, imma_value(d, weigh)), acc_lo);
+        acc_hi = fmaf(factor * s_hi, fmaf(-z_hi, zx, imma_value(e, weigh)), acc_hi);
       } else {
         acc_lo = fmaf(factor, imma_value(d, weigh), acc_lo);
         acc_hi = fmaf(factor, imma_value(e, weigh), acc_hi);
@@ -1632,9 +1663,9 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (,
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
 
-// Markers of an MGX_IMMA_TILES build (gemv.py: the imma kinds then read the tiles it builds).
-#if MGX_IMMA_TILES & 1
-extern "C" __global__ void MGX_ENTRY(mgx_imma_tile_scales)() {}
+// Markers of the builds (gemv.py: which layout and scale table the imma kinds read).
+#if MGX_IMMA_HALF_SCALES
+extern "C" __global__ void MGX_ENTRY(mgx_imma_half_scales)() {}
 #endif
 #if MGX_IMMA_TILE16
 extern "C" __global__ void MGX_ENTRY(mgx_imma_tile16)() {}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "TILE_MARKERS", "TILE16_MARKER", "imma_tiles", "reads_tile16"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -297,6 +297,8 @@ def gemv_applies(
         return False
     if w.layout != ("cuda_tile16" if base.startswith("imma") and reads_tile16(kernels, w.scheme) else "row_major"):
         return False  # the imma kinds of a MGX_IMMA_TILE16 build read int4 and W8A16 in cuda_tile16 only
+    if w.scheme == "int4" and base.startswith("imma") and reads_half_scales(kernels) and w.pairs is None:
+        return False  # those of a MGX_IMMA_HALF_SCALES build read int4 scales from GpuWeight.pairs only
     if not _one_row(kernels, x) or w.k % 8 or x.shape[1] != w.k:
         return False
     if (w.scheme == "int4" and w.group_size < 8) or (w.scheme == "none" and w.weight.dtype != torch.bfloat16):
@@ -435,38 +437,47 @@ def reads_tile16(kernels: CudaKernels, scheme: str) -> bool:
     return scheme in ("int4", "w8a16") and kernels.has(TILE16_MARKER)
 
 
-# An MGX_IMMA_TILES=1 build of gemv.cu (an experiment, for bench_gpu_layer.py and the GPU tests): its int4
-# imma kinds read each step's scales and zeros from a table that ``imma_tiles`` builds from the weight on
-# first use and keeps for the process's life (a second copy: not for serving). Default builds hold no
-# marker and skip this.
-TILE_MARKERS = {"scales": f"mgx_imma_tile_scales_v{KERNEL_ABI}"}
+# An MGX_IMMA_HALF_SCALES build of gemv.cu (the cuda_kernels pass asks for it where every int4 weight's
+# scales are fp16 values): its int4 imma kinds read a weight's scales and zeros from ``GpuWeight.pairs``,
+# which ``scale_pairs`` builds when the weight is uploaded, and run only on weights that carry it.
+HALF_SCALES_MARKER = f"mgx_imma_half_scales_v{KERNEL_ABI}"
 _IMMA_BASES = ("imma", "imma_multi", "imma4", "imma16", "imma4_multi")
-_tiles: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def imma_tiles(w: GpuWeight, silu_mul: bool) -> torch.Tensor:
-    """W's int4 scales and zeros as float32 [groups, steps, 8, 4] (per lane row g of the kernel's group,
-    the scale and zero of rows lo and hi for the step's group) in the order gemv.cu's MGX_IMMA_TILES=1
-    kernels read them; rows as gemv_imma's row_lo and row_hi (clamped past the end; with ``silu_mul``
-    lo the gate rows, hi the up rows)."""
-    key = (w.weight.data_ptr(), silu_mul)
-    got = _tiles.get(key)
-    if got is not None and got[0] is w.weight:
-        return got[1]
+def reads_half_scales(kernels: CudaKernels | None) -> bool:
+    """Whether the int4 imma kinds of ``kernels`` read their scales and zeros from ``GpuWeight.pairs``."""
+    return kernels is not None and kernels.has(HALF_SCALES_MARKER)
+
+
+def half_scales_hold(w: GpuWeight) -> bool:
+    """Whether ``scale_pairs`` takes ``w``: int4, groups of a multiple of 128 columns, every scale an fp16
+    value (a device check: one sync)."""
+    if w.scheme != "int4" or w.group_size % MMA_COLUMNS or w.k % MMA_COLUMNS or w.scales is None:
+        return False
+    return bool(torch.equal(w.scales.to(torch.float16).float(), w.scales))
+
+
+def scale_pairs(w: GpuWeight, silu_mul: bool) -> GpuWeight:
+    """``w`` with ``pairs``: its int4 scales and zeros as float16 [B, G, 8, 4], at [b, j, g] the scale and
+    zero of rows lo and hi of the imma kinds' output group b (``gemv_imma``'s row_lo and row_hi: 16 rows
+    a group, lo = 16 b + g and hi = lo + 8; with ``silu_mul`` 8 outputs a group, lo = 8 b + g a gate row
+    and hi = F + lo its up row; clamped past the end) for group j of columns; zeros 8 when symmetric.
+    Raises ``ValueError`` where ``half_scales_hold`` does not (fp16 would change a scale)."""
+    if not half_scales_hold(w):
+        raise ValueError(f"no fp16 scale pairs for {w.scheme} g{w.group_size} K={w.k}: they need int4 groups "
+                         "of a multiple of 128 columns and scales that are fp16 values")  # fmt: skip
+    if silu_mul and w.n % 2:
+        raise ValueError(f"fused gate/up width {w.n} is odd")
     n_out = w.n // 2 if silu_mul else w.n
     per = 8 if silu_mul else 16
-    groups, steps = -(-n_out // per), w.k // MMA_COLUMNS
     dev = w.weight.device
-    b, g = torch.arange(groups, device=dev)[:, None], torch.arange(8, device=dev)[None, :]
+    b, g = torch.arange(-(-n_out // per), device=dev)[:, None], torch.arange(8, device=dev)[None, :]
     lo = torch.clamp(b * per + g, max=n_out - 1)
     hi = n_out + lo if silu_mul else torch.clamp(b * 16 + g + 8, max=w.n - 1)
-    grp = (torch.arange(steps, device=dev) * MMA_COLUMNS) // w.group_size
-    sc = w.scales[:, grp]  # [N, steps]
-    z = torch.full_like(sc, 8.0) if w.symmetric else w.zeros[:, grp].float()
-    parts = [sc[lo], z[lo], sc[hi], z[hi]]  # each [groups, 8, steps]
-    tiles = torch.stack(parts, dim=-1).permute(0, 2, 1, 3).contiguous()  # [groups, steps, 8, 4]
-    _tiles[key] = (w.weight, tiles)
-    return tiles
+    z = torch.full_like(w.scales, 8.0) if w.symmetric else w.zeros.float()
+    parts = [w.scales[lo], z[lo], w.scales[hi], z[hi]]  # each [B, 8, G]
+    pairs = torch.stack(parts, dim=-1).permute(0, 2, 1, 3).to(torch.float16).contiguous()  # [B, G, 8, 4]
+    return replace(w, pairs=pairs, pairs_silu=silu_mul)
 
 
 def _out_row(w: GpuWeight, silu_mul: bool, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -517,8 +528,12 @@ def _launch(
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(w.scales), _ptr(bias), n, k, stride_w, silu_f]
     else:
         args = [_ptr(out), _ptr(x), _ptr(w.weight), _ptr(bias), n, k, stride_w, silu_f]
-    if w.scheme == "int4" and base in _IMMA_BASES and kernels.has(TILE_MARKERS["scales"]):
-        args[3:5] = [_ptr(imma_tiles(w, silu_mul)), _ptr(None)]
+    if w.scheme == "int4" and base in _IMMA_BASES and reads_half_scales(kernels):
+        if w.pairs is None or w.pairs_silu != silu_mul:
+            raise ValueError(f"this build's int4 imma kinds read scale pairs ordered for {'the SiLU product' if silu_mul else 'plain rows'}; "
+                             "the weight has " + ("none" if w.pairs is None else "the other order") + " (gemv.scale_pairs)")  # fmt: skip
+        args[3:5] = [_ptr(w.pairs), _ptr(None)]
+        args[9] = ctypes.c_longlong(w.pairs.shape[1])  # groups a row
     entry, blocks, shared = entries[base, w.scheme], -(-n_out // per_block), 0
     if norm is not None:  # (out, x) -> (out, total, x, delta, weight, eps)
         entry, shared = NORM_ENTRIES[base, w.scheme], 2 * w.k

@@ -93,6 +93,11 @@ class GpuWeight:
     group_size: int = 0  # int4 group along K (along the kept values for sparse24_int4)
     symmetric: bool = True  # int4: z = 8 when True
     layout: str = "row_major"  # "row_major", "sparse24_nibble_meta" or "cuda_tile16"
+    # int4: the scales and zeros again as the fp16 pairs the native imma kinds of a MGX_IMMA_HALF_SCALES
+    # build read (``mgx.kernels.cuda.gemv.scale_pairs``), ordered for the SiLU product's rows when
+    # ``pairs_silu``; the Triton kernels read ``scales`` and ``zeros``
+    pairs: torch.Tensor | None = None
+    pairs_silu: bool = False
 
     def __post_init__(self) -> None:
         s, n, k = self.scheme, self.n, self.k
@@ -118,6 +123,11 @@ class GpuWeight:
             _expect(self.scales, "scales", (n, -(-cols // g)), torch.float32)
             if not self.symmetric:
                 _expect(self.zeros, "zeros", (n, -(-cols // g)), torch.uint8)
+        if self.pairs is not None:
+            n_out, per = (n // 2, 8) if self.pairs_silu else (n, 16)
+            if s != "int4" or self.group_size % 128 or k % 128:
+                raise ValueError(f"scale pairs need int4 groups of a multiple of 128 columns, not {s} g{self.group_size}")
+            _expect(self.pairs, "pairs", (-(-n_out // per), -(-k // self.group_size), 8, 4), torch.float16)
         if s.startswith("sparse24"):
             packed = self.layout == "sparse24_nibble_meta"
             if k % (8 if packed else 4):
@@ -1089,7 +1099,7 @@ def take_rows(w: GpuWeight, rows: torch.Tensor) -> GpuWeight:
 
     layout = "row_major" if w.layout == "cuda_tile16" else w.layout
     return replace(w, n=rows.shape[0], weight=code_rows(w, rows), scales=pick(w.scales), zeros=pick(w.zeros),
-                   meta=pick(w.meta), layout=layout)  # fmt: skip
+                   meta=pick(w.meta), layout=layout, pairs=None)  # fmt: skip
 
 
 def dequantize_ref(w: GpuWeight) -> torch.Tensor:

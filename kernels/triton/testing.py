@@ -6,7 +6,7 @@ compiler's passes own the real ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,17 +70,22 @@ def tile16(w: GpuWeight) -> GpuWeight:
     return replace(out, weight=w.weight.reshape(shape).permute(order).contiguous().reshape(w.weight.shape))
 
 
-def as_read_by(w: GpuWeight, kernels) -> GpuWeight:  # noqa: ANN001
-    """``w`` in the layout the native imma kinds of ``kernels`` (a ``CudaKernels``, or None) read for its
-    scheme: ``tile16(w)`` for a MGX_IMMA_TILE16 build where the layout holds the shape (``tile16_holds``),
-    else ``w`` itself (a default build reads row-major codes), so a bench or profile of a
-    build measures the kinds it has instead of finding that none of them takes the weight."""
+def as_read_by(w: GpuWeight, kernels, silu_mul: bool = False) -> GpuWeight:  # noqa: ANN001
+    """``w`` as the native imma kinds of ``kernels`` (a ``CudaKernels``, or None) read it for its scheme:
+    ``tile16(w)`` for a MGX_IMMA_TILE16 build where the layout holds the shape (``tile16_holds``), else
+    ``w`` itself (a default build reads row-major codes); for a MGX_IMMA_HALF_SCALES build int4 scales
+    rounded to fp16 values (as quantize_int4 writes them) and their ``scale_pairs`` (ordered for the
+    SiLU product with ``silu_mul``), so a bench or profile of a build measures the kinds it has instead
+    of finding that none of them takes the weight."""
     from mgx.formats.layouts import tile16_holds
-    from mgx.kernels.cuda.gemv import reads_tile16
+    from mgx.kernels.cuda.gemv import MMA_COLUMNS, reads_half_scales, reads_tile16, scale_pairs
 
     if kernels is None or w.layout != "row_major" or not tile16_holds(w.n, w.k) or not reads_tile16(kernels, w.scheme):
         return w
-    return tile16(w)
+    w = tile16(w)
+    if w.scheme == "int4" and reads_half_scales(kernels) and w.group_size % MMA_COLUMNS == 0:
+        w = scale_pairs(replace(w, scales=w.scales.half().float()), silu_mul)
+    return w
 
 
 def _int4(w: torch.Tensor, g: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -26,6 +26,14 @@ from _backend_testing import compiled
 from _tiny_graph import tiny_contents
 
 
+class _StandIn:
+    """Native kernels for the tests that replace what reads them: a build with no marker entries (no
+    cuda_tile16 codes, no fp16 scale pairs)."""
+
+    def has(self, name: str) -> bool:
+        return False
+
+
 def fake_seconds(config: LinearConfig) -> float:
     """The fake timer's ranking: narrowest N tile, then the deepest K tile, wins."""
     return config.block_n - config.block_k / 1e4
@@ -162,7 +170,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     and lose the fused gate/up; the native GEMV is stood in for by the reference product (no GPU)."""
     from mgx.kernels.cuda import gemv as cg
 
-    kernels = object()
+    kernels = _StandIn()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     # Only the CUDA-core kind applies here (the tensor-core one needs groups of 128).
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: k is kernels
@@ -236,7 +244,7 @@ def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton.lm_head import lm_head_argmax_ref
 
-    kernels = object()
+    kernels = _StandIn()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: k is kernels
                         and x.shape[0] == 1 and argmax and kind == "imma_w4")  # fmt: skip
@@ -305,7 +313,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     named in the summary, however fast the timer says it is."""
     from mgx.kernels.cuda import gemv as cg
 
-    kernels = object()
+    kernels = _StandIn()
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: kernels)
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: x.shape[0] == 1 and not argmax)
     monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
@@ -382,7 +390,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     from mgx.kernels.triton.linear import NormIn
 
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
-    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: object())  # natives offered everywhere...
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: _StandIn())  # natives offered everywhere...
     from mgx.kernels.cuda import gemv as cg
 
     monkeypatch.setattr(cg, "gemv_applies", lambda *a, argmax=False, **k: not argmax)
@@ -443,7 +451,7 @@ def test_autotune_times_candidates_launched_as_the_backend_launches_them(monkeyp
     from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.triton import _common
 
-    class Kernels:
+    class Kernels(_StandIn):
         overlap = False
 
         def allow_overlap(self, sm: int) -> bool:

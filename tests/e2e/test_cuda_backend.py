@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mgx.compiler.golden import hf_cache_keyword
+from mgx.formats.ir import Graph
 from mgx.passes.cuda_kernels import kernel_flags
 from mgx.runtime.backend_cuda import CUDABackend
 from mgx.runtime.batch import SeqChunk
@@ -1628,6 +1629,51 @@ def test_gpu_native_gemv_decodes_like_the_triton_kernels(pipeline: str, monkeypa
     assert set(cg.ENTRIES.values()) & set(launches)
 
 
+def _tiled_for_imma(scheme: str) -> Graph:
+    """A tiny bf16 model whose K is a multiple of 128 (the imma kinds' step), fused, quantized (int4 in
+    groups of 128, with quantize_int4's fp16 scales, or W8A16) and reordered for target cuda (cuda_tile16)."""
+    import copy
+
+    from mgx.formats import ir
+    from mgx.passes import PASSES, PassContext
+
+    from _tiny_graph import build_tiny_graph
+
+    graph, _ = build_tiny_graph(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                                fused=True, dtype=ir.DType.BF16)  # fmt: skip
+    graph = copy.deepcopy(graph)
+    quantize = ("quantize_int4", {"group_size": 128}) if scheme == "int4" else ("quantize_w8a16", {})
+    for name, options in (quantize, ("reorder_weights", {})):
+        PASSES[name](graph, dict(options), PassContext(target="cuda"))
+    return graph
+
+
+@pytest.mark.gpu
+def test_gpu_int4_scale_pairs_decode_like_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int4 model built for cuda (fp16 scales, cuda_tile16): its kernels are built to read the scales
+    as fp16 pairs, the backend gives every int4 linear weight and the LM head their pairs (the gate/up
+    ones in the SiLU product's order), batch-1 decode runs the imma kinds on them, and every step's
+    logits agree with the Triton kernels' within 2% of their largest magnitude, fed the same tokens."""
+    from mgx.kernels.cuda import build
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    graph = _tiled_for_imma("int4")
+    flags = kernel_flags(graph)
+    assert "-DMGX_IMMA_HALF_SCALES=1" in flags
+    arch = build.arch_for(*torch.cuda.get_device_capability())
+    native = CUDABackend(graph, dtype="bf16", graphs=False)
+    assert "int4 scales as fp16 pairs" in native.use_cuda_kernels({arch: build.build_cuda_kernels(arch, extra_flags=flags)})
+    weights = [(kernel, w) for kernel, w, _ in native.one_row_linears()]
+    assert weights and all(w.pairs is not None and w.pairs_silu == (kernel == "linear_silu_mul") for kernel, w in weights)
+    launches: list[str] = []
+    launch = native.cuda_kernels.module.launch
+    monkeypatch.setattr(native.cuda_kernels.module, "launch", lambda name, *a, **k: launches.append(name) or launch(name, *a, **k))
+    runners = [ModelRunner(graph, native), ModelRunner(graph, CUDABackend(graph, dtype="bf16", graphs=False))]
+    _decode_side_by_side(graph, runners, steps=6, rel=0.02)
+    assert any(name.startswith("mgx_gemv_int4_imma") for name in launches)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int4", "w8a16"])
 def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1635,23 +1681,14 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
     norm that stages its output and ``imma_w4``'s staged twin, and every step's logits agree with the
     same model's without the switch within 2% of their largest magnitude (other kernels, each
     rounding to bf16 once), fed the same tokens."""
-    import copy
 
-    from mgx.formats import ir
     from mgx.kernels.cuda import build
     from mgx.kernels.cuda import gemv as cg
-    from mgx.passes import PASSES, PassContext
 
-    from _tiny_graph import build_tiny_graph
 
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
-    graph, _ = build_tiny_graph(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
-                                fused=True, dtype=ir.DType.BF16)  # fmt: skip
-    graph = copy.deepcopy(graph)
-    quantize = ("quantize_int4", {"group_size": 128}) if scheme == "int4" else ("quantize_w8a16", {})
-    for name, options in (quantize, ("reorder_weights", {})):
-        PASSES[name](graph, dict(options), PassContext(target="cuda"))
+    graph = _tiled_for_imma(scheme)
     arch = build.arch_for(*torch.cuda.get_device_capability())
     image = {arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))}  # reorder_weights tiled it
     launches: list[str] = []

@@ -381,3 +381,31 @@ def test_gpu_tune_times_the_decode_step_and_the_written_model_runs_its_choices(t
     result = CliRunner().invoke(main, ["tune", str(out), "--prompt-len", "64", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "batch-1 decode step" in result.output
+
+
+def test_kernel_flags_ask_for_the_layouts_the_weights_are_in() -> None:
+    """``kernel_flags``: nothing for row-major weights; MGX_IMMA_TILE16 once reorder_weights tiled them;
+    with it MGX_IMMA_HALF_SCALES where every int4 weight has groups of 128 and fp16 scales (quantize_int4's
+    default), not with ``f16_scales: false``, groups of 64, or W8A16 weights."""
+    import copy
+
+    from mgx.passes.cuda_kernels import kernel_flags
+
+    from _tiny_graph import build_tiny_graph
+
+    base, _ = build_tiny_graph(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                               fused=True, dtype=ir.DType.BF16)  # fmt: skip
+
+    def flags(quantize: tuple[str, dict], reorder: bool = True) -> tuple[str, ...]:
+        graph = copy.deepcopy(base)
+        for name, options in (quantize, ("reorder_weights", {})) if reorder else (quantize,):
+            PASSES[name](graph, dict(options), PassContext(target="cuda"))
+        return kernel_flags(graph)
+
+    tile16, half = "-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1"
+    assert flags(("quantize_int4", {"group_size": 128})) == (tile16, half)
+    assert flags(("quantize_int4", {"group_size": 128, "symmetric": True})) == (tile16, half)
+    assert flags(("quantize_int4", {"group_size": 128}), reorder=False) == ()
+    assert flags(("quantize_int4", {"group_size": 128, "f16_scales": False})) == (tile16,)
+    assert flags(("quantize_int4", {"group_size": 64})) == (tile16,)
+    assert flags(("quantize_w8a16", {})) == (tile16,)

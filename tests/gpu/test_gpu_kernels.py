@@ -4,6 +4,7 @@ kernels at Llama-3.1-8B shapes against torch references. Skipped without CUDA.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -279,12 +280,11 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
 @pytest.fixture(scope="module")
 def tiled():
     """The native kernels built with MGX_IMMA_TILE16=1 (the imma kinds read int4 and W8A16 codes in the
-    cuda_tile16 layout) and MGX_IMMA_TILES=1 (int4 scales and zeros from ``imma_tiles``' table), and an
-    experiment's flags from MGX_TEST_TILED_FLAGS (e.g. -DMGX_IMMA_CLAMP=1)."""
+    cuda_tile16 layout), and an experiment's flags from MGX_TEST_TILED_FLAGS (e.g. -DMGX_IMMA_CLAMP=1)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     arch = device_arch()
-    flags = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_TILES=1", *os.environ.get("MGX_TEST_TILED_FLAGS", "").split())
+    flags = ("-DMGX_IMMA_TILE16=1", *os.environ.get("MGX_TEST_TILED_FLAGS", "").split())
     kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=flags), arch)
     assert kernels is not None
     return kernels
@@ -335,6 +335,67 @@ def test_native_imma_on_tile16_weights_gives_the_row_major_bits(native, tiled, s
     assert runs >= 12
     for kind in ("gemv", "mma", "mma_pipelined"):
         assert not cg.gemv_applies(tiled, x, wt, kind=kind)
+
+
+@pytest.fixture(scope="module")
+def half():
+    """The native kernels as the cuda_kernels pass builds them for int4 weights in cuda_tile16 with fp16
+    scales: MGX_IMMA_TILE16=1 and MGX_IMMA_HALF_SCALES=1 (int4 scales and zeros from GpuWeight.pairs)."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    arch = device_arch()
+    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=("-DMGX_IMMA_TILE16=1",
+                                                                                  "-DMGX_IMMA_HALF_SCALES=1")), arch)  # fmt: skip
+    assert kernels is not None
+    return kernels
+
+
+@pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
+                         [(28672, 4096, True, 128, False), (4096, 14336, False, 128, True),
+                          (6144, 4096, False, 256, False), (2 * 1000, 1024, True, 128, True),
+                          (48, 512, False, 128, False), (128256 // 16 * 16, 4096, False, 128, False)])  # fmt: skip
+def test_native_imma_on_scale_pairs_gives_the_fp32_scale_bits(native, half, n: int, k: int, silu: bool, group: int,
+                                                               symmetric: bool) -> None:  # noqa: ANN001
+    """A MGX_IMMA_HALF_SCALES build (int4 scales and zeros as the fp16 pairs of ``scale_pairs``) on
+    cuda_tile16 weights whose scales are fp16 values gives the default build's bits on the row-major
+    weights with the same scales in fp32, for every imma kind: plain, staged, with the RMSNorm prologue
+    and as the greedy LM head; it refuses int4 weights without pairs, and pairs in the other order."""
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.triton.testing import tile16
+
+    assert cg.reads_half_scales(half) and not cg.reads_half_scales(native)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w0 = make_weight("int4", n, k, device="cuda", generator=gen, group_size=group, symmetric=symmetric)
+    w = dataclasses.replace(w0, scales=w0.scales.half().float())  # fp16 values, as quantize_int4 writes them
+    assert cg.half_scales_hold(w) and not cg.half_scales_hold(w0)
+    with pytest.raises(ValueError, match="fp16 values"):
+        cg.scale_pairs(w0, silu)
+    wt = cg.scale_pairs(tile16(w), silu)
+    x = torch.randn(1, k, device="cuda", generator=gen)
+    x[0, 3] = 700.0
+    x = x.to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    norm = cg.NormPrologue(None, g, 1e-5)
+    rec = cg.stage_x(x, "int4", kernels=native)
+    assert not cg.gemv_applies(half, x, tile16(w), kind="imma")  # no pairs: the Triton GEMV runs it
+    with pytest.raises(ValueError, match="other order"):
+        cg.gemv(x, cg.scale_pairs(tile16(w), not silu), kernels=half, kind="imma", silu_mul=silu)
+    runs = 0
+    for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
+        assert cg.gemv_applies(half, x, wt, kind=kind)
+        pairs = [lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu)]
+        if kind in cg.STAGED_KINDS:
+            pairs.append(lambda kk, ww, kind=kind: cg.gemv_staged(rec, ww, kernels=kk, kind=kind, silu_mul=silu))
+        if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
+            pairs.append(lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
+        if not silu:
+            pairs.append(lambda kk, ww, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, ww, kernels=kk,
+                                                                                                 kind=kind)]))  # fmt: skip
+        for i, run in enumerate(pairs):
+            got, want = run(half, wt), run(native, w)
+            assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
+            runs += 1
+    assert runs >= 12
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])

@@ -4,6 +4,7 @@ runs in tests/gpu/test_gpu_kernels.py against the reference)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -121,26 +122,35 @@ def test_staged_twins_are_their_kinds_entries_and_need_the_stage_entry() -> None
 
 @pytest.mark.parametrize(("n", "k", "silu", "group", "symmetric"),
                          [(40, 512, False, 128, False), (2 * 20, 256, True, 256, True), (33, 384, False, 128, True)])
-def test_imma_tiles_hold_each_lanes_scales_as_the_tiled_build_reads_them(n: int, k: int, silu: bool, group: int,
-                                                                         symmetric: bool) -> None:  # fmt: skip
-    """``imma_tiles`` (for gemv.cu's MGX_IMMA_TILES=1 build): at [b, s, g] the scales and zeros of rows
-    lo(b, g) and hi(b, g) for step s's group (8 when symmetric), with the rows of gemv_imma: 16 a
-    group, or 8 gate rows and the 8 up rows beside them with ``silu_mul``; past N the last row."""
-    w = make_weight("int4", n, k, group_size=group, symmetric=symmetric)
-    sz = cg.imma_tiles(w, silu)
+def test_scale_pairs_hold_each_lanes_scales_as_the_half_scales_build_reads_them(n: int, k: int, silu: bool, group: int,
+                                                                                symmetric: bool) -> None:  # fmt: skip
+    """``scale_pairs`` (for gemv.cu's MGX_IMMA_HALF_SCALES build): at [b, j, g] the scale and zero of rows
+    lo(b, g) and hi(b, g) for column group j (zero 8 when symmetric) as float16, with the rows of
+    gemv_imma: 16 a group, or 8 gate rows and the 8 up rows beside them with ``silu_mul``; past N the
+    last row. Scales that fp16 would change are refused; the weight is otherwise unchanged."""
+    w0 = make_weight("int4", n, k, group_size=group, symmetric=symmetric)
+    assert not cg.half_scales_hold(w0)  # random fp32 scales
+    with pytest.raises(ValueError, match="fp16 values"):
+        cg.scale_pairs(w0, silu)
+    w = replace(w0, scales=w0.scales.half().float())
+    got = cg.scale_pairs(w, silu)
+    assert got.weight is w.weight and got.scales is w.scales and got.pairs_silu == silu
+    sz = got.pairs
     n_out, per = (n // 2, 8) if silu else (n, 16)
-    groups, steps = -(-n_out // per), k // 128
-    assert sz.shape == (groups, steps, 8, 4) and sz.dtype == torch.float32
+    groups = -(-n_out // per)
+    assert sz.shape == (groups, k // group, 8, 4) and sz.dtype == torch.float16
     for b in range(groups):
         for g in range(8):
             lo = min(b * per + g, n_out - 1)
             hi = n_out + lo if silu else min(b * 16 + g + 8, n - 1)
-            for s in range(steps):
+            for j in range(k // group):
                 for half, row in ((0, lo), (1, hi)):
-                    zero = 8.0 if symmetric else float(w.zeros[row, 128 * s // group])
-                    assert sz[b, s, g, 2 * half].item() == w.scales[row, 128 * s // group].item()
-                    assert sz[b, s, g, 2 * half + 1].item() == zero
-    assert cg.imma_tiles(w, silu) is sz  # built once per weight
+                    zero = 8.0 if symmetric else float(w.zeros[row, j])
+                    assert sz[b, j, g, 2 * half].item() == w.scales[row, j].item()
+                    assert sz[b, j, g, 2 * half + 1].item() == zero
+    with pytest.raises(ValueError, match="pairs shape"):
+        replace(got, pairs=sz[:-1])
+    assert not cg.half_scales_hold(make_weight("int4", 32, 256, group_size=64))  # groups under 128 columns
 
 
 @pytest.mark.parametrize(("scheme", "n", "k"), [("int4", 48, 384), ("w8a16", 32, 256), ("w8a16", 2 * 1000, 128)])

@@ -48,7 +48,7 @@ def test_other_kernels_flip_times_the_graph_on_the_rebuilt_kernels_and_puts_the_
             return sm >= 90
 
     stored = Kernels("sm_90a", 3, True)
-    graph = SimpleNamespace(tensors={"w": SimpleNamespace(layout="cuda_tile16")})  # the imma GEMVs' tiles
+    graph = SimpleNamespace(tensors={"w": SimpleNamespace(layout="cuda_tile16")}, ops=[])  # the imma GEMVs' tiles
     backend = SimpleNamespace(cuda_kernels=stored, _sm=90, _decode_graphs={(1, True): "graph"}, graph=graph)
     engine = SimpleNamespace(runner=SimpleNamespace(backend=backend))
     built, seen = [], []
