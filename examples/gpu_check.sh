@@ -21,9 +21,9 @@
 # - phases: the 1B bf16 shape at batch 128 with --phases: where a decode step's wall time goes on the
 #   host (schedule, launches, accept, ...) and how long it waits for the device's picks, beside the
 #   graph's own time (the sixty-fifth run's step took 1.862 ms against a 1.632 ms graph).
-# - tiles: the cuda_tile16 layout (gemv.cu's MGX_IMMA_TILE16 build) and the MGX_IMMA_TILES=1 scales
-#   table: their GPU bit tests, then the 8B layer chain on row-major weights against tiled ones, INT4
-#   (codes, then codes and the scales table) and W8A16.
+# - tiles: the cuda_tile16 layout (gemv.cu's MGX_IMMA_TILE16 build) and the int4 scales as fp16 pairs
+#   (MGX_IMMA_HALF_SCALES): their GPU bit tests, then the 8B layer chain on row-major weights against
+#   tiled ones, INT4 (codes, then codes and scale pairs) and W8A16.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -79,12 +79,12 @@ for part in "${parts[@]}"; do
       ;;
     tiles)
       timeout "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py \
-        tests/kernels/test_triton_linear.py -k tile16 > "$out/tiles-tests.log" 2>&1
+        tests/kernels/test_triton_linear.py -k "tile16 or scale_pairs" > "$out/tiles-tests.log" 2>&1
       echo "tiles (GPU bit tests): rc=$? $(tail -n 1 "$out/tiles-tests.log")"
       # INT4 also with x staged by the norms (its default in a model), W8A16 as its model runs it.
       for scheme in int4 w8a16; do
         staged=$([ "$scheme" = int4 ] && echo "--staged=qkv,gate_up")
-        more=$([ "$scheme" = int4 ] && echo "--nvcc-flag=-DMGX_IMMA_TILE16=1 -DMGX_IMMA_TILES=1")
+        more=$([ "$scheme" = int4 ] && echo "--nvcc-flag=-DMGX_IMMA_TILE16=1 -DMGX_IMMA_HALF_SCALES=1")
         timeout "${MODEL_S:-540}" python3 examples/bench_gpu_layer.py --scheme "$scheme" --parts all,gemvs \
           --nvcc-flag=-DMGX_IMMA_TILE16=1 ${more:+"$more"} ${staged:+"$staged"} > "$out/tiles-$scheme.log" 2>&1
         echo "tiles ($scheme layer chain): rc=$?"
