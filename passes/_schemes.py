@@ -29,6 +29,7 @@ __all__ = [
     "Encoded",
     "COMPANION_ROLES",
     "encode_w8a16",
+    "are_f16",
     "f16_scales",
     "int4_fit",
     "int4_codes",
@@ -110,6 +111,13 @@ def f16_scales(scales: np.ndarray) -> np.ndarray:
         h = s.astype(np.float16)
         h = np.where(h.astype(np.float32) < s, np.nextafter(h, np.float16(np.inf)), h).astype(np.float32)
     return np.where((s >= 2.0**-14) & (h <= 65504.0), h, s).astype(np.float32)
+
+
+def are_f16(scales: np.ndarray) -> bool:
+    """Whether every value of ``scales`` is an fp16 value (what ``f16_scales`` writes where it can)."""
+    s = np.asarray(scales, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(s.astype(np.float16).astype(np.float32), s))
 
 
 def int4_fit(w: np.ndarray, group: int, symmetric: bool, f16: bool = False) -> tuple[np.ndarray, np.ndarray | None]:

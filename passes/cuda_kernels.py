@@ -17,12 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mgx.formats import ir
 
 from ._base import PassContext, PassError, PassResult
 from ._common import fmt_bytes, options_dict, parse_options
+from ._schemes import are_f16
 
 __all__ = ["CudaKernelsOptions", "kernel_flags", "run"]
 
@@ -81,9 +80,8 @@ def _half_scales(graph: ir.Graph) -> bool:
         k = int(t.scheme_params.get("cols", 2 * t.shape[1]))
         if scales is None or int(t.scheme_params.get("group_size", 0)) % 128 or k % 128:
             return False
-        with np.errstate(over="ignore"):
-            if not np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
-                return False
+        if not are_f16(scales):
+            return False
         found = True
     return found
 

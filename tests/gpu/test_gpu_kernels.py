@@ -277,6 +277,37 @@ def test_native_staged_imma_gives_the_kinds_bits(native, n: int, k: int, silu: b
                                       kind=kind)).all()  # fmt: skip
 
 
+IMMA_KINDS = ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4")
+
+
+def same_imma_bits(native, w, other, wo, x: torch.Tensor, silu: bool) -> int:  # noqa: ANN001
+    """Assert that build ``other`` on weight ``wo`` gives the default build ``native``'s bits on ``w`` for
+    every imma kind: plain, staged, with the RMSNorm prologue (where the default build takes it) and, when
+    not ``silu``, as the greedy LM head. Returns how many launches were compared."""
+    from mgx.kernels.cuda import gemv as cg
+
+    k = w.k
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+    norm = cg.NormPrologue(None, g, 1e-5)
+    rec = cg.stage_x(x, w.scheme, kernels=native)
+    runs = 0
+    for kind in IMMA_KINDS:
+        pairs = [lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu)]
+        if kind in cg.STAGED_KINDS:
+            pairs.append(lambda kk, ww, kind=kind: cg.gemv_staged(rec, ww, kernels=kk, kind=kind, silu_mul=silu))
+        if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
+            pairs.append(lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
+        if not silu:
+            pairs.append(lambda kk, ww, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, ww, kernels=kk,
+                                                                                                 kind=kind)]))  # fmt: skip
+        for i, run in enumerate(pairs):
+            got, want = run(other, wo), run(native, w)
+            assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
+            runs += 1
+    return runs
+
+
 @pytest.fixture(scope="module")
 def tiled():
     """The native kernels built with MGX_IMMA_TILE16=1 (the imma kinds read int4 and W8A16 codes in the
@@ -313,26 +344,10 @@ def test_native_imma_on_tile16_weights_gives_the_row_major_bits(native, tiled, s
     x = torch.randn(1, k, device="cuda", generator=gen)
     x[0, 3] = 700.0
     x = x.to(torch.bfloat16)
-    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
-    norm = cg.NormPrologue(None, g, 1e-5)
-    rec = cg.stage_x(x, scheme, kernels=native)
-    runs = 0
-    for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
+    for kind in IMMA_KINDS:
         assert cg.gemv_applies(native, x, w, kind=kind) and cg.gemv_applies(tiled, x, wt, kind=kind)
         assert not cg.gemv_applies(native, x, wt, kind=kind) and not cg.gemv_applies(tiled, x, w, kind=kind)
-        pairs = [lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu)]
-        if kind in cg.STAGED_KINDS:
-            pairs.append(lambda kk, ww, kind=kind: cg.gemv_staged(rec, ww, kernels=kk, kind=kind, silu_mul=silu))
-        if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
-            pairs.append(lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
-        if not silu:
-            pairs.append(lambda kk, ww, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, ww, kernels=kk,
-                                                                                                 kind=kind)]))  # fmt: skip
-        for i, run in enumerate(pairs):
-            got, want = run(tiled, wt), run(native, w)
-            assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
-            runs += 1
-    assert runs >= 12
+    assert same_imma_bits(native, w, tiled, wt, x, silu) >= 12
     for kind in ("gemv", "mma", "mma_pipelined"):
         assert not cg.gemv_applies(tiled, x, wt, kind=kind)
 
@@ -374,28 +389,11 @@ def test_native_imma_on_scale_pairs_gives_the_fp32_scale_bits(native, half, n: i
     x = torch.randn(1, k, device="cuda", generator=gen)
     x[0, 3] = 700.0
     x = x.to(torch.bfloat16)
-    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
-    norm = cg.NormPrologue(None, g, 1e-5)
-    rec = cg.stage_x(x, "int4", kernels=native)
     assert not cg.gemv_applies(half, x, tile16(w), kind="imma")  # no pairs: the Triton GEMV runs it
     with pytest.raises(ValueError, match="other order"):
         cg.gemv(x, cg.scale_pairs(tile16(w), not silu), kernels=half, kind="imma", silu_mul=silu)
-    runs = 0
-    for kind in ("imma", "imma_w4", "imma_w16", "imma_persistent", "imma_persistent_w4"):
-        assert cg.gemv_applies(half, x, wt, kind=kind)
-        pairs = [lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu)]
-        if kind in cg.STAGED_KINDS:
-            pairs.append(lambda kk, ww, kind=kind: cg.gemv_staged(rec, ww, kernels=kk, kind=kind, silu_mul=silu))
-        if cg.gemv_applies(native, x, w, kind=kind, norm=norm):
-            pairs.append(lambda kk, ww, kind=kind: cg.gemv(x, ww, kernels=kk, kind=kind, silu_mul=silu, norm=norm))
-        if not silu:
-            pairs.append(lambda kk, ww, kind=kind: torch.cat([t.float() for t in cg.gemv_argmax(x, ww, kernels=kk,
-                                                                                                 kind=kind)]))  # fmt: skip
-        for i, run in enumerate(pairs):
-            got, want = run(half, wt), run(native, w)
-            assert torch.equal(got, want), (kind, i, float((got.float() - want.float()).abs().max()))
-            runs += 1
-    assert runs >= 12
+    assert all(cg.gemv_applies(half, x, wt, kind=kind) for kind in IMMA_KINDS)
+    assert same_imma_bits(native, w, half, wt, x, silu) >= 12
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "int4"])

@@ -184,7 +184,7 @@ def test_int4_scales_are_raised_to_fp16_values_unless_asked_not_to() -> None:
     """quantize_int4 (``f16_scales``, on by default) writes scales that are fp16 values, none below the
     fitted fp32 one, so nothing more is clipped and the error bound holds; ``f16_scales: false`` keeps
     the fp32 fit. ``f16_scales`` keeps what fp16 cannot hold as a normal number."""
-    from mgx.passes._schemes import f16_scales
+    from mgx.passes._schemes import are_f16, f16_scales
 
     graph, _ = build_tiny_graph()
     on, _ = after(graph, ("quantize_int4", {"group_size": 32}))
@@ -192,9 +192,9 @@ def test_int4_scales_are_raised_to_fp16_values_unless_asked_not_to() -> None:
     exact = 0
     for a, b in zip(_linears(on), _linears(off)):
         s16, s32 = on.tensors[a.weights["scales"]].data, off.tensors[b.weights["scales"]].data
-        assert np.array_equal(s16.astype(np.float16).astype(np.float32), s16)
+        assert are_f16(s16)
         assert np.all(s16 >= s32) and np.all(s16 <= s32 * (1 + 2.0**-10))  # one fp16 step up at most
-        exact += int(np.array_equal(s32.astype(np.float16).astype(np.float32), s32))
+        exact += int(are_f16(s32))
     assert exact < len(_linears(off))  # the fp32 fit is not fp16 already
     odd = np.array([1e-3, 2.0**-15, 7e4, 65504.0, 1.0, np.inf], np.float32)
     got = f16_scales(odd)
