@@ -2,7 +2,7 @@
 what a kernel boundary costs against a grid barrier inside one persistent kernel.
 
 - ``floor``: kernels that read (and fold) exactly as many bytes as each projection of the
-  Llama-3.1-8B INT4 layer reads of its weights (int4 codes, fp32 scales and u8 zeros a group of 128),
+  Llama-3.1-8B INT4 layer reads of its weights (int4 codes, an fp16 scale and zero a row and group of 128),
   chained by programmatic dependent launches in one CUDA graph as ``bench_gpu_layer.py`` chains the
   GEMVs: the layer's four projections 32 times, each projection alone 32 times, and one kernel
   reading all of it (the rate without boundaries). Each reader loads its first bytes before its wait,
@@ -118,9 +118,11 @@ extern "C" __global__ void __launch_bounds__(256) floor_phases(const uint4* src,
 
 
 def projection_bytes() -> dict[str, int]:
-    """Bytes each 8B INT4 projection reads of its weight: N K / 2 of codes, N K / 128 fp32 scales and
-    as many u8 zeros (``make_weight``'s asymmetric int4, as ``bench_gpu_layer.py`` times it)."""
-    return {p: n * k // 2 + (n * k // GROUP) * (4 + 1) for p, (n, k) in SHAPES.items()}
+    """Bytes each 8B INT4 projection reads of its weight: N K / 2 of codes and N K / 128 fp16 pairs of
+    scale and zero, 4 bytes each (``GpuWeight.gemv_nbytes`` of ``make_weight``'s asymmetric int4 with
+    ``scale_pairs``, as ``bench_gpu_layer.py`` times it on the model's MGX_IMMA_HALF_SCALES build; fp32
+    scales and u8 zeros, 5 bytes a group, until the forty-second session)."""
+    return {p: n * k // 2 + (n * k // GROUP) * 4 for p, (n, k) in SHAPES.items()}
 
 
 def floor_plans() -> dict[str, list[int]]:
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which, of {', '.join(PARTS)}")
     ap.add_argument("--blocks-per-sm", default="1,2,4", help="reader blocks (256 threads) an SM, comma-separated")
     ap.add_argument("--phases", type=int, default=128, help="phases of the boundaries part")
-    ap.add_argument("--phase-mb", default="29,12,3,0.25", help="MB a phase reads in the boundaries part, comma-separated")
+    ap.add_argument("--phase-mb", default="28,12,3,0.25", help="MB a phase reads in the boundaries part, comma-separated (the 39th session timed 29: the buffer shrank with the fp16 scale pairs)")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
     parts = args.parts.split(",")

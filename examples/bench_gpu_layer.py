@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                     ms = graph_ms(chain.step(kernels, kinds, part), args.replays)
                     rate = ""
                     if part in PROJECTIONS:
-                        gb = sum(w[part].nbytes for w in chain.layers_for(kernels)) / 1e9  # codes, scales, zeros
+                        gb = sum(w[part].gemv_nbytes for w in chain.layers_for(kernels)) / 1e9  # codes, scales, zeros or pairs
                         rate = f", {1e3 * gb / ms:.0f} GB/s of weights"
                     print(f"  {label}{merge}{how}: {part} {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer{rate})", flush=True)
     return 0

@@ -150,7 +150,7 @@ def launch(kinds: list[str], schemes: list[str], flags: tuple[str, ...], manifes
             w = make_weight(scheme, n, k, device="cuda", **({"group_size": 128} if scheme == "int4" else {}))
             w = as_read_by(w, kernels, silu)  # cuda_tile16 codes (and scale pairs) as the build reads them
             x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-            weight_bytes = w.nbytes  # codes, scales, zeros
+            weight_bytes = w.gemv_nbytes  # codes, scales and zeros or their fp16 pairs
             for kind in kinds:
                 base, staged = split_kind(kind)
                 if not (cg.staged_applies if staged else cg.gemv_applies)(kernels, x, w, kind=base):

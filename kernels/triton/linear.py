@@ -140,6 +140,15 @@ class GpuWeight:
         ts = (self.weight, self.scales, self.zeros, self.meta)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+    @property
+    def gemv_nbytes(self) -> int:
+        """Bytes a one-row GEMV reads of the weight: ``nbytes``, but with ``pairs`` (read by the native
+        imma kinds of a MGX_IMMA_HALF_SCALES build) in place of the scales and zeros."""
+        if self.pairs is None:
+            return self.nbytes
+        ts = (self.weight, self.pairs, self.meta)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
 
 def _expect(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
     if t is None:
