@@ -70,12 +70,8 @@ def _half_scales(graph: ir.Graph) -> bool:
     columns and scales that are fp16 values (quantize_int4's ``f16_scales``), which is what the CUDA
     backend's ``gemv.scale_pairs`` takes."""
     found = False
-    for op in graph.ops:
-        if op.kind not in ("linear", "lm_head") or "weight" not in op.weights:
-            continue
+    for op in _int4_linears(graph):
         t = graph.tensor(op.weights["weight"])
-        if t.scheme != "int4":
-            continue
         scales = graph.tensor(op.weights["scales"]).data if "scales" in op.weights else None
         k = int(t.scheme_params.get("cols", 2 * t.shape[1]))
         if scales is None or int(t.scheme_params.get("group_size", 0)) % 128 or k % 128:
@@ -84,6 +80,12 @@ def _half_scales(graph: ir.Graph) -> bool:
             return False
         found = True
     return found
+
+
+def _int4_linears(graph: ir.Graph) -> list[ir.Op]:
+    """The linear ops and LM head whose weight is int4."""
+    return [op for op in graph.ops if op.kind in ("linear", "lm_head") and "weight" in op.weights
+            and graph.tensor(op.weights["weight"]).scheme == "int4"]  # fmt: skip
 
 
 def _build(arch: str, flags: tuple[str, ...] = ()) -> bytes:
@@ -131,8 +133,12 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         if not images[arch]:
             raise PassError(f"cuda_kernels: {arch}: nvcc produced an empty image")
     built = ", ".join(f"{arch} {fmt_bytes(len(code))}" for arch, code in images.items())
+    note = ""
+    if flags and "-DMGX_IMMA_HALF_SCALES=1" not in flags and _int4_linears(graph):
+        note = ("; int4 scales read as fp32 by the imma GEMVs (four loads a step instead of one): not every int4 "
+                "weight has fp16-valued scales (quantize_int4's f16_scales) and groups of a multiple of 128 columns")  # fmt: skip
     return PassResult(
-        f"built {_sources_digest()}{' with ' + ' '.join(flags) if flags else ''} for {built}",
+        f"built {_sources_digest()}{' with ' + ' '.join(flags) if flags else ''} for {built}{note}",
         {"cuda_kernels": images},
         options_dict(dataclasses.replace(opts, archs=tuple(archs))),
     )

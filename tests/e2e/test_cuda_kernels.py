@@ -383,10 +383,11 @@ def test_gpu_tune_times_the_decode_step_and_the_written_model_runs_its_choices(t
     assert "batch-1 decode step" in result.output
 
 
-def test_kernel_flags_ask_for_the_layouts_the_weights_are_in() -> None:
+def test_kernel_flags_ask_for_the_layouts_the_weights_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kernel_flags``: nothing for row-major weights; MGX_IMMA_TILE16 once reorder_weights tiled them;
     with it MGX_IMMA_HALF_SCALES where every int4 weight has groups of 128 and fp16 scales (quantize_int4's
-    default), not with ``f16_scales: false``, groups of 64, or W8A16 weights."""
+    default), not with ``f16_scales: false``, groups of 64, or W8A16 weights; the pass's summary says
+    when int4 weights go without it, and names the option."""
     import copy
 
     from mgx.passes.cuda_kernels import kernel_flags
@@ -403,6 +404,13 @@ def test_kernel_flags_ask_for_the_layouts_the_weights_are_in() -> None:
         return kernel_flags(graph)
 
     tile16, half = "-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1"
+    for f16, says in ((True, False), (False, True)):  # the pass's summary says when the pairs are off, and why
+        graph = copy.deepcopy(base)
+        for name, options in (("quantize_int4", {"group_size": 128, "f16_scales": f16}), ("reorder_weights", {})):
+            PASSES[name](graph, dict(options), PassContext(target="cuda"))
+        monkeypatch.setattr(cuda_kernels_pass, "_build", lambda arch, flags=(): fake_cubin(arch))
+        summary = PASSES["cuda_kernels"](graph, {"archs": ["sm_90a"]}, PassContext(target="cuda")).summary
+        assert ("int4 scales read as fp32" in summary and "f16_scales" in summary) == says, summary
     assert flags(("quantize_int4", {"group_size": 128})) == (tile16, half)
     assert flags(("quantize_int4", {"group_size": 128, "symmetric": True})) == (tile16, half)
     assert flags(("quantize_int4", {"group_size": 128}), reorder=False) == ()
