@@ -91,12 +91,6 @@ __device__ __forceinline__ uint2 load_now(const uint2* p) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t load_now(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ uint32_t load_now(const uint8_t* p) {
   uint16_t v;
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
@@ -1204,7 +1198,7 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
     uint4 xv[kU];                    // W8A16: .x, .y (columns 4 l ..); int4: columns 8 (l / 2) ..; kStaged: B words
     float2 fs[kStaged ? kU : 1];     // kStaged: the step's factor and sum X
     float s_lo[kInt4 ? kU : 1], s_hi[kInt4 ? kU : 1];  // int4: the step's scales and zeros
-    uint32_t z_lo[kInt4 ? kU : 1], z_hi[kInt4 ? kU : 1];
+    uint32_t z_lo[kInt4 ? kU : 1], z_hi[kInt4 ? kU : 1];  // kHalfScales: rows lo's and hi's fp16 (s, z)
   };
   // A warp's passes run as one stream over the block's groups (b, b + grid, ...; its passes of a group
   // at steps warp, warp + kPass, ...): the next pass is loaded before the current one is computed, also
