@@ -30,7 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
-ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1")  # MGX_MLP_ENTRY's in mlp_fused.cu
+# MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
+ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
@@ -45,6 +46,23 @@ def entry_name(entry: str) -> str:
 
 def warps(entry: str) -> int:
     return int(entry.split("_")[0][1:])
+
+
+def fixed(entry: str) -> bool:
+    """Whether ``entry`` adds the row up in 64-bit fixed point (int64 of 2^-32) instead of fp32."""
+    return entry.endswith("_x")
+
+
+def new_rows(entry: str, *shape: int):  # noqa: ANN201
+    """Zeroed rows for ``entry``'s sums: int64 with ``fixed``, else fp32."""
+    import torch
+
+    return torch.zeros(*shape, dtype=torch.int64 if fixed(entry) else torch.float32, device="cuda")
+
+
+def as_float(entry: str, row):  # noqa: ANN001, ANN201
+    """``entry``'s summed row as fp32."""
+    return (row.double() * 2.0**-32).float() if fixed(entry) else row
 
 
 def unit_text() -> str:
@@ -84,7 +102,8 @@ class Fused:
         self._shared: set[str] = set()
 
     def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None) -> None:  # noqa: ANN001
-        """acc [1, N] fp32 += down(silu(gate) * up) of the row staged in rec; wgu and wd as
+        """acc [1, N] (``new_rows``: fp32, or int64 of 2^-32 for a ``fixed`` entry) += down(silu(gate) * up)
+        of the row staged in rec; wgu and wd as
         ``testing.as_read_by`` gives them to a MGX_IMMA_TILE16 + HALF_SCALES build."""
         import torch
 
@@ -126,9 +145,9 @@ def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]
         want = gemv(h, w["down"], kernels=k, kind="imma_w16").float()
         runs = []
         for _ in range(2):
-            acc = torch.zeros(1, w["down"].n, device="cuda")
+            acc = new_rows(entry, 1, w["down"].n)
             fused.launch(entry, rec, w["gate_up"], w["down"], acc)
-            runs.append(acc)
+            runs.append(as_float(entry, acc))
         torch.cuda.synchronize()
         norm = float(want.norm())
         found.append((float((runs[0] - want).norm()) / norm, float((runs[0].bfloat16().float() - want).norm()) / norm,
@@ -163,13 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     chain.staged, chain.norm_stages, chain.stage_in_graph = {"qkv", "gate_up"}, True, True
     layers = chain.layers_for(fused.kernels)
     kinds = {"qkv": "imma", "o": "imma_w16", "gate_up": "imma_w4", "down": "imma_w16"}
-    acc = torch.zeros(LAYERS, 1, layers[0]["down"].n, device="cuda")
+    rows = {e: new_rows(e, LAYERS, 1, layers[0]["down"].n) for e in entries}
     fixed = stage_x(torch.randn(1, layers[0]["gate_up"].k, device="cuda").to(torch.bfloat16), "int4", kernels=fused.kernels)
 
     def mlp(entry: str | None, norms: bool, mode: int = 0, stamps=None):  # noqa: ANN001, ANN202
         def run() -> None:
             if entry is not None:
-                acc.zero_()
+                rows[entry].zero_()
             res = chain.x["res"]
             for i, w in enumerate(layers):
                 rec = fixed
@@ -179,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
                     h = gemv_staged(rec, w["gate_up"], kernels=fused.kernels, kind=kinds["gate_up"], silu_mul=True)
                     gemv(h, w["down"], kernels=fused.kernels, kind=kinds["down"])
                 else:
-                    fused.launch(entry, rec, w["gate_up"], w["down"], acc[i], mode, None if stamps is None else stamps[i])
+                    fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i], mode,
+                                 None if stamps is None else stamps[i])  # fmt: skip
 
         return run
 
     def layer(entry: str):  # noqa: ANN202
         def run() -> None:  # bench_gpu_layer's decode layer with the MLP fused (its next norm reads a stand-in)
-            acc.zero_()
+            rows[entry].zero_()
             for i, w in enumerate(layers):
-                chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], acc[i])
+                chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i])
                 chain.layer(w, fused.kernels, kinds, "all")
             chain.mlp = None
 

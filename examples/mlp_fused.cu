@@ -14,6 +14,9 @@
 //
 // acc is fp32 and must be zero before; its sums over the blocks run in whatever order the reductions
 // land, so the last bits vary from run to run (the product's kernels give the same bits every run).
+// With kFixed, acc is int64 instead: each block adds its share of a row rounded to a multiple of 2^-32
+// (fixed point, |row| < 2^31), whose sums are exact in any order: the same bits every run (a NaN or
+// Inf does not survive it: __float2ll_rn saturates, NaN to -2^63).
 // Built into one unit after gemv.cu (whose helpers it uses) with MGX_IMMA_TILE16=1 and
 // MGX_IMMA_HALF_SCALES=1; sm_90 (the 16-byte fp32 reductions).
 //
@@ -23,12 +26,14 @@
 
 namespace mgx_gemv {
 
-template <int W, int U, int DB, bool kDB>
-__device__ void mlp_int4_fused(float* __restrict__ acc, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
+template <int W, int U, int DB, bool kDB, bool kFixed>
+__device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
                                const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
                                const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
                                int group_shift, int mode, unsigned long long* __restrict__ stamps) {
   static_assert(W % 16 == 0, "16 SiLU groups a block, W / 16 warps each");
+  float* acc = static_cast<float*>(acc_out);
+  unsigned long long* acc_fx = static_cast<unsigned long long*>(acc_out);
   constexpr int kShare = W / 16;  // warps a SiLU group
   const auto now = [] {
     unsigned long long v;
@@ -166,7 +171,13 @@ __device__ void mlp_int4_fused(float* __restrict__ acc, const uint4* __restrict_
   }
   __syncthreads();
   if (mode & 1) {  // phase 1 only: something for the compiler to keep
-    if (threadIdx.x < 128) acc[(b * 128 + threadIdx.x) % n] = __bfloat162float(xs[threadIdx.x]);
+    if (threadIdx.x < 128) {
+      if constexpr (kFixed) {
+        acc_fx[(b * 128 + threadIdx.x) % n] = __bfloat16_as_ushort(xs[threadIdx.x]);
+      } else {
+        acc[(b * 128 + threadIdx.x) % n] = __bfloat162float(xs[threadIdx.x]);
+      }
+    }
     return;
   }
   float sum_x;
@@ -180,6 +191,19 @@ __device__ void mlp_int4_fused(float* __restrict__ acc, const uint4* __restrict_
     for (int o = 1; o < 4; o <<= 1) {
       lo += __shfl_xor_sync(0xFFFFFFFFu, lo, o);
       hi += __shfl_xor_sync(0xFFFFFFFFu, hi, o);
+    }
+    if constexpr (kFixed) {  // rows g and g + 8 from lane (g, 0), as 64-bit integers of 2^-32
+      if (t == 0 && rg < row_groups) {
+        const auto fx = [](float v) { return static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.0f)); };
+        if (mode & 4) {
+          acc_fx[16 * rg + g] = fx(lo);
+          acc_fx[16 * rg + g + 8] = fx(hi);
+        } else {
+          atomicAdd(acc_fx + 16 * rg + g, fx(lo));
+          atomicAdd(acc_fx + 16 * rg + g + 8, fx(hi));
+        }
+      }
+      return;
     }
     const int q = lane & 3;
     float v[4];
@@ -229,19 +253,21 @@ __device__ void mlp_int4_fused(float* __restrict__ acc, const uint4* __restrict_
 
 }  // namespace mgx_gemv
 
-// acc [n] fp32 (zero before) += down(silu(gate) * up) of the row whose record rec is (norm_stage's, K
+// acc [n] fp32 (int64 of 2^-32 with X: kFixed; zero before) += down(silu(gate) * up) of the row whose record rec is (norm_stage's, K
 // columns); wgu [2F, K] and wd [n, F] int4 in cuda_tile16 with groups of 128 << s columns, pgu and pd
 // their scale pairs (gemv.scale_pairs; pgu in the SiLU product's order) with groups_gu and groups_d
 // groups a row. Grid: F / 128 blocks of W warps; dynamic shared memory: the record (rounded up to 16
 // bytes). F, K, n multiples of 128, 128 and 16.
-#define MGX_MLP_ENTRY(W, U, DB, DBUF)                                                                              \
-  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(mgx_mlp_int4_w##W##_u##U##_d##DB##_b##DBUF)( \
-      float* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd,   \
+#define MGX_MLP_ENTRY(W, U, DB, DBUF, FX, X)                                                                       \
+  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(mgx_mlp_int4_w##W##_u##U##_d##DB##_b##DBUF##X)( \
+      void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd,   \
       int f, int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps) {  \
-    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, k, n, \
+    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF, FX>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, k, n, \
                                              groups_gu, groups_d, group_shift, mode, stamps);                     \
   }
 
-MGX_MLP_ENTRY(32, 2, 2, 0)
-MGX_MLP_ENTRY(16, 4, 4, 1)
-MGX_MLP_ENTRY(16, 2, 4, 1)
+MGX_MLP_ENTRY(32, 2, 2, 0, false, )
+MGX_MLP_ENTRY(16, 4, 4, 1, false, )
+MGX_MLP_ENTRY(16, 2, 4, 1, false, )
+MGX_MLP_ENTRY(32, 2, 2, 0, true, _x)
+MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)

@@ -29,7 +29,16 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
 def test_the_record_fits_in_shared_memory_as_the_kernel_copies_it(bench) -> None:  # noqa: ANN001
     assert bench.record_bytes(4096) == (32 * 32 + 16) * 16  # 32 steps of B words, 32 float2 in 16 words
     assert bench.record_bytes(384) == (3 * 32 + 2) * 16  # an odd count of float2 rounds up to a word
-    assert [bench.warps(e) for e in bench.ENTRIES] == [32, 16, 16]
+    assert [bench.warps(e) for e in bench.ENTRIES] == [32, 16, 16, 32, 16]
+    assert [bench.fixed(e) for e in bench.ENTRIES] == [False, False, False, True, True]
+
+
+def test_fixed_point_rows_read_back_as_multiples_of_two_to_the_minus_32(bench) -> None:  # noqa: ANN001
+    torch = pytest.importorskip("torch")
+    row = torch.tensor([[3 << 31, -(1 << 32), 1, 0]], dtype=torch.int64)
+    assert bench.as_float("w32_u2_d2_b0_x", row).tolist() == [[1.5, -1.0, 2.0**-32, 0.0]]
+    same = torch.tensor([[0.25, -3.0]])
+    assert bench.as_float("w32_u2_d2_b0", same) is same
 
 
 def test_the_timeline_gives_quantiles_over_blocks_and_the_gap_between_layers(bench) -> None:  # noqa: ANN001
