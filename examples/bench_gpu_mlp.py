@@ -1,11 +1,14 @@
-"""The Llama-3.1-8B INT4 MLP at batch 1 as one kernel (``examples/mlp_fused.cu``, an experiment of
-the 43rd session, not in the product) against the product's two GEMVs, on an NVIDIA GPU.
+"""The Llama-3.1-8B INT4 MLP at batch 1 as one kernel (gemv.cu's ``mlp_int4_fused``, forty-third
+session; the variants in ``examples/mlp_fused.cu``) against the two GEMVs the model runs by default,
+on an NVIDIA GPU.
 
-The product runs gate/up with the SiLU product (``imma_w4``'s staged twin on the record ``norm_stage``
-wrote) and then down (``imma_w16``, which stages its x in each of its blocks), two launches a layer.
-The fused kernel's block b computes SiLU outputs 128 b .. 128 b + 127 and multiplies them by down's
-128-column step b at once, adding its share of every output row into an fp32 row in L2 (so its last
-bits vary from run to run; ``mlp_fused.cu`` says how).
+By default the model runs gate/up with the SiLU product (``imma_w4``'s staged twin on the record
+``norm_stage`` wrote) and then down (``imma_w16``, which stages its x in each of its blocks), two
+launches a layer. The fused kernel's block b computes SiLU outputs 128 b .. 128 b + 127 and multiplies
+them by down's 128-column step b at once, adding its share of every output row into a row in L2: fp32
+(its last bits vary from run to run) or, in the ``_x`` entries, 64-bit fixed point (the same bits every
+run). ``w16_u2_d4_b1_x`` is the variant of the product's entry, which the CUDA backend runs with
+``MGX_CUDA_FUSED_MLP=1``.
 
 - ``check``: the fused kernel's row against the two GEMVs' on random 8B weights (three scales of x);
 - ``chains``: 32 layers in one CUDA graph, ms: the MLP after its norm (``norm_stage``) both ways, the

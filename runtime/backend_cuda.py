@@ -97,6 +97,10 @@ from mgx.kernels.cuda.gemv import (
     ARGMAX_LABEL,
     TILE16_MARKER,
     NormPrologue,
+    fixed_rows,
+    fixed_to,
+    fused_mlp,
+    fused_mlp_applies,
     gemv,
     gemv_applies,
     gemv_argmax,
@@ -104,6 +108,7 @@ from mgx.kernels.cuda.gemv import (
     half_scales_hold,
     norm_stage,
     norm_stage_applies,
+    norm_stage_fx,
     reads_half_scales,
     scale_pairs,
     staged_applies,
@@ -328,6 +333,8 @@ class _Fusions:
     linear_after_norm: dict[int, Op] = field(default_factory=dict)  # id(rms_norm after an add) -> its one reader
     # id(linear) -> (the add reading it alone, that add's rms_norm, the one linear reading the norm)
     norm_across: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
+    # id(gate/up linear) -> (its silu_mul, the one linear reading that (down), the add reading down alone)
+    mlp: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
 
 
 def _on_cublas(w: GpuWeight, m: int) -> bool:
@@ -343,6 +350,14 @@ class _StagedX:
 
     kind: str
     rec: Array
+
+
+@dataclass(frozen=True, slots=True)
+class _FusedRows:
+    """Down's output where the fused MLP ran gate/up and down in one launch (``MGX_CUDA_FUSED_MLP``): its
+    fixed-point row (``gemv.fused_mlp``), which the add after it reads."""
+
+    rows: Array
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +442,13 @@ class CUDABackend(Backend):
         self.staged_schemes = STAGED_SCHEMES if staged == "" else None  # None: any the kernels take
         self.staged_x_pinned = staged != ""  # else a stored tuning's (mgx-run tune)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
+        # The batch-1 int4 MLP in one launch where x is staged (``gemv.fused_mlp``; an experiment of the
+        # forty-third session, off unless MGX_CUDA_FUSED_MLP=1: on the H200 the 8B layer chain gained
+        # 3.5%, not yet measured in the model). Its rows, one per fused MLP, are zeroed as each step
+        # starts (``_mlp_rows``, made by ``use_cuda_kernels``).
+        self.fused_mlp = os.environ.get("MGX_CUDA_FUSED_MLP", "0") == "1"
+        self._mlp_rows: torch.Tensor | None = None
+        self._mlp_row_of: dict[int, int] = {}  # id(gate/up linear) -> its row
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
         self.norm_across_dense = os.environ.get("MGX_CUDA_NORM_ACROSS_DENSE", "0") == "1"  # dense readers too
         # Decode attention over 32-token tiles instead of 64 (so up to twice the splits): the kernel
@@ -504,6 +526,14 @@ class CUDABackend(Backend):
             reader = f.linear_after_norm.get(id(norm)) if norm is not None else None
             if op.kind == "linear" and reader is not None and users.get(op.outputs[0]) == [nxt]:
                 f.norm_across[id(op)] = (nxt, norm, reader)
+        by_input = {o: op for op in ops for o in op.inputs}  # a tensor -> an op reading it (the only one where checked)
+        for gate_up, silu in [(op, f.silu_after_linear[id(op)]) for op in ops if id(op) in f.silu_after_linear]:
+            down = by_input.get(silu.outputs[0])
+            if down is None or down.kind != "linear" or users.get(silu.outputs[0]) != [down]:
+                continue
+            add = by_input.get(down.outputs[0])
+            if add is not None and add.kind == "add" and users.get(down.outputs[0]) == [add]:
+                f.mlp[id(gate_up)] = (silu, down, add)
         return f
 
     def _upload(self, tensors: dict[str, Tensor], threads: int | None = None) -> tuple[dict[str, torch.Tensor], UploadStats]:
@@ -704,6 +734,8 @@ class CUDABackend(Backend):
         if reads_half_scales(self.cuda_kernels):
             paired = self._pair_scales()
             gemvs.append(f"int4 scales as fp16 pairs for {paired} weights")
+        if self.fused_mlp and self._make_mlp_rows():
+            gemvs.append(f"the int4 MLP in one launch for {len(self._mlp_row_of)} layers (MGX_CUDA_FUSED_MLP)")
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
         if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)
@@ -723,6 +755,17 @@ class CUDABackend(Backend):
                 self._weights[id(op)] = scale_pairs(w, id(op) in self._fuse.silu_after_linear)
                 paired += 1
         return paired
+
+    def _make_mlp_rows(self) -> bool:
+        """The fixed-point rows of the MLPs ``fused_mlp`` may run (their down weights' widths alike):
+        one int64 row each, zeroed as each step starts (``embedding``). Returns whether there are any."""
+        widths = {id(op): self._weights[id(down)].n for op in self.graph.ops
+                  for (_, down, _) in [self._fuse.mlp.get(id(op), (None, None, None))] if down is not None}  # fmt: skip
+        if not widths or len(set(widths.values())) != 1:
+            return False
+        self._mlp_row_of = {key: i for i, key in enumerate(widths)}
+        self._mlp_rows = fixed_rows(next(iter(widths.values())), self.device, len(widths))
+        return True
 
     @property
     def overlap_launches(self) -> bool:
@@ -1182,6 +1225,8 @@ class CUDABackend(Backend):
         return st
 
     def embedding(self, op: Op, tokens: np.ndarray) -> Array:
+        if self._mlp_rows is not None:  # the step starts: the fused MLPs add into zeroed rows
+            self._mlp_rows.zero_()
         w = self._weights[id(op)]
         ids = self._cur.token_ids
         if w.scheme == "none":
@@ -1206,6 +1251,15 @@ class CUDABackend(Backend):
         if across is not None:  # held back: its add runs it (``add``)
             self._pending[id(across.add)] = across
             return x
+        if isinstance(normed, _FusedRows):  # down, run with gate/up by the fused MLP: the add reads its row
+            return normed.rows
+        if isinstance(normed, _StagedX) and self._fuses_mlp(op, x, w, bias):
+            silu, down, _ = self._fuse.mlp[id(op)]
+            rows = fused_mlp(normed.rec, w, self._weights[id(down)], kernels=self.cuda_kernels,
+                             out=self._mlp_rows[self._mlp_row_of[id(op)]])  # fmt: skip
+            self._pending[id(silu)] = rows  # a stand-in: only down reads the product, and down is done
+            self._pending[id(down)] = _FusedRows(rows)
+            return rows
         if isinstance(normed, _StagedX):  # x staged by its norm: the kind's staged twin reads the record
             out = gemv_staged(normed.rec, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=normed.kind)
         elif isinstance(normed, NormIn):  # x is the norm's input, normalized as the GEMV loads it
@@ -1236,6 +1290,14 @@ class CUDABackend(Backend):
         if silu is not None:
             self._pending[id(silu)] = out
         return out
+
+    def _fuses_mlp(self, op: Op, x: Array, w: GpuWeight, bias: Array | None) -> bool:
+        """Whether gate/up ``op`` and the down after it run as one fused MLP launch (``MGX_CUDA_FUSED_MLP``,
+        x staged, rows made, no biases, and ``fused_mlp_applies``)."""
+        fused = self._fuse.mlp.get(id(op)) if self._mlp_rows is not None else None
+        if fused is None or id(op) not in self._mlp_row_of or bias is not None or self._bias[id(fused[1])] is not None:
+            return False
+        return fused_mlp_applies(self.cuda_kernels, x, w, self._weights[id(fused[1])])
 
     def _native_kind(self, x: Array, w: GpuWeight, bias: Array | None, config: LinearConfig | None) -> str:
         """The native GEMV kind that runs one row of ``w`` under ``config`` ("" for the Triton kernels):
@@ -1392,11 +1454,20 @@ class CUDABackend(Backend):
     def add(self, op: Op, a: Array, b: Array) -> Array:
         norm_op = self._fuse.norm_after_add.get(id(op))
         if norm_op is None:
+            if b.dtype == torch.int64 or a.dtype == torch.int64:  # a fused MLP's row (down's output)
+                rows, res = (b, a) if b.dtype == torch.int64 else (a, b)
+                return res + fixed_to(rows.view(1, -1), res.dtype)
             return a + b
         weight, eps, group = self._norm[id(norm_op)]
         held = self._pending.pop(id(op), None)
         if isinstance(held, _Across):  # its projection adds the residual and leaves the norm's squares
             return self._add_across(held, b if a is held.x else a, norm_op, weight, eps, group)
+        if b.dtype == torch.int64 or a.dtype == torch.int64:  # a fused MLP's row (down's output)
+            rows, res = (b, a) if b.dtype == torch.int64 else (a, b)
+            total = self._norm_stage_fx_into_gemv(norm_op, res, rows, weight, eps, group)
+            if total is not None:
+                return total
+            a, b = res, fixed_to(rows.view(1, -1), res.dtype)  # the row as the GEMV would have written it
 
         total = self._norm_into_gemv(norm_op, a, b, weight, eps, group)
         if total is None:
@@ -1442,20 +1513,48 @@ class CUDABackend(Backend):
         stored tuning's, on ``STAGED_SCHEMES`` weights by default or any with ``MGX_CUDA_STAGED_X=1``;
         else the kind named): the norm's kernel also stages its output (``norm_stage``) and the linear
         runs the twin on that record. Returns the add's output, or None where it does not apply."""
+        reader = self._staged_reader(norm_op, a, group)
+        if reader is None:
+            return None
+        lin, kind = reader
+        norm = NormPrologue(b, weight, eps, torch.empty_like(a))
+        if not norm_stage_applies(self.cuda_kernels, a, norm, self._weights[id(lin)].scheme):
+            return None
+        normed, rec = norm_stage(a, norm, self._weights[id(lin)].scheme, kernels=self.cuda_kernels)
+        self._pending[id(norm_op)] = normed
+        self._pending[id(lin)] = _StagedX(kind, rec)
+        return norm.total
+
+    def _staged_reader(self, norm_op: Op, a: Array, group: int, scheme: str | None = None) -> tuple[Op, str] | None:
+        """The one linear reading ``norm_op``'s one row and the kind whose staged twin runs it (the stored
+        tuning's, on ``STAGED_SCHEMES`` weights by default or any with ``MGX_CUDA_STAGED_X=1``; else the
+        kind named), where the staged switch and the kernels take it (and its weights are ``scheme``'s
+        where given); else None."""
         lin = self._one_row_reader(norm_op, a, group) if self.staged_x else None
         if lin is None or not self._stages(self._weights[id(lin)].scheme):
             return None
         w, bias = self._weights[id(lin)], self._bias[id(lin)]
+        if scheme is not None and w.scheme != scheme:
+            return None
         config = self._config(lin, 1)
         kind = self.staged_kind or (config.native if config is not None and self.tuned_gemvs else "")
-        norm = NormPrologue(b, weight, eps, torch.empty_like(a))
-        if not (staged_applies(self.cuda_kernels, a, w, kind, bias)
-                and norm_stage_applies(self.cuda_kernels, a, norm, w.scheme)):  # fmt: skip
+        return (lin, kind) if staged_applies(self.cuda_kernels, a, w, kind, bias) else None
+
+    def _norm_stage_fx_into_gemv(self, norm_op: Op, res: Array, rows: Array, weight: Array | None, eps: float,
+                                 group: int) -> Array | None:  # fmt: skip
+        """``_norm_stage_into_gemv`` where the add's other input is a fused MLP's fixed-point row:
+        ``norm_stage_fx`` normalizes res + that row and stages it for the staged twin of the one linear
+        reading the norm. Returns the add's output, or None where it does not apply (the caller then
+        turns the row into the compute dtype and takes the usual path)."""
+        reader = self._staged_reader(norm_op, res, group, scheme="int4")  # norm_stage_fx stages for int4
+        if reader is None or not norm_stage_applies(self.cuda_kernels, res, NormPrologue(None, weight, eps), "int4"):
             return None
-        normed, rec = norm_stage(a, norm, w.scheme, kernels=self.cuda_kernels)
+        lin, kind = reader
+        total = torch.empty_like(res)
+        normed, rec = norm_stage_fx(res, rows, weight, eps, total, kernels=self.cuda_kernels)
         self._pending[id(norm_op)] = normed
         self._pending[id(lin)] = _StagedX(kind, rec)
-        return norm.total
+        return total
 
     def lm_head(self, op: Op, x: Array, rows: np.ndarray) -> Array:
         """The sampling rows' logits [R, V] in fp32 (as the greedy head takes its argmax: not rounded

@@ -289,6 +289,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&p);
 }
 
+// Word j (columns 8 j ..) of the fused MLP's fixed-point row as bf16 pairs: each int64 of 2^-32 to the
+// nearest fp32, then to bf16 (NaN throughout where `bad`).
+__device__ __forceinline__ uint4 fx_word(const long long* __restrict__ row, int j, bool bad) {
+  const longlong2* p = reinterpret_cast<const longlong2*>(row) + 4 * j;
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const longlong2 v = __ldg(p + i);
+    o[i] = bad ? 0x7FC07FC0u : pack_bf16(__ll2float_rn(v.x) * 0x1p-32f, __ll2float_rn(v.y) * 0x1p-32f);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // Fills xs[0 .. K/8) with the normalized row; every thread of the block returns after it is complete.
 // Words a thread of the RMSNorm prologue loads before it uses them. 4 took the int4 imma _norm entries
 // from 64 to 70 registers (sm_90a; one block an SM fewer), 2 keeps 64 (twentieth session, cuobjdump).
@@ -314,10 +327,24 @@ __device__ __forceinline__ NormWeights norm_weights_first(const NormIn& in, int 
 
 // first: the thread's first batch of weights, loaded already (norm_weights_first; nullptr: load them
 // here, after the sums of squares, a round trip to memory on the block's path).
-__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, const NormWeights* first = nullptr) {
-  __shared__ float part[32];  // a warp's sum: blocks of up to 1,024 threads (imma_w16's _norm entries: 16 warps)
+// kFx: the delta added to res is delta_fx [K + 2] instead of in.delta (never null then): the fused
+// MLP's row (mlp_int4_fused: int64 multiples of 2^-32, then its flag of a NaN or Inf met), rounded to
+// bf16 as a GEMV rounds its output, NaN throughout where the flag is set.
+// A warp's sum: blocks of up to 1,024 threads (imma_w16's _norm entries: 16 warps). One array whichever
+// norm_prologue asks (a static of the template would be one array per instantiation).
+__device__ __forceinline__ float* norm_partials() {
+  __shared__ float part[32];
+  return part;
+}
+
+template <bool kFx = false>
+__device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, const NormWeights* first = nullptr,
+                              const long long* __restrict__ delta_fx = nullptr) {
+  float* part = norm_partials();
   const int words = k >> 3;
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  bool bad = false;
+  if constexpr (kFx) bad = __ldg(delta_fx + k) != 0;
   float ss = 0.0f;
   // A thread's words in batches of kNormBatch, each batch's loads (x and delta) issued before any is
   // used: the prologue waits about one L2 round trip a batch instead of one a word, and the same for
@@ -330,14 +357,18 @@ __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, c
     for (int u = 0; u < kNormBatch; ++u) {
       const int j = j0 + u * blockDim.x;
       a[u] = j < words ? __ldg(reinterpret_cast<const uint4*>(in.res) + j) : zero;
-      b[u] = j < words && in.delta != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.delta) + j) : zero;
+      if constexpr (kFx) {
+        b[u] = j < words ? fx_word(delta_fx, j, bad) : zero;
+      } else {
+        b[u] = j < words && in.delta != nullptr ? __ldg(reinterpret_cast<const uint4*>(in.delta) + j) : zero;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kNormBatch; ++u) {
       const int j = j0 + u * blockDim.x;
       if (j >= words) break;
       uint4 s = a[u];
-      if (in.delta != nullptr) {
+      if (kFx || in.delta != nullptr) {
         s = make_uint4(pack_bf16(lo_bf16(s.x) + lo_bf16(b[u].x), hi_bf16(s.x) + hi_bf16(b[u].x)),
                        pack_bf16(lo_bf16(s.y) + lo_bf16(b[u].y), hi_bf16(s.y) + hi_bf16(b[u].y)),
                        pack_bf16(lo_bf16(s.z) + lo_bf16(b[u].z), hi_bf16(s.z) + hi_bf16(b[u].z)),
@@ -1136,8 +1167,9 @@ __device__ void imma_stage_rows(uint4* __restrict__ rec, const uint4* __restrict
 // Run instead by the last block of the projection before it (o_proj, down: a block counter, then this
 // work), it lost twice on the H200: the 8B INT4 chain 1.716 -> 1.757 ms (32nd session) and 1.681 ->
 // 1.735 (37th, the same bits as this kernel); this kernel, launched early and waiting, starts sooner.
-template <bool kInt4>
-__device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restrict__ rec, const NormIn& in, int k) {
+template <bool kInt4, bool kFx = false>
+__device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restrict__ rec, const NormIn& in, int k,
+                               const long long* __restrict__ delta_fx = nullptr) {
   extern __shared__ uint4 xs[];
   const int warp = threadIdx.x >> 5, steps = k >> 7;
   uint8_t* buf = imma_buffer<kMaxThreads / 32>(warp);
@@ -1148,7 +1180,7 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   // norms alone 0.155 and 0.152 against 0.164 and 0.165; the same values, so the same bits.
   const NormWeights first = norm_weights_first(in, k);
   mgx_pdl_wait();
-  norm_prologue(xs, in, k, &first);  // ends with a block barrier: xs is complete
+  norm_prologue<kFx>(xs, in, k, &first, delta_fx);  // ends with a block barrier: xs is complete
   // Each block normalizes the whole row (its sum of squares needs all of it; the reads are one batch
   // of L2 round trips a thread) but writes and stages only its share: steps warps w of the grid, w +
   // all the grid's warps, ...; block 0 writes res + delta (norm_prologue). One block staging all 32
@@ -1475,6 +1507,262 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
   }
 }
 
+
+// ---- The batch-1 int4 MLP in one kernel (forty-third session) ------------------------------------------
+//
+// gate/up with the SiLU product, then down, for one row whose x norm_stage staged (int4 in cuda_tile16
+// with fp16 scale pairs: a MGX_IMMA_TILE16 + MGX_IMMA_HALF_SCALES build), so that down has no launch
+// of its own and x is staged once a block instead of in each of down's blocks. Block b takes SiLU
+// outputs 128 b .. 128 b + 127, i.e. down's 128-column step b:
+// - phase 1: the 16 SiLU groups of 8 outputs (gate rows 8 j .., up rows F + 8 j ..), W / 16 warps a
+//   group, from the record (copied into shared memory once a block) and the codes with their scale
+//   pairs, a step as gemv_imma's staged twin computes it; the block adds up its warps' sums, applies
+//   the SiLU product with transformers' roundings and keeps the 128 bf16 outputs in shared memory;
+// - phase 2: each warp stages those 128 values as one imma step (imma4_stage_x) and multiplies them by
+//   down's step b for its row groups (warp, warp + W, ...; DB at a time in flight, double-buffered with
+//   kDB), adding each group's row sums into acc in L2.
+// kFixed: acc is int64 [n + 2]: each block's share of a row rounded to a multiple of 2^-32 (|row| <
+// 2^31) and added with 64-bit reductions, exact in any order, so the same bits every run; a NaN or Inf
+// share sets acc[n] (norm_stage_fx then makes the row NaN). Else acc is fp32 [n] with 16-byte
+// reductions whose order, and so whose last bits, vary from run to run (examples/bench_gpu_mlp.py
+// times both). acc must be zero before.
+// On the H200 (143rd-144th runs, examples/bench_gpu_mlp.py) the 8B decode layer chained 32 times took
+// 1.613 -> 1.556 ms with <16, 2, 4, true, true> (the product's entry below), 1.609 -> 1.554 with the
+// fp32 <32, 2, 2, false, false>; README ("Forty-third session") has the rest.
+// Timing knobs (`mode` bits, the results then meaningless): 1 phase 1 only, 2 phase 2 only, 4 plain
+// stores instead of the reductions. `stamps` (or null): per block, %globaltimer at its start, after
+// phase 1, at its end, and its SM.
+
+template <int W, int U, int DB, bool kDB, bool kFixed>
+__device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
+                               const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
+                               const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
+                               int group_shift, int mode, unsigned long long* __restrict__ stamps) {
+  static_assert(W % 16 == 0, "16 SiLU groups a block, W / 16 warps each");
+  float* acc = static_cast<float*>(acc_out);
+  unsigned long long* acc_fx = static_cast<unsigned long long*>(acc_out);
+  constexpr int kShare = W / 16;  // warps a SiLU group
+  const auto now = [] {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+  };
+  if (stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * 4] = now();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.x, steps = k >> 7, steps_d = f >> 7, row_groups = n >> 4;
+  __shared__ float part[W][16];
+  __shared__ __align__(16) __nv_bfloat16 xs[128];
+  extern __shared__ uint4 rec_s[];  // the record: steps x 32 lanes' B words, then steps float2 (factor, sum X)
+  const int rec_words = steps * 32 + (steps + 1) / 2;
+  uint8_t* buf = imma_buffer<W>(warp);
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones (sum q)
+  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
+  const ImmaLane weigh{(t & 1) ? 64 : 0, (t & 1) ? 0.0f : 1.0f, (t & 1) ? 65536.0f : 256.0f, t >= 2};
+  const auto nibbles = [](uint4 v, int h) {
+    constexpr uint32_t kMask = 0x0F0F0F0Fu;  // as gemv_imma's kLowNibbles
+    return h == 0 ? make_uint4(v.x & kMask, v.y & kMask, v.z & kMask, v.w & kMask)
+                  : make_uint4((v.x >> 4) & kMask, (v.y >> 4) & kMask, (v.z >> 4) & kMask, (v.w >> 4) & kMask);
+  };
+  // One step's s (sum q X - z sum X) of the lane's rows lo and hi into (acc_lo, acc_hi), as gemv_imma.
+  const auto step = [&](uint4 lo, uint4 hi, uint4 bw, float factor, float sum_x, uint2 sz, float& acc_lo,
+                        float& acc_hi) {
+    int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t b0 = h == 0 ? bw.x : bw.z, b1 = h == 0 ? bw.y : bw.w;
+      mma_imma<true>(d, nibbles(lo, h), b0, b1);
+      mma_imma<true>(e, nibbles(hi, h), b0, b1);
+    }
+    const float zx = t == 0 ? sum_x : 0.0f;
+    const float2 pl = half_pair(sz.x), ph = half_pair(sz.y);
+    acc_lo = fmaf(factor * pl.x, fmaf(-pl.y, zx, imma_value(d, weigh)), acc_lo);
+    acc_hi = fmaf(factor * ph.x, fmaf(-ph.y, zx, imma_value(e, weigh)), acc_hi);
+  };
+
+  // ---- phase 1: SiLU group j, steps share, share + kShare, ... (U a pass, the next pass in flight)
+  const int j = b * 16 + (warp & 15), share = warp >> 4;
+  const auto tile_at = [&](uint32_t r0) {  // cuda_tile16: rows r0 .. r0 + 7 at step 0, the lane's 16 bytes
+    return (r0 >> 4) * (static_cast<uint32_t>(steps) * 1024u) + (r0 & 15u) * 64u + 16u * lane;
+  };
+  const uint32_t a_lo = tile_at(8u * j), a_hi = tile_at(static_cast<uint32_t>(f) + 8u * j);
+  struct Pass {
+    uint4 lo[U], hi[U];
+    uint2 sz[U];
+  };
+  const auto load_w = [&](int s0, Pass& p) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * kShare;
+      const bool in = s < steps;
+      const uint32_t at = static_cast<uint32_t>(s) * 1024u;
+      p.lo[u] = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wgu + a_lo + at)) : make_uint4(0, 0, 0, 0);
+      p.hi[u] = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wgu + a_hi + at)) : make_uint4(0, 0, 0, 0);
+      const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
+      p.sz[u] = in ? load_now(pgu + (static_cast<uint32_t>(j) * groups_gu + grp) * 8u + g)
+                   : make_uint2(kIdleHalves, kIdleHalves);
+    }
+  };
+  float acc_lo = 0.0f, acc_hi = 0.0f;
+  Pass even, odd;
+  constexpr int kStride = U * kShare;  // steps a warp's pass advances
+  int s = (mode & 2) ? steps : share;
+  load_w(s, even);  // the codes are no kernel's output: before the wait
+  mgx_pdl_wait();   // the record is the norm's
+  for (int i = threadIdx.x; i < rec_words; i += blockDim.x) rec_s[i] = x_oct<false>(rec, i);
+  __syncthreads();
+  const float2* fs_s = reinterpret_cast<const float2*>(rec_s + steps * 32);
+  const auto compute = [&](int s0, const Pass& p) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int st = s0 + u * kShare;
+      if (st >= steps) break;
+      const float2 fs = fs_s[st];
+      step(p.lo[u], p.hi[u], rec_s[st * 32 + lane], fs.x, fs.y, p.sz[u], acc_lo, acc_hi);
+    }
+  };
+  while (s < steps) {
+    load_w(s + kStride, odd);
+    compute(s, even);
+    s += kStride;
+    if (s >= steps) break;
+    load_w(s + kStride, even);
+    compute(s, odd);
+    s += kStride;
+  }
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
+    acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
+    acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
+  }
+  if (t == 0) {
+    part[warp][g] = acc_lo;  // gate row 8 j + g
+    part[warp][g + 8] = acc_hi;  // its up row
+  }
+
+  // ---- phase 2: down's step b for row groups warp, warp + W, ...
+  struct Down {
+    uint4 lo, hi;
+    uint2 sz;
+  };
+  const uint32_t grp_d = (static_cast<uint32_t>(b) << 7) >> group_shift;
+  const auto load_d = [&](int i0, Down (&dd)[DB]) {
+#pragma unroll
+    for (int u = 0; u < DB; ++u) {
+      const int rg = warp + W * (i0 + u);
+      const bool in = rg < row_groups && !(mode & 1);
+      const uint32_t at = (static_cast<uint32_t>(rg) * steps_d + b) * 1024u + 16u * lane;
+      dd[u].lo = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wd + at)) : make_uint4(0, 0, 0, 0);
+      dd[u].hi = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wd + at + 512u)) : make_uint4(0, 0, 0, 0);
+      dd[u].sz = in ? load_now(pd + (static_cast<uint32_t>(rg) * groups_d + grp_d) * 8u + g)
+                    : make_uint2(kIdleHalves, kIdleHalves);
+    }
+  };
+  Down dn[DB], dn2[kDB ? DB : 1];
+  load_d(0, dn);  // on their way while the block adds up its SiLU outputs
+  __syncthreads();
+  if (stamps != nullptr && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    stamps[blockIdx.x * 4 + 1] = now();
+    stamps[blockIdx.x * 4 + 3] = sm;
+  }
+  if (threadIdx.x < 128) {
+    const int jl = threadIdx.x >> 3, r = threadIdx.x & 7;
+    float gate = 0.0f, up = 0.0f;
+#pragma unroll
+    for (int h = 0; h < kShare; ++h) {
+      gate += part[jl + 16 * h][r];
+      up += part[jl + 16 * h][r + 8];
+    }
+    xs[threadIdx.x] = __float2bfloat16_rn(silu_times(gate, up));
+  }
+  __syncthreads();
+  if (mode & 1) {  // phase 1 only: something for the compiler to keep
+    if (threadIdx.x < 128) {
+      if constexpr (kFixed) {
+        acc_fx[(b * 128 + threadIdx.x) % n] = __bfloat16_as_ushort(xs[threadIdx.x]);
+      } else {
+        acc[(b * 128 + threadIdx.x) % n] = __bfloat162float(xs[threadIdx.x]);
+      }
+    }
+    return;
+  }
+  float sum_x;
+  const float factor = imma4_stage_x(buf, x_oct<true>(reinterpret_cast<const uint4*>(xs), lane >> 1), lane, sum_x);
+  const uint2 c0 = *reinterpret_cast<const uint2*>(buf + b_at), c1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
+  const uint4 bw = make_uint4(c0.x, c0.y, c1.x, c1.y);
+  // Row group rg's 16 sums into acc: rows 4 q .. 4 q + 3 gathered in lane q < 4 (rows r < 8 are lane 4
+  // r's lo, rows r >= 8 lane 4 (r - 8)'s hi), one 16-byte reduction each.
+  const auto put = [&](int rg, float lo, float hi) {
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      lo += __shfl_xor_sync(0xFFFFFFFFu, lo, o);
+      hi += __shfl_xor_sync(0xFFFFFFFFu, hi, o);
+    }
+    if constexpr (kFixed) {  // rows g and g + 8 from lane (g, 0), as 64-bit integers of 2^-32
+      if (t == 0 && rg < row_groups) {
+        const auto fx = [](float v) { return static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.0f)); };
+        if (!isfinite(lo) || !isfinite(hi)) atomicOr(acc_fx + n, 1ull);  // the row's flag: NaN downstream
+        if (mode & 4) {
+          acc_fx[16 * rg + g] = fx(lo);
+          acc_fx[16 * rg + g + 8] = fx(hi);
+        } else {
+          atomicAdd(acc_fx + 16 * rg + g, fx(lo));
+          atomicAdd(acc_fx + 16 * rg + g + 8, fx(hi));
+        }
+      }
+      return;
+    }
+    const int q = lane & 3;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int src = 4 * (4 * (q & 1) + i);
+      const float a = __shfl_sync(0xFFFFFFFFu, lo, src), c = __shfl_sync(0xFFFFFFFFu, hi, src);
+      v[i] = q < 2 ? a : c;
+    }
+    if (lane < 4 && rg < row_groups) {
+      float4* at = reinterpret_cast<float4*>(acc + 16 * rg) + q;
+      if (mode & 4) {
+        *at = make_float4(v[0], v[1], v[2], v[3]);
+      } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+        __trap();  // 16-byte fp32 reductions need sm_90 (the product's entry is kFixed)
+#else
+        atomicAdd(at, make_float4(v[0], v[1], v[2], v[3]));
+#endif
+      }
+    }
+  };
+  const auto compute_d = [&](int i0, const Down (&dd)[DB]) {
+#pragma unroll
+    for (int u = 0; u < DB; ++u) {
+      float lo = 0.0f, hi = 0.0f;
+      step(dd[u].lo, dd[u].hi, bw, factor, sum_x, dd[u].sz, lo, hi);
+      put(warp + W * (i0 + u), lo, hi);
+    }
+  };
+  const int per_warp = (row_groups + W - 1) / W;
+  if constexpr (kDB) {
+    for (int i0 = 0; i0 < per_warp; i0 += 2 * DB) {
+      if (i0 + DB < per_warp) load_d(i0 + DB, dn2);
+      compute_d(i0, dn);
+      if (i0 + DB >= per_warp) break;
+      if (i0 + 2 * DB < per_warp) load_d(i0 + 2 * DB, dn);
+      compute_d(i0 + DB, dn2);
+    }
+  } else {
+    for (int i0 = 0; i0 < per_warp; i0 += DB) {
+      compute_d(i0, dn);
+      if (i0 + DB < per_warp) load_d(i0 + DB, dn);
+    }
+  }
+  if (stamps != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) stamps[blockIdx.x * 4 + 2] = now();
+  }
+}
+
 }  // namespace mgx_gemv
 
 // Each GEMV has two entry points: NAME(out, x, ...) reads x [K]; NAME_norm(out, res_out, res, delta,
@@ -1656,6 +1944,32 @@ MGX_STAGED_ENTRY(mgx_gemv_w8a16_imma16_staged_bf16, 16 * 32, gemv_w8a16_imma, (,
   }
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_int4, true)
 MGX_NORM_STAGE_ENTRY(mgx_norm_stage_w8a16, false)
+
+// The same for int4 after the fused MLP (mlp_int4_fused): delta is its fixed-point row [K + 2] (never
+// null; gemv.py's norm_stage_fx).
+extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
+    MGX_ENTRY(mgx_norm_stage_fx_int4)(__nv_bfloat16* out, __nv_bfloat16* res_out, const __nv_bfloat16* res,
+                                      const long long* delta, const __nv_bfloat16* g, float eps, uint4* rec, int k) {
+  const mgx_gemv::NormIn in{res, nullptr, g, res_out, eps};
+  mgx_gemv::norm_stage_row<true, true>(out, rec, in, k, delta);
+}
+
+// The fused batch-1 int4 MLP (mlp_int4_fused): acc [n + 2] int64 (zero before) += down(silu(gate) * up)
+// of the row whose record rec is (norm_stage's, K columns); wgu [2F, K] and wd [n, F] int4 in
+// cuda_tile16 with groups of 1 << group_shift columns (a multiple of 128), pgu and pd their scale
+// pairs (gemv.scale_pairs; pgu in the SiLU product's order) with groups_gu and groups_d groups a row.
+// Grid: F / 128 blocks of W warps; dynamic shared memory: the record (rounded up to 16 bytes; over 48
+// KB needs the attribute). F and K multiples of 128, n of 16. The macro is examples/mlp_fused.cu's too.
+#define MGX_MLP_ENTRY_NAMED(NAME, W, U, DB, DBUF, FX)                                                          \
+  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(NAME)(                                   \
+      void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd, \
+      int f, int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps) { \
+    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF, FX>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, k, \
+                                                 n, groups_gu, groups_d, group_shift, mode, stamps);            \
+  }
+#if MGX_IMMA_TILE16 && MGX_IMMA_HALF_SCALES
+MGX_MLP_ENTRY_NAMED(mgx_mlp_int4_fused, 16, 2, 4, true, true)
+#endif
 
 // Markers of the builds (gemv.py: which layout and scale table the imma kinds read).
 #if MGX_IMMA_HALF_SCALES

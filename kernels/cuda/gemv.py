@@ -43,7 +43,9 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs"]  # fmt: skip
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs",
+           "FIXED_ONE", "FUSED_MLP_ENTRY", "NORM_STAGE_FX_ENTRY", "fixed_rows", "fixed_to", "fused_mlp", "fused_mlp_applies",
+           "norm_stage_fx"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -545,3 +547,96 @@ def _launch(
         blocks = equal_shares(blocks, _EQUAL_SHARES[kind] * num_sms(x.device))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
+
+
+# The batch-1 int4 MLP in one kernel (gemv.cu's mlp_int4_fused, forty-third session; an experiment the
+# CUDA backend runs with MGX_CUDA_FUSED_MLP=1): gate/up with the SiLU product and down from the record
+# norm_stage wrote, in a MGX_IMMA_TILE16 + MGX_IMMA_HALF_SCALES build. Its output row is int64
+# multiples of 1 / FIXED_ONE, added up over its blocks in L2 (exact in any order: the same bits every
+# run), then a flag set where a NaN or Inf was met: ``fixed_rows`` makes zeroed rows, ``norm_stage_fx``
+# is the add + RMSNorm (and staging) after it, ``fixed_to`` the row in a float dtype.
+FUSED_MLP_ENTRY = f"mgx_mlp_int4_fused_v{KERNEL_ABI}"
+FUSED_MLP_THREADS = 16 * 32  # the entry's W warps
+NORM_STAGE_FX_ENTRY = f"mgx_norm_stage_fx_int4_v{KERNEL_ABI}"
+FIXED_ONE = 2**32
+_MAX_STATIC_SHARED = 48 * 1024  # dynamic shared memory a launch takes without the opt-in attribute
+
+
+def fixed_rows(n: int, device: torch.device | str, count: int = 1) -> torch.Tensor:
+    """``count`` zeroed rows [count, n + 2] int64 for ``fused_mlp`` (n values, the non-finite flag, a pad
+    keeping each row 16-byte aligned)."""
+    return torch.zeros((count, n + 2), dtype=torch.int64, device=device)
+
+
+def fixed_to(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fused_mlp``'s rows [R, n + 2] as [R, n] in ``dtype``: each value to the nearest fp32 (as
+    ``norm_stage_fx`` reads it), then to ``dtype``; NaN throughout a row whose flag is set."""
+    n = rows.shape[-1] - 2
+    vals = (rows[..., :n].to(torch.float32) * (1.0 / FIXED_ONE)).to(dtype)
+    return torch.where(rows[..., n : n + 1] != 0, torch.full_like(vals, float("nan")), vals)
+
+
+def _fused_shared(k: int) -> int:
+    """Dynamic shared memory of a ``fused_mlp`` launch on K columns: the record, rounded up to 16 bytes."""
+    steps = k // MMA_COLUMNS
+    return (steps * 32 + (steps + 1) // 2) * 16
+
+
+def fused_mlp_applies(kernels: CudaKernels | None, x: torch.Tensor, gate_up: GpuWeight, down: GpuWeight) -> bool:
+    """Whether ``fused_mlp`` takes the row x [1, K] (whose record ``norm_stage`` writes) through ``gate_up``
+    [2F, K] (the SiLU product's) and ``down`` [N, F]: the loaded kernels hold its entry and
+    ``norm_stage_fx``'s, read cuda_tile16 codes with scale pairs (pairs in the SiLU order for gate/up),
+    int4 groups of the same multiple of 128 columns, F and K multiples of 128, N of 16, offsets below
+    2^31, and a record that fits the launch's shared memory."""
+    if kernels is None or not (kernels.has(FUSED_MLP_ENTRY) and kernels.has(NORM_STAGE_FX_ENTRY)):
+        return False
+    if not (_one_row(kernels, x) and reads_tile16(kernels, "int4") and reads_half_scales(kernels)):
+        return False
+    for w, silu in ((gate_up, True), (down, False)):
+        if w.scheme != "int4" or w.layout != "cuda_tile16" or w.pairs is None or w.pairs_silu != silu:
+            return False
+        if w.n * w.weight.stride(0) >= 1 << 31 or w.weight.data_ptr() % 16:
+            return False
+    f, k = gate_up.n // 2, gate_up.k
+    return (gate_up.group_size == down.group_size and gate_up.group_size % MMA_COLUMNS == 0 and gate_up.n % 2 == 0
+            and f % MMA_COLUMNS == 0 and k % MMA_COLUMNS == 0 and down.k == f and down.n % 16 == 0
+            and x.shape[1] == k and _fused_shared(k) <= _MAX_STATIC_SHARED and _sm(kernels.arch) >= 80)  # fmt: skip
+
+
+def fused_mlp(rec: torch.Tensor, gate_up: GpuWeight, down: GpuWeight, *, kernels: CudaKernels,
+              out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """out [n + 2] int64 (zero before; ``fixed_rows``) += down(silu(gate) * up) of the row whose record
+    ``rec`` is (``norm_stage``'s or ``stage_x``'s for int4), in fixed point (``fixed_to``). One launch of
+    F / 128 blocks on torch's current stream. The caller checks ``fused_mlp_applies`` first."""
+    f, k, n = gate_up.n // 2, gate_up.k, down.n
+    if out.dtype != torch.int64 or out.numel() != n + 2 or not out.is_contiguous():
+        raise ValueError(f"fused_mlp writes an int64 row of {n + 2} (fixed_rows), not {out.dtype} of {out.numel()}")
+    args = [_ptr(out), _ptr(rec), _ptr(gate_up.weight), _ptr(gate_up.pairs), _ptr(down.weight), _ptr(down.pairs),
+            ctypes.c_int(f), ctypes.c_int(k), ctypes.c_int(n), ctypes.c_int(gate_up.pairs.shape[1]),
+            ctypes.c_int(down.pairs.shape[1]), ctypes.c_int(gate_up.group_size.bit_length() - 1), ctypes.c_int(0),
+            _ptr(None)]  # fmt: skip
+    stream = torch.cuda.current_stream(rec.device).cuda_stream
+    kernels.module.launch(FUSED_MLP_ENTRY, (f // MMA_COLUMNS,), (FUSED_MLP_THREADS,), args, stream,
+                          shared_bytes=_fused_shared(k), overlap=kernels.overlap)  # fmt: skip
+    return out
+
+
+def norm_stage_fx(
+    x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None, eps: float, total: torch.Tensor, *,
+    kernels: CudaKernels, out: torch.Tensor | None = None, rec: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``norm_stage`` on int4 with the delta ``fused_mlp``'s row ``rows`` [K + 2] (each value rounded to bf16
+    as a GEMV's output is; NaN where its flag is set): rms_norm(x + delta) * weight of the row x [1, K],
+    x + delta to ``total``, and the record. The caller checks ``norm_stage_applies`` for the bf16 row
+    and ``fused_mlp_applies`` (which needs this entry)."""
+    k = x.shape[1]
+    if rows.dtype != torch.int64 or rows.numel() != k + 2 or not rows.is_contiguous():
+        raise ValueError(f"norm_stage_fx reads an int64 row of {k + 2} (fixed_rows), not {rows.dtype} of {rows.numel()}")
+    blocks = -(-(k // MMA_COLUMNS) // (MAX_THREADS // 32))
+    out = torch.empty_like(x) if out is None else out
+    rec = torch.empty(staged_bytes(k), dtype=torch.uint8, device=x.device) if rec is None else rec
+    args = [_ptr(out), _ptr(total), _ptr(x), _ptr(rows), _ptr(weight), ctypes.c_float(eps), _ptr(rec), ctypes.c_int(k)]
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    kernels.module.launch(NORM_STAGE_FX_ENTRY, (blocks,), (MAX_THREADS,), args, stream, shared_bytes=2 * k,
+                          overlap=kernels.overlap)  # fmt: skip
+    return out, rec

@@ -1056,6 +1056,73 @@ def test_staged_x_is_on_for_int4_weights_by_default(switch: str | None, stages: 
     assert staged == stages
 
 
+@pytest.mark.interpreted
+@pytest.mark.parametrize(("pipeline", "switch"), [("int4-g128-tiled", "1"), ("dense-fused", "1"), ("int4-g128-tiled", "0")])
+def test_fused_mlp_runs_gate_up_and_down_in_one_launch_and_the_next_norm_reads_its_row(
+    pipeline: str, switch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MGX_CUDA_FUSED_MLP=1`` (an experiment): at batch 1, where the norm before gate/up staged x, gate/up
+    and down run as one ``fused_mlp`` launch into the step's fixed-point row (zeroed as the step starts);
+    the next layer's add + norm reads that row (``norm_stage_fx``, for an int4 reader; a dense one gets
+    the row rounded to the compute dtype, ``fixed_to``, and the usual ``norm_stage``), and so does the
+    last add, whose norm feeds the LM head. The GPU kernels run in tests/gpu; here stand-ins compute with
+    the Triton kernels, so the greedy tokens and logits must be the reference's. "0" (the default) runs
+    the two GEMVs."""
+    from mgx.kernels.cuda.gemv import FIXED_ONE, fixed_to
+    from mgx.kernels.triton.linear import linear, linear_silu_mul
+    from mgx.kernels.triton.rmsnorm import rms_norm
+    from mgx.runtime import backend_cuda
+
+    graph = compiled("gqa", pipeline)
+    calls: list[str] = []
+
+    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
+        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
+        norm.total.copy_(total)
+        calls.append("norm_stage")
+        return normed, ("record of", normed)
+
+    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False):  # noqa: ANN001, ANN202
+        calls.append(kind)
+        return (linear_silu_mul if silu_mul else linear)(rec[1], w, bias)
+
+    def fused_mlp(rec, gate_up, down, *, kernels, out):  # noqa: ANN001, ANN202
+        assert not out.any(), "the row was not zeroed since its last use"
+        y = linear(linear_silu_mul(rec[1], gate_up), down)[0].double()
+        out[: down.n] = torch.round(y * FIXED_ONE).to(torch.int64)
+        calls.append("fused_mlp")
+        return out
+
+    def norm_stage_fx(x, rows, weight, eps, total, *, kernels):  # noqa: ANN001, ANN202
+        normed, summed = rms_norm(x, weight, eps, residual=fixed_to(rows.view(1, -1), x.dtype))
+        total.copy_(summed)
+        calls.append("norm_stage_fx")
+        return normed, ("record of", normed)
+
+    monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
+    monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
+    monkeypatch.setattr(backend_cuda, "fused_mlp_applies", lambda kernels, x, gate_up, down: True)
+    for name, fn in (("norm_stage", norm_stage), ("gemv_staged", gemv_staged), ("fused_mlp", fused_mlp),
+                     ("norm_stage_fx", norm_stage_fx)):  # fmt: skip
+        monkeypatch.setattr(backend_cuda, name, fn)
+    monkeypatch.setenv("MGX_CUDA_STAGED_X", "imma_w4")
+    monkeypatch.setenv("MGX_CUDA_FUSED_MLP", switch)
+    # Off, as on a GPU where the projections run native GEMVs (norm_across holds Triton ones only).
+    monkeypatch.setenv("MGX_CUDA_NORM_ACROSS", "0")
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    assert backend.fused_mlp == (switch == "1")
+    assert len(backend._fuse.mlp) == 2  # each layer's gate/up, its SiLU product, down and the add after it
+    if backend.fused_mlp:  # as use_cuda_kernels makes them on a GPU
+        assert backend._make_mlp_rows() and tuple(backend._mlp_rows.shape) == (2, graph.arch.hidden_size + 2)
+    runners = [ModelRunner(graph, backend), ModelRunner(graph, "reference")]
+    _decode_side_by_side(graph, runners, steps=3, atol=ATOL, after_prompt=lambda: not calls)
+    # Layer 0: its post-attention norm, the fused MLP; layer 1: its input norm on that row, QKV, its
+    # post-attention norm, the fused MLP (the first layer's input norm follows the embedding: no add).
+    fx = "norm_stage_fx" if pipeline.startswith("int4") else "norm_stage"
+    per_step = ["norm_stage", "fused_mlp", fx, "imma_w4", "norm_stage", "fused_mlp"] if switch == "1" else ["norm_stage", "imma_w4"] * 3
+    assert calls == per_step * 3
+
+
 def test_every_part_of_a_steps_packed_metadata_starts_16_bytes_in() -> None:
     """Triton specializes kernels on whether a pointer is 16-byte aligned, so a part that moved with
     the step's counts compiled new variants mid-load: the eager step's parts, and the decode,
@@ -1704,6 +1771,37 @@ def test_gpu_staged_x_decodes_like_the_unstaged_kernels(scheme: str, monkeypatch
         runners.append(ModelRunner(graph, backend))
     _decode_side_by_side(graph, runners, steps=6, rel=0.02)
     assert {cg.NORM_STAGE_ENTRIES[scheme], cg.STAGED_ENTRIES["imma_w4", scheme]} <= set(launches)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_mlp_decodes_like_the_two_gemvs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MGX_CUDA_FUSED_MLP=1`` on an int4 model built for cuda (cuda_tile16, fp16 scale pairs, x staged by
+    ``imma_w4``'s norms): batch-1 decode runs ``fused_mlp`` for each layer's MLP and ``norm_stage_fx``
+    after it, and every step's logits agree with the same model's without the switch within 2% of their
+    largest magnitude, fed the same tokens; two runs of the switch give the same logits to the bit."""
+    from mgx.kernels.cuda import build
+    from mgx.kernels.cuda import gemv as cg
+
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    graph = _tiled_for_imma("int4")
+    arch = build.arch_for(*torch.cuda.get_device_capability())
+    image = {arch: build.build_cuda_kernels(arch, extra_flags=kernel_flags(graph))}
+    monkeypatch.setenv("MGX_CUDA_STAGED_X", "imma_w4")
+    launches: list[str] = []
+    runners = []
+    for switch in ("1", "1", "0"):
+        monkeypatch.setenv("MGX_CUDA_FUSED_MLP", switch)
+        backend = CUDABackend(graph, dtype="bf16", graphs=False)
+        note = backend.use_cuda_kernels(image)
+        assert ("the int4 MLP in one launch for 2 layers" in note) == (switch == "1"), note
+        launch = backend.cuda_kernels.module.launch
+        monkeypatch.setattr(backend.cuda_kernels.module, "launch",
+                            lambda name, *a, _l=launch, **k: launches.append(name) or _l(name, *a, **k))  # fmt: skip
+        runners.append(ModelRunner(graph, backend))
+    _decode_side_by_side(graph, runners[1:], steps=6, rel=0.02)
+    assert {cg.FUSED_MLP_ENTRY, cg.NORM_STAGE_FX_ENTRY} <= set(launches)
+    _decode_side_by_side(graph, runners[:2], steps=6)  # no tolerance: the fixed-point sums are exact
 
 
 @pytest.mark.interpreted

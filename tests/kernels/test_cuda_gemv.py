@@ -491,3 +491,33 @@ def test_benches_hand_a_tile16_build_tiled_weights() -> None:
         assert as_read_by(w, default_build) is w and as_read_by(w, None) is w and as_read_by(t, tiled_build) is t
     for w in (make_weight("int4", 24, 256), make_weight("int4", 32, 192, group_size=64), make_weight("none", 32, 256)):
         assert as_read_by(w, tiled_build) is w
+
+
+def test_fused_mlp_rows_read_back_in_fixed_point_and_the_launchers_refuse_what_they_cannot_take() -> None:
+    """The fused MLP's rows (gemv.cu's mlp_int4_fused, MGX_CUDA_FUSED_MLP): int64 multiples of 2^-32 and a
+    flag, each row 16-byte aligned; ``fixed_to`` rounds each value to fp32 then to the dtype (as
+    ``norm_stage_fx`` reads it) and makes a flagged row NaN; the launchers refuse CPU rows, missing
+    entries and rows of another shape, and the product's entry is the <16 warps, 2 steps, 4 row groups,
+    double-buffered, fixed point> variant that bench_gpu_mlp.py timed (``w16_u2_d4_b1_x``)."""
+    rows = cg.fixed_rows(6, "cpu", 2)
+    assert rows.shape == (2, 8) and rows.dtype == torch.int64 and not rows.any() and rows.stride(0) * 8 % 16 == 0
+    rows[0, :6] = torch.tensor([3 << 31, -(1 << 32), 1, (1 << 32) + 1, -(3 << 30), 0])
+    rows[1, 6] = 1  # a NaN or Inf was met
+    as_f32 = cg.fixed_to(rows, torch.float32)
+    assert as_f32[0].tolist() == [1.5, -1.0, 2.0**-32, 1.0, -0.75, 0.0] and bool(as_f32[1].isnan().all())
+    assert cg.fixed_to(rows, torch.bfloat16)[0].tolist() == [1.5, -1.0, 2.0**-32, 1.0, -0.75, 0.0]  # 1 + 2^-32 -> 1
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    gate_up, down = make_weight("int4", 512, 256, group_size=128), make_weight("int4", 256, 256, group_size=128)
+    both = FakeKernels(cg.FUSED_MLP_ENTRY, cg.NORM_STAGE_FX_ENTRY, cg.TILE16_MARKER, cg.HALF_SCALES_MARKER)
+    assert not cg.fused_mlp_applies(None, x, gate_up, down)
+    assert not cg.fused_mlp_applies(FakeKernels(cg.FUSED_MLP_ENTRY), x, gate_up, down)  # no norm_stage_fx
+    assert not cg.fused_mlp_applies(both, x, gate_up, down)  # a CPU row (and row-major weights without pairs)
+    with pytest.raises(ValueError, match="int64 row of 258"):
+        cg.fused_mlp(x, gate_up, down, kernels=both, out=torch.zeros(256, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int64 row of 258"):
+        cg.norm_stage_fx(x, torch.zeros(258, dtype=torch.int32), None, 1e-5, x.clone(), kernels=both)
+    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
+    assert "MGX_MLP_ENTRY_NAMED(mgx_mlp_int4_fused, 16, 2, 4, true, true)" in source
+    assert cg.FUSED_MLP_THREADS == 16 * 32
+    example = (Path(__file__).resolve().parents[2] / "examples" / "mlp_fused.cu").read_text()
+    assert "MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)" in example  # the variant timed as the product's
