@@ -990,20 +990,12 @@ def _decode_side_by_side(graph, runners: list[ModelRunner], steps: int, rel: flo
         logits = [r.step([SeqChunk(0, np.array([token]))])[0][-1] for r in runners]
 
 
-@pytest.mark.interpreted
-@pytest.mark.parametrize("switch", ["imma_w4", "1", "0"])
-def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MGX_CUDA_STAGED_X`` (an experiment): at batch 1 each add + RMSNorm that feeds one projection
-    runs ``norm_stage`` and the projection the staged twin of the named kind on its record. The GPU
-    kernels run in tests/gpu; here stand-ins compute the norm and the product with the Triton kernels,
-    so the greedy tokens and logits must be the reference's. "1" follows the stored tunings (none here:
-    nothing staged), "0" is off."""
+def _staged_stand_ins(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """``norm_stage`` and the staged twins replaced by the Triton kernels (the record is the normalized
+    row itself), ``imma_w4``'s twin the only one that applies; each launch named in ``calls``."""
     from mgx.kernels.triton.linear import linear, linear_silu_mul
     from mgx.kernels.triton.rmsnorm import rms_norm
     from mgx.runtime import backend_cuda
-
-    graph = compiled("gqa", "dense-fused")
-    calls: list[str] = []
 
     def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
         normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
@@ -1019,6 +1011,19 @@ def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(s
     monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
     monkeypatch.setattr(backend_cuda, "norm_stage", norm_stage)
     monkeypatch.setattr(backend_cuda, "gemv_staged", gemv_staged)
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("switch", ["imma_w4", "1", "0"])
+def test_staged_x_runs_each_add_and_norm_and_its_projection_through_the_record(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MGX_CUDA_STAGED_X`` (an experiment): at batch 1 each add + RMSNorm that feeds one projection
+    runs ``norm_stage`` and the projection the staged twin of the named kind on its record. The GPU
+    kernels run in tests/gpu; here stand-ins compute the norm and the product with the Triton kernels,
+    so the greedy tokens and logits must be the reference's. "1" follows the stored tunings (none here:
+    nothing staged), "0" is off."""
+    graph = compiled("gqa", "dense-fused")
+    calls: list[str] = []
+    _staged_stand_ins(monkeypatch, calls)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", switch)
     runners = [ModelRunner(graph, CUDABackend(graph, device="cpu", dtype="f32")), ModelRunner(graph, "reference")]
     _decode_side_by_side(graph, runners, steps=3, atol=ATOL, after_prompt=lambda: not calls)  # a prompt: never staged
@@ -1075,16 +1080,7 @@ def test_fused_mlp_runs_gate_up_and_down_in_one_launch_and_the_next_norm_reads_i
 
     graph = compiled("gqa", pipeline)
     calls: list[str] = []
-
-    def norm_stage(x, norm, scheme, *, kernels):  # noqa: ANN001, ANN202
-        normed, total = rms_norm(x, norm.weight, norm.eps, residual=norm.delta)
-        norm.total.copy_(total)
-        calls.append("norm_stage")
-        return normed, ("record of", normed)
-
-    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False):  # noqa: ANN001, ANN202
-        calls.append(kind)
-        return (linear_silu_mul if silu_mul else linear)(rec[1], w, bias)
+    _staged_stand_ins(monkeypatch, calls)
 
     def fused_mlp(rec, gate_up, down, *, kernels, out):  # noqa: ANN001, ANN202
         assert not out.any(), "the row was not zeroed since its last use"
@@ -1099,12 +1095,9 @@ def test_fused_mlp_runs_gate_up_and_down_in_one_launch_and_the_next_norm_reads_i
         calls.append("norm_stage_fx")
         return normed, ("record of", normed)
 
-    monkeypatch.setattr(backend_cuda, "staged_applies", lambda kernels, x, w, kind, bias=None: kind == "imma_w4")
-    monkeypatch.setattr(backend_cuda, "norm_stage_applies", lambda kernels, x, norm, scheme: True)
     monkeypatch.setattr(backend_cuda, "fused_mlp_applies", lambda kernels, x, gate_up, down: True)
-    for name, fn in (("norm_stage", norm_stage), ("gemv_staged", gemv_staged), ("fused_mlp", fused_mlp),
-                     ("norm_stage_fx", norm_stage_fx)):  # fmt: skip
-        monkeypatch.setattr(backend_cuda, name, fn)
+    monkeypatch.setattr(backend_cuda, "fused_mlp", fused_mlp)
+    monkeypatch.setattr(backend_cuda, "norm_stage_fx", norm_stage_fx)
     monkeypatch.setenv("MGX_CUDA_STAGED_X", "imma_w4")
     monkeypatch.setenv("MGX_CUDA_FUSED_MLP", switch)
     # Off, as on a GPU where the projections run native GEMVs (norm_across holds Triton ones only).
