@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue 6 asks to run on a CUDA GPU, in the order that gets the most out of a short lease:
 #
-#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [serving] [phases] [tiles]
+#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [serving] [phases] [tiles] [fused-mlp]
 #
 # (no arguments: the first four). Logs and JSON land in $OUT; each part has its own time limit
 # (seconds, TESTS_S / KERNELS_S / MODEL_S), so one slow part cannot starve the next.
@@ -24,6 +24,9 @@
 # - tiles: the cuda_tile16 layout (gemv.cu's MGX_IMMA_TILE16 build) and the int4 scales as fp16 pairs
 #   (MGX_IMMA_HALF_SCALES): their GPU bit tests, then the 8B layer chain on row-major weights against
 #   tiled ones, INT4 (codes, then codes and scale pairs) and W8A16.
+# - fused-mlp: the batch-1 int4 MLP in one launch (gemv.fused_mlp, MGX_CUDA_FUSED_MLP=1; forty-third
+#   session): its GPU tests, bench_gpu_mlp.py's check and chains for the product's variant, then the 8B
+#   model INT4 with the switch on beside bf16 (as the targets' runs: autotuned, no transformers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -91,8 +94,23 @@ for part in "${parts[@]}"; do
         grep -E ' ms \(' "$out/tiles-$scheme.log"
       done
       ;;
+    fused-mlp)
+      timeout "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_mlp_bench.py \
+        tests/e2e/test_cuda_backend.py -k "mlp" > "$out/fused-mlp-tests.log" 2>&1
+      echo "fused-mlp (GPU tests): rc=$? $(tail -n 1 "$out/fused-mlp-tests.log")"
+      timeout "${KERNELS_S:-540}" python3 examples/bench_gpu_mlp.py --entries w16_u2_d4_b1_x --parts check,chains \
+        > "$out/fused-mlp-bench.log" 2>&1
+      echo "fused-mlp (bench_gpu_mlp): rc=$?"
+      grep -E 'check|decode layer' "$out/fused-mlp-bench.log"
+      MGX_CUDA_FUSED_MLP=1 timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape llama-8b \
+        --schemes int4,bf16 --autotune 1 --hf '' --batches '' --no-flips --json "$out/fused-mlp-8b.json" \
+        > "$out/fused-mlp-8b.log" 2>&1
+      echo "fused-mlp (8B model, switch on): rc=$?"
+      grep -E 'summary' "$out/fused-mlp-8b.log" | cut -c1-600
+      grep -o 'the int4 MLP in one launch for [0-9]* layers' "$out/fused-mlp-8b.json" | sort | uniq -c
+      ;;
     *)
-      echo "unknown part $part (tests, kernels, model-1b, model-8b, serving, phases, tiles)" >&2
+      echo "unknown part $part (tests, kernels, model-1b, model-8b, serving, phases, tiles, fused-mlp)" >&2
       exit 2
       ;;
   esac
