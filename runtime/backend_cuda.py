@@ -757,10 +757,12 @@ class CUDABackend(Backend):
         return paired
 
     def _make_mlp_rows(self) -> bool:
-        """The fixed-point rows of the MLPs ``fused_mlp`` may run (their down weights' widths alike):
-        one int64 row each, zeroed as each step starts (``embedding``). Returns whether there are any."""
+        """The fixed-point rows of the MLPs ``fused_mlp`` may run (int4 gate/up and down, the downs'
+        widths alike): one int64 row each, zeroed as each step starts (``embedding``). Returns whether
+        there are any."""
         widths = {id(op): self._weights[id(down)].n for op in self.graph.ops
-                  for (_, down, _) in [self._fuse.mlp.get(id(op), (None, None, None))] if down is not None}  # fmt: skip
+                  for (_, down, _) in [self._fuse.mlp.get(id(op), (None, None, None))]
+                  if down is not None and self._weights[id(op)].scheme == self._weights[id(down)].scheme == "int4"}  # fmt: skip
         if not widths or len(set(widths.values())) != 1:
             return False
         self._mlp_row_of = {key: i for i, key in enumerate(widths)}

@@ -1073,6 +1073,7 @@ def test_fused_mlp_runs_gate_up_and_down_in_one_launch_and_the_next_norm_reads_i
     last add, whose norm feeds the LM head. The GPU kernels run in tests/gpu; here stand-ins compute with
     the Triton kernels, so the greedy tokens and logits must be the reference's. "0" (the default) runs
     the two GEMVs."""
+    from mgx.kernels.cuda import gemv as cg
     from mgx.kernels.cuda.gemv import FIXED_ONE, fixed_to
     from mgx.kernels.triton.linear import linear, linear_silu_mul
     from mgx.kernels.triton.rmsnorm import rms_norm
@@ -1105,8 +1106,12 @@ def test_fused_mlp_runs_gate_up_and_down_in_one_launch_and_the_next_norm_reads_i
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     assert backend.fused_mlp == (switch == "1")
     assert len(backend._fuse.mlp) == 2  # each layer's gate/up, its SiLU product, down and the add after it
-    if backend.fused_mlp:  # as use_cuda_kernels makes them on a GPU
+    if backend.fused_mlp and pipeline.startswith("int4"):  # as use_cuda_kernels makes them on a GPU
         assert backend._make_mlp_rows() and tuple(backend._mlp_rows.shape) == (2, graph.arch.hidden_size + 2)
+    elif backend.fused_mlp:  # dense MLPs get no rows (the kernel is int4's); here made all the same, for the
+        assert not backend._make_mlp_rows()  # routing of a row into a dense reader's norm (fixed_to)
+        backend._mlp_row_of = {key: i for i, key in enumerate(backend._fuse.mlp)}
+        backend._mlp_rows = cg.fixed_rows(graph.arch.hidden_size, "cpu", 2)
     runners = [ModelRunner(graph, backend), ModelRunner(graph, "reference")]
     _decode_side_by_side(graph, runners, steps=3, atol=ATOL, after_prompt=lambda: not calls)
     # Layer 0: its post-attention norm, the fused MLP; layer 1: its input norm on that row, QKV, its
