@@ -107,7 +107,7 @@ for part in "${parts[@]}"; do
         > "$out/fused-mlp-8b.log" 2>&1
       echo "fused-mlp (8B model, switch on): rc=$?"
       grep -E 'summary' "$out/fused-mlp-8b.log" | cut -c1-600
-      grep -o 'the int4 MLP in one launch for [0-9]* layers' "$out/fused-mlp-8b.json" | sort | uniq -c
+      grep -o 'the int4 MLP in one launch in [0-9]* of [0-9]* layers' "$out/fused-mlp-8b.json" | sort | uniq -c
       ;;
     *)
       echo "unknown part $part (tests, kernels, model-1b, model-8b, serving, phases, tiles, fused-mlp)" >&2

@@ -735,7 +735,8 @@ class CUDABackend(Backend):
             paired = self._pair_scales()
             gemvs.append(f"int4 scales as fp16 pairs for {paired} weights")
         if self.fused_mlp and self._make_mlp_rows():
-            gemvs.append(f"the int4 MLP in one launch for {len(self._mlp_row_of)} layers (MGX_CUDA_FUSED_MLP)")
+            gemvs.append(f"the int4 MLP in one launch in {len(self._mlp_row_of)} of {len(self._fuse.mlp)} layers "
+                         "(MGX_CUDA_FUSED_MLP)")  # fmt: skip
         note = f"native CUDA kernels for {arch} ({', '.join(['RMSNorm', *gemvs])})"
         if self._overlap:
             overlapped = self.cuda_kernels.allow_overlap(sm)
@@ -757,12 +758,19 @@ class CUDABackend(Backend):
         return paired
 
     def _make_mlp_rows(self) -> bool:
-        """The fixed-point rows of the MLPs ``fused_mlp`` may run (int4 gate/up and down, the downs'
-        widths alike): one int64 row each, zeroed as each step starts (``embedding``). Returns whether
-        there are any."""
-        widths = {id(op): self._weights[id(down)].n for op in self.graph.ops
-                  for (_, down, _) in [self._fuse.mlp.get(id(op), (None, None, None))]
-                  if down is not None and self._weights[id(op)].scheme == self._weights[id(down)].scheme == "int4"}  # fmt: skip
+        """The fixed-point rows of the MLPs ``fused_mlp`` may run: int4 gate/up and down whose add's norm
+        feeds an int4 linear (the next layer's QKV, which ``norm_stage_fx`` stages from the row; not the
+        last layer's, whose norm feeds the LM head and would need the row converted by torch ops), the
+        downs' widths alike. One int64 row each, zeroed as each step starts (``embedding``). Returns
+        whether there are any."""
+        widths = {}
+        for op in self.graph.ops:
+            silu, down, add = self._fuse.mlp.get(id(op), (None, None, None))
+            norm = self._fuse.norm_after_add.get(id(add)) if add is not None else None
+            reader = self._fuse.linear_after_norm.get(id(norm)) if norm is not None else None
+            if reader is not None and {self._weights[id(op)].scheme, self._weights[id(down)].scheme,
+                                       self._weights[id(reader)].scheme} == {"int4"}:  # fmt: skip
+                widths[id(op)] = self._weights[id(down)].n
         if not widths or len(set(widths.values())) != 1:
             return False
         self._mlp_row_of = {key: i for i, key in enumerate(widths)}
