@@ -325,11 +325,6 @@ __device__ __forceinline__ NormWeights norm_weights_first(const NormIn& in, int 
   return first;
 }
 
-// first: the thread's first batch of weights, loaded already (norm_weights_first; nullptr: load them
-// here, after the sums of squares, a round trip to memory on the block's path).
-// kFx: the delta added to res is delta_fx [K + 2] instead of in.delta (never null then): the fused
-// MLP's row (mlp_int4_fused: int64 multiples of 2^-32, then its flag of a NaN or Inf met), rounded to
-// bf16 as a GEMV rounds its output, NaN throughout where the flag is set.
 // A warp's sum: blocks of up to 1,024 threads (imma_w16's _norm entries: 16 warps). One array whichever
 // norm_prologue asks (a static of the template would be one array per instantiation).
 __device__ __forceinline__ float* norm_partials() {
@@ -337,6 +332,11 @@ __device__ __forceinline__ float* norm_partials() {
   return part;
 }
 
+// first: the thread's first batch of weights, loaded already (norm_weights_first; nullptr: load them
+// here, after the sums of squares, a round trip to memory on the block's path).
+// kFx: the delta added to res is delta_fx [K + 2] instead of in.delta (never null then): the fused
+// MLP's row (mlp_int4_fused: int64 multiples of 2^-32, then its flag of a NaN or Inf met), rounded to
+// bf16 as a GEMV rounds its output, NaN throughout where the flag is set.
 template <bool kFx = false>
 __device__ void norm_prologue(uint4* __restrict__ xs, const NormIn& in, int k, const NormWeights* first = nullptr,
                               const long long* __restrict__ delta_fx = nullptr) {
@@ -1506,7 +1506,6 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
                                                              group_shift, silu_f, norm);
   }
 }
-
 
 // ---- The batch-1 int4 MLP in one kernel (forty-third session) ------------------------------------------
 //
