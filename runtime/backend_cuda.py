@@ -443,10 +443,11 @@ class CUDABackend(Backend):
         self.staged_x_pinned = staged != ""  # else a stored tuning's (mgx-run tune)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
         # The batch-1 int4 MLP in one launch where x is staged (``gemv.fused_mlp``; an experiment of the
-        # forty-third session, off unless MGX_CUDA_FUSED_MLP=1: on the H200 the 8B layer chain gained
-        # 3.5%, not yet measured in the model). Its rows, one per fused MLP, are zeroed as each step
-        # starts (``_mlp_rows``, made by ``use_cuda_kernels``).
+        # forty-third session, off unless MGX_CUDA_FUSED_MLP=1 or a stored tuning (mgx-run tune) turns it
+        # on: on the H200 the 8B layer chain gained 3.5%, not yet measured in the model). Its rows, one
+        # per fused MLP, are zeroed as each step starts (``_mlp_rows``, made by ``use_cuda_kernels``).
         self.fused_mlp = os.environ.get("MGX_CUDA_FUSED_MLP", "0") == "1"
+        self._fused_mlp_env = os.environ.get("MGX_CUDA_FUSED_MLP", "") in ("0", "1")  # else a stored tuning's
         self._mlp_rows: torch.Tensor | None = None
         self._mlp_row_of: dict[int, int] = {}  # id(gate/up linear) -> its row
         self.norm_across_w8a16 = os.environ.get("MGX_CUDA_NORM_ACROSS_W8A16", "0") == "1"  # W8A16 readers too
@@ -708,6 +709,8 @@ class CUDABackend(Backend):
             self._norm_gemv = self.tunings.norm_prologue
         if self.tunings.staged_x is not None and not self.staged_x_pinned:
             self.set_staged_x(self.tunings.staged_x)
+        if self.tunings.fused_mlp is not None and not self._fused_mlp_env:
+            self.set_fused_mlp(self.tunings.fused_mlp)
         return f"{len(self.tunings)} stored launch configurations for {arch}"
 
     def use_cuda_kernels(self, images: dict[str, bytes]) -> str:
@@ -757,25 +760,43 @@ class CUDABackend(Backend):
                 paired += 1
         return paired
 
-    def _make_mlp_rows(self) -> bool:
-        """The fixed-point rows of the MLPs ``fused_mlp`` may run: int4 gate/up and down whose add's norm
-        feeds an int4 linear (the next layer's QKV, which ``norm_stage_fx`` stages from the row; not the
-        last layer's, whose norm feeds the LM head and would need the row converted by torch ops), the
-        downs' widths alike. One int64 row each, zeroed as each step starts (``embedding``). Returns
-        whether there are any."""
+    def _mlp_widths(self) -> dict[int, int]:
+        """id(gate/up) -> down's width, for the MLPs ``fused_mlp`` may run: int4 gate/up and down whose
+        add's norm feeds an int4 linear (the next layer's QKV, which ``norm_stage_fx`` stages from the
+        row; not the last layer's, whose norm feeds the LM head and would need the row converted by
+        torch ops); none unless the downs' widths are alike."""
         widths = {}
         for op in self.graph.ops:
-            silu, down, add = self._fuse.mlp.get(id(op), (None, None, None))
+            _, down, add = self._fuse.mlp.get(id(op), (None, None, None))
             norm = self._fuse.norm_after_add.get(id(add)) if add is not None else None
             reader = self._fuse.linear_after_norm.get(id(norm)) if norm is not None else None
             if reader is not None and {self._weights[id(op)].scheme, self._weights[id(down)].scheme,
                                        self._weights[id(reader)].scheme} == {"int4"}:  # fmt: skip
                 widths[id(op)] = self._weights[id(down)].n
-        if not widths or len(set(widths.values())) != 1:
+        return widths if len(set(widths.values())) == 1 else {}
+
+    def _make_mlp_rows(self) -> bool:
+        """The fixed-point rows of the MLPs ``fused_mlp`` may run (``_mlp_widths``): one int64 row each,
+        zeroed as each step starts (``embedding``). Returns whether there are any."""
+        widths = self._mlp_widths()
+        if not widths:
             return False
         self._mlp_row_of = {key: i for i, key in enumerate(widths)}
         self._mlp_rows = fixed_rows(next(iter(widths.values())), self.device, len(widths))
         return True
+
+    @property
+    def fused_mlp_pinned(self) -> bool:
+        """Whether ``mgx-run tune`` leaves the fused MLP switch alone: MGX_CUDA_FUSED_MLP set, or no MLP of
+        this model that the fused kernel could run."""
+        return self._fused_mlp_env or not self._mlp_widths()
+
+    def set_fused_mlp(self, on: bool) -> None:
+        """The fused MLP switch as ``mgx-run tune`` stores it (the rows made where the native kernels are
+        loaded already; else ``use_cuda_kernels`` makes them)."""
+        self.fused_mlp = on
+        if on and self._mlp_rows is None and self.cuda_kernels is not None:
+            self._make_mlp_rows()
 
     @property
     def overlap_launches(self) -> bool:
@@ -1235,7 +1256,7 @@ class CUDABackend(Backend):
         return st
 
     def embedding(self, op: Op, tokens: np.ndarray) -> Array:
-        if self._mlp_rows is not None:  # the step starts: the fused MLPs add into zeroed rows
+        if self.fused_mlp and self._mlp_rows is not None:  # the step starts: the fused MLPs add into zeroed rows
             self._mlp_rows.zero_()
         w = self._weights[id(op)]
         ids = self._cur.token_ids
@@ -1304,7 +1325,7 @@ class CUDABackend(Backend):
     def _fuses_mlp(self, op: Op, x: Array, w: GpuWeight, bias: Array | None) -> bool:
         """Whether gate/up ``op`` and the down after it run as one fused MLP launch (``MGX_CUDA_FUSED_MLP``,
         x staged, rows made, no biases, and ``fused_mlp_applies``)."""
-        fused = self._fuse.mlp.get(id(op)) if self._mlp_rows is not None else None
+        fused = self._fuse.mlp.get(id(op)) if self.fused_mlp and self._mlp_rows is not None else None
         if fused is None or id(op) not in self._mlp_row_of or bias is not None or self._bias[id(fused[1])] is not None:
             return False
         return fused_mlp_applies(self.cuda_kernels, x, w, self._weights[id(fused[1])])

@@ -15,13 +15,15 @@ one row -- the native GEMV kinds the artifact's code holds (for the LM head, the
 entries, which must pick the Triton head's token), and the stored Triton configuration --
 in the real step: the engine's batch-1 decode graph, captured anew for each trial and timed over
 ``replays`` replays. A candidate replaces the current choice only when it makes the step at least
-``min_gain`` shorter (replays of one graph spread by about 0.5%). Then two switches of the step the
+``min_gain`` shorter (replays of one graph spread by about 0.5%). Then the switches of the step the
 same way (``SWITCHES``): the decode attention's tile width (32 or 64 tokens; a ``decode_attention``
 entry: in the 8B W8A16 step 32-token tiles were 0.04-0.14 ms faster, in the bf16 one mostly
 slower), the add + RMSNorm in the prologue of the native GEMV that reads it (``norm_prologue``,
 MGX_CUDA_NORM_GEMV's switch) and that add + RMSNorm staging x once for the imma GEMV's staged twin
 (``staged_x``, MGX_CUDA_STAGED_X's: on by default for INT4 weights only; the 8B INT4 step gained 3%
-on the H200 and the W8A16 layer lost 2%, so tune tries it for the model at hand). Nothing here tunes
+on the H200 and the W8A16 layer lost 2%, so tune tries it for the model at hand), and then the int4 MLP
+in one launch where x is staged (``fused_mlp``, MGX_CUDA_FUSED_MLP's: off by default; offered only for
+models with int4 MLPs it can run). Nothing here tunes
 at start-up: the
 runtime reads what this wrote, as it reads autotune's entries.
 """
@@ -35,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from mgx.formats.artifact import AutotuneEntry
-from mgx.kernels.triton.tuning import DECODE_ATTENTION, DECODE_BLOCK_NS, NORM_PROLOGUE, STAGED_X, Tunings
+from mgx.kernels.triton.tuning import (
+    DECODE_ATTENTION,
+    DECODE_BLOCK_NS,
+    FUSED_MLP,
+    NORM_PROLOGUE,
+    STAGED_X,
+    Tunings,
+)
 
 from .errors import EngineError
 
@@ -135,6 +144,9 @@ SWITCHES = (
             lambda o: o == "on"),
     _Switch(STAGED_X, "on", ("off", "on"), "staged_x_pinned",
             lambda b: "on" if b.stages_x() else "off", lambda b, o: b.set_staged_x(o == "on"), lambda o: o == "on"),
+    # after staged_x, which it needs: the int4 MLP in one launch (offered where the model has such MLPs)
+    _Switch(FUSED_MLP, "on", ("off", "on"), "fused_mlp_pinned",
+            lambda b: "on" if b.fused_mlp else "off", lambda b, o: b.set_fused_mlp(o == "on"), lambda o: o == "on"),
 )  # fmt: skip
 
 
@@ -206,7 +218,7 @@ def tune_in_graph(engine: Any, measure: Callable[[], float], *, rounds: int = 1,
         raise EngineError(f"tune: nothing to choose on {arch}: no one-row projection of this model has a native "
                           "kernel (the artifact holds no native code for it, or none applies), and the "
                           "environment pins the decode step's switches (MGX_CUDA_DECODE_NARROW, "
-                          "MGX_CUDA_NORM_GEMV, MGX_CUDA_STAGED_X)")  # fmt: skip
+                          "MGX_CUDA_NORM_GEMV, MGX_CUDA_STAGED_X, MGX_CUDA_FUSED_MLP)")  # fmt: skip
 
     def use() -> None:
         backend.tunings = Tunings(entries)

@@ -9,8 +9,9 @@ serves several rows nor the reverse.
 Entries of three other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of
 the whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
 attention's tile width), ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
-the native GEMV that reads it) and ``staged_x`` (``{"on": bool}``, that add + RMSNorm staging x once
-for the imma GEMV's staged twin, whatever the weights' scheme).
+the native GEMV that reads it), ``staged_x`` (``{"on": bool}``, that add + RMSNorm staging x once
+for the imma GEMV's staged twin, whatever the weights' scheme) and ``fused_mlp`` (``{"on": bool}``, the
+batch-1 int4 MLP in one launch where x is staged: ``gemv.fused_mlp``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from .linear import (
     swap_applies,
 )
 
-__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
 STAGED_X = "staged_x"  # the entry of the switch of norms staging x for the imma GEMVs' staged twins
-_ON_OFF = (NORM_PROLOGUE, STAGED_X)  # switch entries of the form {"on": bool}
+FUSED_MLP = "fused_mlp"  # the entry of the switch of the batch-1 int4 MLP in one launch
+_ON_OFF = (NORM_PROLOGUE, STAGED_X, FUSED_MLP)  # switch entries of the form {"on": bool}
 DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
 
 
@@ -71,6 +73,7 @@ class Tunings:
         self.decode_block_n: int | None = None  # the decode attention's tile width, where one is stored
         self.norm_prologue: bool | None = None  # norms in native GEMV prologues, where stored
         self.staged_x: bool | None = None  # norms staging x for the staged twins, where stored
+        self.fused_mlp: bool | None = None  # the int4 MLP in one launch, where stored
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
         for e in entries:
             if e.kernel == DECODE_ATTENTION:
@@ -94,7 +97,7 @@ class Tunings:
             self._by[key] = (ms, [by_m[m] for m in ms])
 
     def __len__(self) -> int:
-        switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x))
+        switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x, self.fused_mlp))
         return sum(len(ms) for ms, _ in self._by.values()) + switches
 
     def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:

@@ -28,22 +28,27 @@ COST = {"linear_silu_mul": {"triton": 3.0, "gemv": 2.0, "imma": 1.0}, "linear": 
         "lm_head_argmax": {"triton": 2.0, "imma": 1.0}}  # fmt: skip
 
 
-@pytest.fixture
-def tuned_artifact(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
-    """A tiny W8A16 model whose stored tunings (for the interpreter) chose Triton everywhere."""
+def _tuned(path, monkeypatch, quantize: tuple[str, dict]):  # noqa: ANN001, ANN202
+    """The tiny model fused, quantized by ``quantize`` (a pass and its options) and autotuned for the
+    interpreter (every timing alike, so Triton everywhere), written to ``path``."""
     import torch
 
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
     monkeypatch.setattr(autotune_pass, "_time", lambda fn, repeats, weights=None: 1.0)
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: None)
     contents = tiny_contents()
-    for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
-        PASSES[name](contents.graph, {}, PassContext(target="cuda"))
+    for name, options in (("fuse_qkv", {}), ("fuse_gate_up", {}), quantize):
+        PASSES[name](contents.graph, options, PassContext(target="cuda"))
     result = PASSES["autotune"](contents.graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
     contents.autotune = result.stats["autotune"]
-    path = tmp_path / "tiny.mgx"
     write_artifact(path, contents)
     return path
+
+
+@pytest.fixture
+def tuned_artifact(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """A tiny W8A16 model whose stored tunings (for the interpreter) chose Triton everywhere."""
+    return _tuned(tmp_path / "tiny.mgx", monkeypatch, ("quantize_w8a16", {}))
 
 
 KERNELS = object()  # the "loaded native code"
@@ -299,7 +304,9 @@ def test_a_stored_decode_tile_width_is_checked(tuned_artifact, tmp_path) -> None
     assert Tunings([AutotuneEntry("decode_attention", "M=1", {"block_n": 32})]).decode_block_n == 32
     assert Tunings([AutotuneEntry("norm_prologue", "M=1", {"on": False})]).norm_prologue is False
     assert Tunings([AutotuneEntry("staged_x", "M=1", {"on": True})]).staged_x is True
-    for switch in ("norm_prologue", "staged_x"):
+    assert Tunings([AutotuneEntry("fused_mlp", "M=1", {"on": True})]).fused_mlp is True
+    assert len(Tunings([AutotuneEntry("fused_mlp", "M=1", {"on": False})])) == 1
+    for switch in ("norm_prologue", "staged_x", "fused_mlp"):
         with pytest.raises(ValueError, match=f"entry '{switch}': 'on' must be true or false, got 'yes'"):
             Tunings([AutotuneEntry(switch, "M=1", {"on": "yes"})])
     contents = load_artifact(tuned_artifact).contents
@@ -381,3 +388,78 @@ def test_tune_command_reports_and_writes_the_choices(tuned_artifact, native_stan
     assert load_artifact(out).contents.passes[-1].options == {"prompt_len": 8, "rounds": 1, "min_gain": 0.005}
     too_long = CliRunner().invoke(main, ["tune", str(tuned_artifact), "--prompt-len", "1000"])
     assert too_long.exit_code == 1 and "exceed the model's 128 positions" in too_long.output
+
+
+@pytest.fixture
+def int4_artifact(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """The tiny model of ``tuned_artifact`` with int4 weights (groups of 32), Triton everywhere stored."""
+    return _tuned(tmp_path / "tiny-int4.mgx", monkeypatch, ("quantize_int4", {"group_size": 32}))
+
+
+@pytest.fixture
+def fused_stand_in(monkeypatch):  # noqa: ANN001, ANN201
+    """The fused MLP where the "loaded code" is ``KERNELS``: the reference products into the fixed-point
+    row, and the norm after it through ``fixed_to`` and the Triton norm."""
+    import torch
+
+    from mgx.kernels.cuda.gemv import FIXED_ONE, fixed_to
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+    from mgx.kernels.triton.rmsnorm import rms_norm
+
+    def fused_mlp(rec, gate_up, down, *, kernels, out):  # noqa: ANN001, ANN202
+        LAUNCHED.append("fused mlp")
+        y = linear_ref(linear_silu_mul_ref(rec, gate_up).to(rec.dtype), down)[0].double()
+        out[: down.n] = torch.round(y * FIXED_ONE).to(torch.int64)
+        return out
+
+    def norm_stage_fx(x, rows, weight, eps, total, *, kernels):  # noqa: ANN001, ANN202
+        normed, summed = rms_norm(x, weight, eps, residual=fixed_to(rows.view(1, -1), x.dtype))
+        total.copy_(summed)
+        return normed, normed
+
+    monkeypatch.setattr(backend_cuda, "fused_mlp_applies", lambda kernels, x, gate_up, down: kernels is KERNELS)
+    monkeypatch.setattr(backend_cuda, "fused_mlp", fused_mlp)
+    monkeypatch.setattr(backend_cuda, "norm_stage_fx", norm_stage_fx)
+
+
+@pytest.mark.interpreted
+def test_tune_runs_the_int4_mlp_in_one_launch_where_it_gains_and_the_environment_pins_it(
+    int4_artifact, native_stand_in, fused_stand_in, monkeypatch, tmp_path
+) -> None:  # noqa: ANN001
+    """On an int4 model whose gate/up x is staged (norms kept out of the GEMV prologues: pinned), the
+    fused MLP switch (off by default) is offered; priced cheaper, tune turns it on, the written model
+    runs it (every layer's MLP but the last, whose norm feeds the LM head) and decodes the same tokens.
+    MGX_CUDA_FUSED_MLP set pins it over the stored choice, and tune leaves it alone."""
+    monkeypatch.setenv("MGX_CUDA_NORM_GEMV", "0")
+
+    def price(engine: Engine) -> float:
+        backend = engine.runner.backend
+        fused = len(backend._mlp_row_of) if backend.fused_mlp and backend._mlp_rows is not None else 0
+        return step_price(engine) - 0.25 * fused
+
+    def opened(path) -> Engine:  # noqa: ANN001
+        engine = engine_on_cpu(path)
+        engine.runner.backend.set_fused_mlp(engine.runner.backend.fused_mlp)  # its rows, now that "code" is loaded
+        return engine
+
+    engine = opened(int4_artifact)
+    backend = engine.runner.backend
+    layers = sum(op.kind == "attention" for op in engine.graph.ops)
+    assert not backend.fused_mlp and not backend.fused_mlp_pinned and backend.stages_x()
+    prompt = [5, 6, 7, 8, 9]
+    before = greedy(engine, prompt, 3)
+    report = tune_in_graph(engine, lambda: price(engine))
+    (trial,) = [t for t in report.trials if t.kernel == "fused_mlp"]
+    assert (trial.before, trial.chosen) == ("off", "on") and trial.ms["on"] < trial.ms["off"]
+    assert [t.kernel for t in report.trials][-2:] == ["staged_x", "fused_mlp"]  # after the staging it needs
+    out = tmp_path / "fused.mgx"
+    write_tunings(int4_artifact, out, report, {})
+    again = opened(out)
+    assert again.runner.backend.fused_mlp and len(again.runner.backend._mlp_row_of) == layers - 1
+    LAUNCHED.clear()
+    assert greedy(again, prompt, 3) == before
+    assert LAUNCHED.count("fused mlp") == (layers - 1) * 2  # the two decode steps after the prompt's
+    monkeypatch.setenv("MGX_CUDA_FUSED_MLP", "0")
+    pinned = opened(out)
+    assert not pinned.runner.backend.fused_mlp and pinned.runner.backend.fused_mlp_pinned
+    assert "fused_mlp" not in {t.kernel for t in tune_in_graph(pinned, lambda: price(pinned)).trials}
