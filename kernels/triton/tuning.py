@@ -6,7 +6,7 @@ step with M rows takes the entry tuned for the smallest tuned M >= M (the larges
 a shape that was never tuned gets the kernel's default configuration, and a one-row (GEMV) entry never
 serves several rows nor the reverse.
 
-Entries of three other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of
+Entries of four other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of
 the whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
 attention's tile width), ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
 the native GEMV that reads it), ``staged_x`` (``{"on": bool}``, that add + RMSNorm staging x once
