@@ -34,7 +34,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
-ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
+# "_h": half a step of down a block (64 SiLU outputs; not yet run on a GPU)
+ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x", "w8_u2_d4_b1_h_x")
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
@@ -49,6 +50,11 @@ def entry_name(entry: str) -> str:
 
 def warps(entry: str) -> int:
     return int(entry.split("_")[0][1:])
+
+
+def columns(entry: str) -> int:
+    """SiLU outputs a block of ``entry`` takes: a step of down, or half of one ("_h")."""
+    return 64 if "_h" in entry else 128
 
 
 def fixed(entry: str) -> bool:
@@ -127,7 +133,8 @@ class Fused:
                 ctypes.c_int(k), ctypes.c_int(n), ctypes.c_int(wgu.pairs.shape[1]), ctypes.c_int(wd.pairs.shape[1]),
                 ctypes.c_int(wgu.group_size.bit_length() - 1), ctypes.c_int(mode), ptr(stamps)]  # fmt: skip
         stream = torch.cuda.current_stream().cuda_stream
-        module.launch(name, (f // 128,), (32 * warps(entry),), args, stream, shared, overlap=self.kernels.overlap)
+        module.launch(name, (f // columns(entry),), (32 * warps(entry),), args, stream, shared,
+                      overlap=self.kernels.overlap)  # fmt: skip
 
 
 def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]:
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
         if "timeline" in parts:
-            blocks = layers[0]["gate_up"].n // 2 // 128
+            blocks = layers[0]["gate_up"].n // 2 // columns(entry)
             stamps = torch.zeros(LAYERS, blocks, 4, dtype=torch.int64, device="cuda")
             graph_ms(mlp(entry, True, 0, stamps), 1)
             for line in timeline_lines(stamps.cpu().double().tolist()):
