@@ -25,8 +25,9 @@
 #   (MGX_IMMA_HALF_SCALES): their GPU bit tests, then the 8B layer chain on row-major weights against
 #   tiled ones, INT4 (codes, then codes and scale pairs) and W8A16.
 # - fused-mlp: the batch-1 int4 MLP in one launch (gemv.fused_mlp, MGX_CUDA_FUSED_MLP=1; forty-third
-#   session): its GPU tests, bench_gpu_mlp.py's check and chains for the product's variant, then the 8B
-#   model INT4 with the switch on beside bf16 (as the targets' runs: autotuned, no transformers).
+#   session): its GPU tests, bench_gpu_mlp.py's check and chains for the product's variant and the
+#   untried half-step one, then the 8B model INT4 with the switch on beside bf16 (as the targets' runs:
+#   autotuned, no transformers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -98,7 +99,7 @@ for part in "${parts[@]}"; do
       timeout "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_mlp_bench.py \
         tests/e2e/test_cuda_backend.py -k "mlp" > "$out/fused-mlp-tests.log" 2>&1
       echo "fused-mlp (GPU tests): rc=$? $(tail -n 1 "$out/fused-mlp-tests.log")"
-      timeout "${KERNELS_S:-540}" python3 examples/bench_gpu_mlp.py --entries w16_u2_d4_b1_x --parts check,chains \
+      timeout "${KERNELS_S:-540}" python3 examples/bench_gpu_mlp.py --entries w16_u2_d4_b1_x,w8_u2_d4_b1_h_x --parts check,chains \
         > "$out/fused-mlp-bench.log" 2>&1
       echo "fused-mlp (bench_gpu_mlp): rc=$?"
       grep -E 'check|decode layer' "$out/fused-mlp-bench.log"
