@@ -26,7 +26,6 @@ flight (d) and whether those are double-buffered (b). Needs an NVIDIA GPU of sm_
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +38,6 @@ ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w1
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
-SET_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def entry_name(entry: str) -> str:
@@ -63,10 +61,13 @@ def fixed(entry: str) -> bool:
 
 
 def new_rows(entry: str, *shape: int):  # noqa: ANN201
-    """Zeroed rows for ``entry``'s sums: int64 with ``fixed``, else fp32."""
+    """Zeroed rows for ``entry``'s sums: int64 with ``fixed`` (and two more columns: the flag the kernel
+    sets where it meets a NaN or Inf, a pad), else fp32."""
     import torch
 
-    return torch.zeros(*shape, dtype=torch.int64 if fixed(entry) else torch.float32, device="cuda")
+    if fixed(entry):
+        return torch.zeros(*shape[:-1], shape[-1] + 2, dtype=torch.int64, device="cuda")
+    return torch.zeros(*shape, dtype=torch.float32, device="cuda")
 
 
 def as_float(entry: str, row):  # noqa: ANN001, ANN201
@@ -89,8 +90,9 @@ def build_image(arch: str) -> bytes:
 
 def record_bytes(k: int) -> int:
     """Dynamic shared memory of a launch on K columns: the staged record, rounded up to 16 bytes."""
-    steps = k // 128
-    return (steps * 32 + (steps + 1) // 2) * 16
+    from mgx.kernels.cuda.gemv import fused_mlp_shared
+
+    return fused_mlp_shared(k)
 
 
 class Fused:
@@ -108,33 +110,19 @@ class Fused:
         if self.kernels is None:
             raise SystemExit(f"the kernels built for {arch} do not load on this GPU")
         self.kernels.allow_overlap(10 * major + minor)
-        self._shared: set[str] = set()
 
     def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None) -> None:  # noqa: ANN001
-        """acc [1, N] (``new_rows``: fp32, or int64 of 2^-32 for a ``fixed`` entry) += down(silu(gate) * up)
-        of the row staged in rec; wgu and wd as
-        ``testing.as_read_by`` gives them to a MGX_IMMA_TILE16 + HALF_SCALES build."""
+        """acc (``new_rows``: fp32 [1, N], or int64 of 2^-32 [1, N + 2] for a ``fixed`` entry) +=
+        down(silu(gate) * up) of the row staged in rec; wgu and wd as ``testing.as_read_by`` gives them
+        to a MGX_IMMA_TILE16 + HALF_SCALES build (the 8B shapes: the record fits 48 KB of shared memory)."""
         import torch
 
-        def ptr(t):  # noqa: ANN001, ANN202
-            return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+        from mgx.kernels.cuda.gemv import fused_mlp_args
 
-        f, k, n = wgu.n // 2, wgu.k, wd.n
-        if wgu.layout != "cuda_tile16" or wgu.pairs is None or not wgu.pairs_silu or wd.pairs is None or wd.pairs_silu:
-            raise ValueError("the fused MLP reads cuda_tile16 codes with scale pairs (gate/up's in the SiLU order)")
-        if f % 128 or k % 128 or n % 16 or wgu.group_size != wd.group_size or wgu.group_size % 128:
-            raise ValueError(f"F={f}, K={k}, N={n}, groups {wgu.group_size}/{wd.group_size}: not the kernel's shapes")
-        name, shared = entry_name(entry), record_bytes(k)
-        module = self.kernels.module
-        if name not in self._shared and shared > 48 * 1024:
-            module._lib.cuFuncSetAttribute(module.function(name), SET_MAX_DYNAMIC_SHARED, ctypes.c_int(shared))
-        self._shared.add(name)
-        args = [ptr(acc), ptr(rec), ptr(wgu.weight), ptr(wgu.pairs), ptr(wd.weight), ptr(wd.pairs), ctypes.c_int(f),
-                ctypes.c_int(k), ctypes.c_int(n), ctypes.c_int(wgu.pairs.shape[1]), ctypes.c_int(wd.pairs.shape[1]),
-                ctypes.c_int(wgu.group_size.bit_length() - 1), ctypes.c_int(mode), ptr(stamps)]  # fmt: skip
         stream = torch.cuda.current_stream().cuda_stream
-        module.launch(name, (f // columns(entry),), (32 * warps(entry),), args, stream, shared,
-                      overlap=self.kernels.overlap)  # fmt: skip
+        self.kernels.module.launch(entry_name(entry), (wgu.n // 2 // columns(entry),), (32 * warps(entry),),
+                                   fused_mlp_args(acc, rec, wgu, wd, mode, stamps), stream, record_bytes(wgu.k),
+                                   overlap=self.kernels.overlap)  # fmt: skip
 
 
 def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]:
@@ -157,7 +145,7 @@ def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]
         for _ in range(2):
             acc = new_rows(entry, 1, w["down"].n)
             fused.launch(entry, rec, w["gate_up"], w["down"], acc)
-            runs.append(as_float(entry, acc))
+            runs.append(as_float(entry, acc[:, : w["down"].n]))
         torch.cuda.synchronize()
         norm = float(want.norm())
         found.append((float((runs[0] - want).norm()) / norm, float((runs[0].bfloat16().float() - want).norm()) / norm,

@@ -337,6 +337,14 @@ class _Fusions:
     mlp: dict[int, tuple[Op, Op, Op]] = field(default_factory=dict)
 
 
+def _fused_row(a: Array, b: Array) -> tuple[Array, Array] | None:
+    """(the fused MLP's fixed-point row, the residual) where one input of an add is that row (down's
+    output when ``gemv.fused_mlp`` ran it: int64), else None."""
+    if b.dtype == torch.int64:
+        return b, a
+    return (a, b) if a.dtype == torch.int64 else None
+
+
 def _on_cublas(w: GpuWeight, m: int) -> bool:
     """Whether ``linear`` runs ``m`` rows of ``w`` as a dense cuBLAS product (dense weights past the
     GEMV's rows; quantized weights, dequantized first, from ``DEQUANTIZE_MIN_M`` rows)."""
@@ -766,13 +774,12 @@ class CUDABackend(Backend):
         row; not the last layer's, whose norm feeds the LM head and would need the row converted by
         torch ops); none unless the downs' widths are alike."""
         widths = {}
-        for op in self.graph.ops:
-            _, down, add = self._fuse.mlp.get(id(op), (None, None, None))
-            norm = self._fuse.norm_after_add.get(id(add)) if add is not None else None
+        for key, (_, down, add) in self._fuse.mlp.items():  # in the graph's order
+            norm = self._fuse.norm_after_add.get(id(add))
             reader = self._fuse.linear_after_norm.get(id(norm)) if norm is not None else None
-            if reader is not None and {self._weights[id(op)].scheme, self._weights[id(down)].scheme,
+            if reader is not None and {self._weights[key].scheme, self._weights[id(down)].scheme,
                                        self._weights[id(reader)].scheme} == {"int4"}:  # fmt: skip
-                widths[id(op)] = self._weights[id(down)].n
+                widths[key] = self._weights[id(down)].n
         return widths if len(set(widths.values())) == 1 else {}
 
     def _make_mlp_rows(self) -> bool:
@@ -1325,10 +1332,10 @@ class CUDABackend(Backend):
     def _fuses_mlp(self, op: Op, x: Array, w: GpuWeight, bias: Array | None) -> bool:
         """Whether gate/up ``op`` and the down after it run as one fused MLP launch (``MGX_CUDA_FUSED_MLP``,
         x staged, rows made, no biases, and ``fused_mlp_applies``)."""
-        fused = self._fuse.mlp.get(id(op)) if self.fused_mlp and self._mlp_rows is not None else None
-        if fused is None or id(op) not in self._mlp_row_of or bias is not None or self._bias[id(fused[1])] is not None:
+        if not self.fused_mlp or id(op) not in self._mlp_row_of or bias is not None:  # rows: made for these only
             return False
-        return fused_mlp_applies(self.cuda_kernels, x, w, self._weights[id(fused[1])])
+        down = self._fuse.mlp[id(op)][1]
+        return self._bias[id(down)] is None and fused_mlp_applies(self.cuda_kernels, x, w, self._weights[id(down)])
 
     def _native_kind(self, x: Array, w: GpuWeight, bias: Array | None, config: LinearConfig | None) -> str:
         """The native GEMV kind that runs one row of ``w`` under ``config`` ("" for the Triton kernels):
@@ -1484,17 +1491,15 @@ class CUDABackend(Backend):
 
     def add(self, op: Op, a: Array, b: Array) -> Array:
         norm_op = self._fuse.norm_after_add.get(id(op))
+        fused = _fused_row(a, b)
         if norm_op is None:
-            if b.dtype == torch.int64 or a.dtype == torch.int64:  # a fused MLP's row (down's output)
-                rows, res = (b, a) if b.dtype == torch.int64 else (a, b)
-                return res + fixed_to(rows.view(1, -1), res.dtype)
-            return a + b
+            return a + b if fused is None else fused[1] + fixed_to(fused[0].view(1, -1), fused[1].dtype)
         weight, eps, group = self._norm[id(norm_op)]
         held = self._pending.pop(id(op), None)
         if isinstance(held, _Across):  # its projection adds the residual and leaves the norm's squares
             return self._add_across(held, b if a is held.x else a, norm_op, weight, eps, group)
-        if b.dtype == torch.int64 or a.dtype == torch.int64:  # a fused MLP's row (down's output)
-            rows, res = (b, a) if b.dtype == torch.int64 else (a, b)
+        if fused is not None:
+            rows, res = fused
             total = self._norm_stage_fx_into_gemv(norm_op, res, rows, weight, eps, group)
             if total is not None:
                 return total

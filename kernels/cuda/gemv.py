@@ -45,7 +45,7 @@ __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
            "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs",
            "FIXED_ONE", "FUSED_MLP_ENTRY", "NORM_STAGE_FX_ENTRY", "fixed_rows", "fixed_to", "fused_mlp", "fused_mlp_applies",
-           "norm_stage_fx"]  # fmt: skip
+           "fused_mlp_args", "fused_mlp_shared", "norm_stage_fx"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
          "imma_persistent_w4")
@@ -576,7 +576,7 @@ def fixed_to(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(rows[..., n : n + 1] != 0, torch.full_like(vals, float("nan")), vals)
 
 
-def _fused_shared(k: int) -> int:
+def fused_mlp_shared(k: int) -> int:
     """Dynamic shared memory of a ``fused_mlp`` launch on K columns: the record, rounded up to 16 bytes."""
     steps = k // MMA_COLUMNS
     return (steps * 32 + (steps + 1) // 2) * 16
@@ -600,7 +600,7 @@ def fused_mlp_applies(kernels: CudaKernels | None, x: torch.Tensor, gate_up: Gpu
     f, k = gate_up.n // 2, gate_up.k
     return (gate_up.group_size == down.group_size and gate_up.group_size % MMA_COLUMNS == 0 and gate_up.n % 2 == 0
             and f % MMA_COLUMNS == 0 and k % MMA_COLUMNS == 0 and down.k == f and down.n % 16 == 0
-            and x.shape[1] == k and _fused_shared(k) <= _MAX_STATIC_SHARED and _sm(kernels.arch) >= 80)  # fmt: skip
+            and x.shape[1] == k and fused_mlp_shared(k) <= _MAX_STATIC_SHARED and _sm(kernels.arch) >= 80)  # fmt: skip
 
 
 def fused_mlp(rec: torch.Tensor, gate_up: GpuWeight, down: GpuWeight, *, kernels: CudaKernels,
@@ -611,14 +611,20 @@ def fused_mlp(rec: torch.Tensor, gate_up: GpuWeight, down: GpuWeight, *, kernels
     f, k, n = gate_up.n // 2, gate_up.k, down.n
     if out.dtype != torch.int64 or out.numel() != n + 2 or not out.is_contiguous():
         raise ValueError(f"fused_mlp writes an int64 row of {n + 2} (fixed_rows), not {out.dtype} of {out.numel()}")
-    args = [_ptr(out), _ptr(rec), _ptr(gate_up.weight), _ptr(gate_up.pairs), _ptr(down.weight), _ptr(down.pairs),
-            ctypes.c_int(f), ctypes.c_int(k), ctypes.c_int(n), ctypes.c_int(gate_up.pairs.shape[1]),
-            ctypes.c_int(down.pairs.shape[1]), ctypes.c_int(gate_up.group_size.bit_length() - 1), ctypes.c_int(0),
-            _ptr(None)]  # fmt: skip
     stream = torch.cuda.current_stream(rec.device).cuda_stream
-    kernels.module.launch(FUSED_MLP_ENTRY, (f // MMA_COLUMNS,), (FUSED_MLP_THREADS,), args, stream,
-                          shared_bytes=_fused_shared(k), overlap=kernels.overlap)  # fmt: skip
+    kernels.module.launch(FUSED_MLP_ENTRY, (f // MMA_COLUMNS,), (FUSED_MLP_THREADS,), fused_mlp_args(out, rec, gate_up, down),
+                          stream, shared_bytes=fused_mlp_shared(k), overlap=kernels.overlap)  # fmt: skip
     return out
+
+
+def fused_mlp_args(out: torch.Tensor, rec: torch.Tensor, gate_up: GpuWeight, down: GpuWeight, mode: int = 0,
+                   stamps: torch.Tensor | None = None) -> list[ctypes._SimpleCData]:  # fmt: skip
+    """The arguments of an ``mlp_int4_fused`` entry (gemv.cu's MGX_MLP_ENTRY_NAMED; the product's and
+    examples/mlp_fused.cu's variants), with its timing knobs ``mode`` and ``stamps``."""
+    return [_ptr(out), _ptr(rec), _ptr(gate_up.weight), _ptr(gate_up.pairs), _ptr(down.weight), _ptr(down.pairs),
+            ctypes.c_int(gate_up.n // 2), ctypes.c_int(gate_up.k), ctypes.c_int(down.n), ctypes.c_int(gate_up.pairs.shape[1]),
+            ctypes.c_int(down.pairs.shape[1]), ctypes.c_int(gate_up.group_size.bit_length() - 1), ctypes.c_int(mode),
+            _ptr(stamps)]  # fmt: skip
 
 
 def norm_stage_fx(
