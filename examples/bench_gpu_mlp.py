@@ -33,8 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
-# "_h": half a step of down a block (64 SiLU outputs; not yet run on a GPU)
-ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x", "w8_u2_d4_b1_h_x")
+ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
@@ -48,11 +47,6 @@ def entry_name(entry: str) -> str:
 
 def warps(entry: str) -> int:
     return int(entry.split("_")[0][1:])
-
-
-def columns(entry: str) -> int:
-    """SiLU outputs a block of ``entry`` takes: a step of down, or half of one ("_h")."""
-    return 64 if "_h" in entry else 128
 
 
 def fixed(entry: str) -> bool:
@@ -120,7 +114,7 @@ class Fused:
         from mgx.kernels.cuda.gemv import fused_mlp_args
 
         stream = torch.cuda.current_stream().cuda_stream
-        self.kernels.module.launch(entry_name(entry), (wgu.n // 2 // columns(entry),), (32 * warps(entry),),
+        self.kernels.module.launch(entry_name(entry), (wgu.n // 2 // 128,), (32 * warps(entry),),
                                    fused_mlp_args(acc, rec, wgu, wd, mode, stamps), stream, record_bytes(wgu.k),
                                    overlap=self.kernels.overlap)  # fmt: skip
 
@@ -226,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
         if "timeline" in parts:
-            blocks = layers[0]["gate_up"].n // 2 // columns(entry)
+            blocks = layers[0]["gate_up"].n // 2 // 128
             stamps = torch.zeros(LAYERS, blocks, 4, dtype=torch.int64, device="cuda")
             graph_ms(mlp(entry, True, 0, stamps), 1)
             for line in timeline_lines(stamps.cpu().double().tolist()):

@@ -566,7 +566,8 @@ def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN00
                                (backend, "norm_across_dense", "dense_norm_kernels", "dense_norm_across"),
                                (backend, "narrow_decode_tiles", "decode_tiles_64", "decode_tiles_32"),
                                (backend, "one_tile_pieces", "decode_pieces_2_tiles", "decode_pieces_1_tile"),
-                               (backend, "staged_x", "unstaged_x", "staged_x")):  # fmt: skip
+                               (backend, "staged_x", "unstaged_x", "staged_x"),
+                               (backend, "fused_mlp", "mlp_apart", "mlp_fused")):  # fmt: skip
         if args.flip_only and attr.lstrip("_") not in args.flip_only.split(","):
             continue
         flipped = graph_ms_flipped(engine, obj, attr, prompt)

@@ -24,10 +24,10 @@
 # - tiles: the cuda_tile16 layout (gemv.cu's MGX_IMMA_TILE16 build) and the int4 scales as fp16 pairs
 #   (MGX_IMMA_HALF_SCALES): their GPU bit tests, then the 8B layer chain on row-major weights against
 #   tiled ones, INT4 (codes, then codes and scale pairs) and W8A16.
-# - fused-mlp: the batch-1 int4 MLP in one launch (gemv.fused_mlp, MGX_CUDA_FUSED_MLP=1; forty-third
-#   session): its GPU tests, bench_gpu_mlp.py's check and chains for the product's variant and the
-#   untried half-step one, then the 8B model INT4 with the switch on beside bf16 (as the targets' runs:
-#   autotuned, no transformers).
+# - fused-mlp: the batch-1 int4 MLP in one launch (gemv.fused_mlp; the default since the forty-fourth
+#   session, MGX_CUDA_FUSED_MLP=0 turns it off): its GPU tests, bench_gpu_mlp.py's check and chains for
+#   the product's variant, then the 8B model INT4 beside bf16 (as the targets' runs: autotuned, no
+#   transformers) with the switch flipped off for an A/B of the INT4 graph.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -99,15 +99,15 @@ for part in "${parts[@]}"; do
       timeout "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_mlp_bench.py \
         tests/e2e/test_cuda_backend.py -k "mlp" > "$out/fused-mlp-tests.log" 2>&1
       echo "fused-mlp (GPU tests): rc=$? $(tail -n 1 "$out/fused-mlp-tests.log")"
-      timeout "${KERNELS_S:-540}" python3 examples/bench_gpu_mlp.py --entries w16_u2_d4_b1_x,w8_u2_d4_b1_h_x --parts check,chains \
+      timeout "${KERNELS_S:-540}" python3 examples/bench_gpu_mlp.py --entries w16_u2_d4_b1_x --parts check,chains \
         > "$out/fused-mlp-bench.log" 2>&1
       echo "fused-mlp (bench_gpu_mlp): rc=$?"
       grep -E 'check|decode layer' "$out/fused-mlp-bench.log"
-      MGX_CUDA_FUSED_MLP=1 timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape llama-8b \
-        --schemes int4,bf16 --autotune 1 --hf '' --batches '' --no-flips --json "$out/fused-mlp-8b.json" \
+      timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape llama-8b \
+        --schemes int4,bf16 --autotune 1 --hf '' --batches '' --flip-only fused_mlp --json "$out/fused-mlp-8b.json" \
         > "$out/fused-mlp-8b.log" 2>&1
-      echo "fused-mlp (8B model, switch on): rc=$?"
-      grep -E 'summary' "$out/fused-mlp-8b.log" | cut -c1-600
+      echo "fused-mlp (8B model): rc=$?"
+      grep -E 'summary|graph_b1_ms' "$out/fused-mlp-8b.log" | cut -c1-600
       grep -o 'the int4 MLP in one launch in [0-9]* of [0-9]* layers' "$out/fused-mlp-8b.json" | sort | uniq -c
       ;;
     *)

@@ -450,11 +450,12 @@ class CUDABackend(Backend):
         self.staged_schemes = STAGED_SCHEMES if staged == "" else None  # None: any the kernels take
         self.staged_x_pinned = staged != ""  # else a stored tuning's (mgx-run tune)
         self.norm_across = os.environ.get("MGX_CUDA_NORM_ACROSS", "1") != "0"  # see the module docstring
-        # The batch-1 int4 MLP in one launch where x is staged (``gemv.fused_mlp``; an experiment of the
-        # forty-third session, off unless MGX_CUDA_FUSED_MLP=1 or a stored tuning (mgx-run tune) turns it
-        # on: on the H200 the 8B layer chain gained 3.5%, not yet measured in the model). Its rows, one
-        # per fused MLP, are zeroed as each step starts (``_mlp_rows``, made by ``use_cuda_kernels``).
-        self.fused_mlp = os.environ.get("MGX_CUDA_FUSED_MLP", "0") == "1"
+        # The batch-1 int4 MLP in one launch where x is staged (``gemv.fused_mlp``, forty-third session;
+        # on by default since the forty-fourth, MGX_CUDA_FUSED_MLP=0 or a stored tuning (mgx-run tune)
+        # turns it off: on the H200 the 8B INT4 graph took 1.703 against 1.735 ms with the two GEMVs,
+        # 146th run). Its rows, one per fused MLP, are zeroed as each step starts (``_mlp_rows``, made by
+        # ``use_cuda_kernels``).
+        self.fused_mlp = os.environ.get("MGX_CUDA_FUSED_MLP", "1") == "1"
         self._fused_mlp_env = os.environ.get("MGX_CUDA_FUSED_MLP", "") in ("0", "1")  # else a stored tuning's
         self._mlp_rows: torch.Tensor | None = None
         self._mlp_row_of: dict[int, int] = {}  # id(gate/up linear) -> its row

@@ -1528,24 +1528,19 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // On the H200 (143rd-144th runs, examples/bench_gpu_mlp.py) the 8B decode layer chained 32 times took
 // 1.613 -> 1.556 ms with <16, 2, 4, true, true> (the product's entry below), 1.609 -> 1.554 with the
 // fp32 <32, 2, 2, false, false>; README ("Forty-third session") has the rest.
-// kCols = 64 (an untried variant in examples/mlp_fused.cu): a block takes half a step of down, SiLU
-// outputs 64 b .., so that F / 64 blocks can fill more SMs (two a SM); each down tile is then read half
-// by each of two blocks.
 // Timing knobs (`mode` bits, the results then meaningless): 1 phase 1 only, 2 phase 2 only, 4 plain
 // stores instead of the reductions. `stamps` (or null): per block, %globaltimer at its start, after
 // phase 1, at its end, and its SM.
 
-template <int W, int U, int DB, bool kDB, bool kFixed, int kCols = 128>
+template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
                                const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
                                const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
                                int group_shift, int mode, unsigned long long* __restrict__ stamps) {
-  static_assert(kCols == 128 || kCols == 64, "a block's SiLU outputs: a step of down, or half of one");
-  constexpr int kGroups = kCols / 8;  // SiLU groups a block
-  static_assert(W % kGroups == 0, "W / kGroups warps a SiLU group");
+  static_assert(W % 16 == 0, "16 SiLU groups a block, W / 16 warps each");
   float* acc = static_cast<float*>(acc_out);
   unsigned long long* acc_fx = static_cast<unsigned long long*>(acc_out);
-  constexpr int kShare = W / kGroups;  // warps a SiLU group
+  constexpr int kShare = W / 16;  // warps a SiLU group
   const auto now = [] {
     unsigned long long v;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
@@ -1584,7 +1579,7 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
   };
 
   // ---- phase 1: SiLU group j, steps share, share + kShare, ... (U a pass, the next pass in flight)
-  const int j = b * kGroups + (warp % kGroups), share = warp / kGroups;
+  const int j = b * 16 + (warp & 15), share = warp >> 4;
   const auto tile_at = [&](uint32_t r0) {  // cuda_tile16: rows r0 .. r0 + 7 at step 0, the lane's 16 bytes
     return (r0 >> 4) * (static_cast<uint32_t>(steps) * 1024u) + (r0 & 15u) * 64u + 16u * lane;
   };
@@ -1648,20 +1643,16 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
     uint4 lo, hi;
     uint2 sz;
   };
-  // Down's step: b, or with kCols = 64 step b / 2, whose columns 64 (b % 2) .. this block holds (its lanes
-  // t of the other half load nothing: their x is zero).
-  const int sd = kCols == 128 ? b : b >> 1, half = b & 1;
-  const bool mine = kCols == 128 || (t >> 1) == half;
-  const uint32_t grp_d = (static_cast<uint32_t>(sd) << 7) >> group_shift;
+  const uint32_t grp_d = (static_cast<uint32_t>(b) << 7) >> group_shift;
   const auto load_d = [&](int i0, Down (&dd)[DB]) {
 #pragma unroll
     for (int u = 0; u < DB; ++u) {
       const int rg = warp + W * (i0 + u);
-      const bool in = rg < row_groups && !(mode & 1) && mine;
-      const uint32_t at = (static_cast<uint32_t>(rg) * steps_d + sd) * 1024u + 16u * lane;
+      const bool in = rg < row_groups && !(mode & 1);
+      const uint32_t at = (static_cast<uint32_t>(rg) * steps_d + b) * 1024u + 16u * lane;
       dd[u].lo = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wd + at)) : make_uint4(0, 0, 0, 0);
       dd[u].hi = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wd + at + 512u)) : make_uint4(0, 0, 0, 0);
-      dd[u].sz = rg < row_groups && !(mode & 1) ? load_now(pd + (static_cast<uint32_t>(rg) * groups_d + grp_d) * 8u + g)
+      dd[u].sz = in ? load_now(pd + (static_cast<uint32_t>(rg) * groups_d + grp_d) * 8u + g)
                     : make_uint2(kIdleHalves, kIdleHalves);
     }
   };
@@ -1674,25 +1665,23 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
     stamps[blockIdx.x * 4 + 1] = now();
     stamps[blockIdx.x * 4 + 3] = sm;
   }
-  if (threadIdx.x < kCols) {
+  if (threadIdx.x < 128) {
     const int jl = threadIdx.x >> 3, r = threadIdx.x & 7;
     float gate = 0.0f, up = 0.0f;
 #pragma unroll
     for (int h = 0; h < kShare; ++h) {
-      gate += part[jl + kGroups * h][r];
-      up += part[jl + kGroups * h][r + 8];
+      gate += part[jl + 16 * h][r];
+      up += part[jl + 16 * h][r + 8];
     }
-    const int at = kCols == 128 ? threadIdx.x : 64 * half + threadIdx.x;
-    xs[at] = __float2bfloat16_rn(silu_times(gate, up));
-    if constexpr (kCols == 64) xs[64 * (1 - half) + threadIdx.x] = __float2bfloat16_rn(0.0f);  // the other half: x = 0
+    xs[threadIdx.x] = __float2bfloat16_rn(silu_times(gate, up));
   }
   __syncthreads();
   if (mode & 1) {  // phase 1 only: something for the compiler to keep
     if (threadIdx.x < 128) {
       if constexpr (kFixed) {
-        acc_fx[(sd * 128 + threadIdx.x) % n] = __bfloat16_as_ushort(xs[threadIdx.x]);
+        acc_fx[(b * 128 + threadIdx.x) % n] = __bfloat16_as_ushort(xs[threadIdx.x]);
       } else {
-        acc[(sd * 128 + threadIdx.x) % n] = __bfloat162float(xs[threadIdx.x]);
+        acc[(b * 128 + threadIdx.x) % n] = __bfloat162float(xs[threadIdx.x]);
       }
     }
     return;
@@ -1970,14 +1959,12 @@ extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
 // pairs (gemv.scale_pairs; pgu in the SiLU product's order) with groups_gu and groups_d groups a row.
 // Grid: F / 128 blocks of W warps; dynamic shared memory: the record (rounded up to 16 bytes; over 48
 // KB needs the attribute). F and K multiples of 128, n of 16. The macro is examples/mlp_fused.cu's too.
-#define MGX_MLP_ENTRY_NAMED(NAME, W, U, DB, DBUF, FX) MGX_MLP_ENTRY_COLS(NAME, W, U, DB, DBUF, FX, 128, 1)
-// COLS SiLU outputs a block (128, or 64: grid F / 64), at least MIN blocks an SM.
-#define MGX_MLP_ENTRY_COLS(NAME, W, U, DB, DBUF, FX, COLS, MIN)                                                \
-  extern "C" __global__ void __launch_bounds__(W * 32, MIN) MGX_ENTRY(NAME)(                                 \
+#define MGX_MLP_ENTRY_NAMED(NAME, W, U, DB, DBUF, FX)                                                          \
+  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(NAME)(                                   \
       void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd, \
       int f, int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps) { \
-    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF, FX, COLS>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, \
-                                                       f, k, n, groups_gu, groups_d, group_shift, mode, stamps);  \
+    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF, FX>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, k, \
+                                                 n, groups_gu, groups_d, group_shift, mode, stamps);            \
   }
 #if MGX_IMMA_TILE16 && MGX_IMMA_HALF_SCALES
 MGX_MLP_ENTRY_NAMED(mgx_mlp_int4_fused, 16, 2, 4, true, true)

@@ -427,15 +427,19 @@ def test_tune_runs_the_int4_mlp_in_one_launch_where_it_gains_and_the_environment
     int4_artifact, native_stand_in, fused_stand_in, monkeypatch, tmp_path
 ) -> None:  # noqa: ANN001
     """On an int4 model whose gate/up x is staged (norms kept out of the GEMV prologues: pinned), the
-    fused MLP switch (off by default) is offered; priced cheaper, tune turns it on, the written model
-    runs it (every layer's MLP but the last, whose norm feeds the LM head) and decodes the same tokens.
-    MGX_CUDA_FUSED_MLP set pins it over the stored choice, and tune leaves it alone."""
+    fused MLP switch (on by default) is offered; priced dearer, tune turns it off and the written model
+    runs the two GEMVs; priced cheaper, tune keeps it and the written model runs it (every layer's MLP
+    but the last, whose norm feeds the LM head), decoding the same tokens. MGX_CUDA_FUSED_MLP set pins
+    it over the stored choice, and tune leaves it alone."""
     monkeypatch.setenv("MGX_CUDA_NORM_GEMV", "0")
 
-    def price(engine: Engine) -> float:
-        backend = engine.runner.backend
-        fused = len(backend._mlp_row_of) if backend.fused_mlp and backend._mlp_rows is not None else 0
-        return step_price(engine) - 0.25 * fused
+    def priced(engine: Engine, per_fused: float):  # noqa: ANN202
+        def price() -> float:
+            backend = engine.runner.backend
+            fused = len(backend._mlp_row_of) if backend.fused_mlp and backend._mlp_rows is not None else 0
+            return step_price(engine) + per_fused * fused
+
+        return price
 
     def opened(path) -> Engine:  # noqa: ANN001
         engine = engine_on_cpu(path)
@@ -445,21 +449,25 @@ def test_tune_runs_the_int4_mlp_in_one_launch_where_it_gains_and_the_environment
     engine = opened(int4_artifact)
     backend = engine.runner.backend
     layers = sum(op.kind == "attention" for op in engine.graph.ops)
-    assert not backend.fused_mlp and not backend.fused_mlp_pinned and backend.stages_x()
+    assert backend.fused_mlp and not backend.fused_mlp_pinned and backend.stages_x()
     prompt = [5, 6, 7, 8, 9]
     before = greedy(engine, prompt, 3)
-    report = tune_in_graph(engine, lambda: price(engine))
-    (trial,) = [t for t in report.trials if t.kernel == "fused_mlp"]
-    assert (trial.before, trial.chosen) == ("off", "on") and trial.ms["on"] < trial.ms["off"]
-    assert [t.kernel for t in report.trials][-2:] == ["staged_x", "fused_mlp"]  # after the staging it needs
-    out = tmp_path / "fused.mgx"
-    write_tunings(int4_artifact, out, report, {})
-    again = opened(out)
-    assert again.runner.backend.fused_mlp and len(again.runner.backend._mlp_row_of) == layers - 1
-    LAUNCHED.clear()
-    assert greedy(again, prompt, 3) == before
-    assert LAUNCHED.count("fused mlp") == (layers - 1) * 2  # the two decode steps after the prompt's
-    monkeypatch.setenv("MGX_CUDA_FUSED_MLP", "0")
-    pinned = opened(out)
-    assert not pinned.runner.backend.fused_mlp and pinned.runner.backend.fused_mlp_pinned
-    assert "fused_mlp" not in {t.kernel for t in tune_in_graph(pinned, lambda: price(pinned)).trials}
+    written = {}
+    for per_fused, chosen, other in ((0.25, "off", "on"), (-0.25, "on", "off")):
+        engine = opened(int4_artifact)
+        report = tune_in_graph(engine, priced(engine, per_fused))
+        (trial,) = [t for t in report.trials if t.kernel == "fused_mlp"]
+        assert (trial.before, trial.chosen) == ("on", chosen) and trial.ms[chosen] < trial.ms[other]
+        assert [t.kernel for t in report.trials][-2:] == ["staged_x", "fused_mlp"]  # after the staging it needs
+        written[chosen] = tmp_path / f"fused-{chosen}.mgx"
+        write_tunings(int4_artifact, written[chosen], report, {})
+        again = opened(written[chosen])
+        assert again.runner.backend.fused_mlp == (chosen == "on")
+        assert len(again.runner.backend._mlp_row_of) == (layers - 1 if chosen == "on" else 0)
+        LAUNCHED.clear()
+        assert greedy(again, prompt, 3) == before
+        assert LAUNCHED.count("fused mlp") == ((layers - 1) * 2 if chosen == "on" else 0)  # the two steps after the prompt's
+    monkeypatch.setenv("MGX_CUDA_FUSED_MLP", "1")
+    pinned = opened(written["off"])
+    assert pinned.runner.backend.fused_mlp and pinned.runner.backend.fused_mlp_pinned
+    assert "fused_mlp" not in {t.kernel for t in tune_in_graph(pinned, priced(pinned, 0.25)).trials}

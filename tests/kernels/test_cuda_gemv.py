@@ -405,16 +405,14 @@ def test_w8a16_integer_tensor_core_step_is_the_exact_product_within_fixed_point_
             assert np.all(got == 0)
 
 
-def _imma4_warp_step(codes: np.ndarray, zeros: np.ndarray, x_bits: np.ndarray, picks: tuple[int, int],
-                     loads=lambda t: True) -> np.ndarray:  # fmt: skip
+def _imma4_warp_step(codes: np.ndarray, zeros: np.ndarray, x_bits: np.ndarray, picks: tuple[int, int]) -> np.ndarray:
     """One 128-column step of the int4 ``imma`` GEMV for one warp, emulated lane by lane as gemv.cu does
     it: lane l's eight x (columns 8 (l / 2) ..), of which it takes those of parity l % 2 through the
     byte permute ``picks[l % 2]`` and the FFMA into the warp's buffer, the step's sum of X from the
     same words, then each lane's 16 bytes of packed codes masked into low and high nibbles as the A
     fragments of two m16n8k32 MMAs (u8), B read as the W8A16 kind reads it, the quad's weighing of D
     and lane t = 0's z sum X. ``codes``: [16, 128] in 0..15 (rows lo 0-7, hi 8-15), ``zeros`` [16];
-    returns the 16 sums of (q - z) x. Lanes whose t ``loads`` says no hold zero codes (the fused MLP's
-    half steps)."""
+    returns the 16 sums of (q - z) x."""
     e, ec, up = _imma_scale(x_bits)
     words = x_bits[0::2].astype(np.uint32) | x_bits[1::2].astype(np.uint32) << np.uint32(16)  # 64 words of two bf16
     packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)  # [16, 64]: column 2b + j in nibble j of byte b
@@ -431,8 +429,7 @@ def _imma4_warp_step(codes: np.ndarray, zeros: np.ndarray, x_bits: np.ndarray, p
     total = np.zeros(16)
     for rows in (slice(0, 8), slice(8, 16)):
         w = packed[rows].astype(np.int64)
-        total[rows] = _imma_set_sums(lambda g, t, h, w=w: (w[g, 16 * t:16 * t + 16] >> (4 * h)) & 0xF if loads(t)
-                                     else np.zeros(16, np.int64), buf)  # fmt: skip
+        total[rows] = _imma_set_sums(lambda g, t, h, w=w: (w[g, 16 * t:16 * t + 16] >> (4 * h)) & 0xF, buf)
         total[rows] -= zeros[rows] * sum_x  # lane t = 0's share
     factor = np.nan if e == 255 else 2.0 ** (ec - 148)
     return total * factor
@@ -524,28 +521,3 @@ def test_fused_mlp_rows_read_back_in_fixed_point_and_the_launchers_refuse_what_t
     assert cg.FUSED_MLP_THREADS == 16 * 32
     example = (Path(__file__).resolve().parents[2] / "examples" / "mlp_fused.cu").read_text()
     assert "MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)" in example  # the variant timed as the product's
-
-
-def test_fused_mlp_half_steps_need_only_the_lanes_of_their_half() -> None:
-    """The fused MLP's kCols = 64 variant (gemv.cu's mlp_int4_fused): a block holds x for columns 64 h ..
-    64 h + 63 of a down step (the rest zero) and only lanes t with t / 2 == h load codes. Emulated as
-    the int4 imma step: the result is the half's sum of (q - z) x, within the step's rounding, so the
-    lanes that skip their loads carry no column of the half."""
-    source = (Path(cg.__file__).parent / "gemv.cu").read_text()
-    assert "const bool mine = kCols == 128 || (t >> 1) == half;" in source
-    picks = re.findall(r"\(lane & 1\) \? (0x[0-9A-Fa-f]+)u : (0x[0-9A-Fa-f]+)u;", source)
-    pick = (int(picks[0][1], 16), int(picks[0][0], 16))
-    rng = np.random.default_rng(11)
-    for half in (0, 1):
-        codes = rng.integers(0, 16, (16, 128)).astype(np.int64)
-        zeros = rng.integers(0, 16, 16)
-        x = rng.standard_normal(128).astype(np.float32)
-        x[np.arange(128) // 64 != half] = 0.0
-        bits = (x.view(np.uint32) >> 16).astype(np.uint32)
-        got = _imma4_warp_step(codes, zeros, bits, pick, loads=lambda t, half=half: t >> 1 == half)
-        xv = _bf16(bits)
-        want = (codes - zeros[:, None]).astype(np.float64) @ xv
-        bound = 2.0**-22 * np.abs(xv).max() * (np.abs(codes - zeros[:, None]).sum(axis=1) + zeros * 128)
-        assert np.all(np.abs(got - want) <= bound), (half, np.abs(got - want).max())
-        wrong = _imma4_warp_step(codes, zeros, bits, pick, loads=lambda t, half=half: t >> 1 != half)
-        assert np.abs(wrong - want).max() > 1e3 * bound.max()  # the other lanes' codes would be the wrong ones
