@@ -2,13 +2,13 @@
 session; the variants in ``examples/mlp_fused.cu``) against the two GEMVs the model runs by default,
 on an NVIDIA GPU.
 
-By default the model runs gate/up with the SiLU product (``imma_w4``'s staged twin on the record
+Without the fused MLP (``MGX_CUDA_FUSED_MLP=0``) the model runs gate/up with the SiLU product (``imma_w4``'s staged twin on the record
 ``norm_stage`` wrote) and then down (``imma_w16``, which stages its x in each of its blocks), two
 launches a layer. The fused kernel's block b computes SiLU outputs 128 b .. 128 b + 127 and multiplies
 them by down's 128-column step b at once, adding its share of every output row into a row in L2: fp32
 (its last bits vary from run to run) or, in the ``_x`` entries, 64-bit fixed point (the same bits every
-run). ``w16_u2_d4_b1_x`` is the variant of the product's entry, which the CUDA backend runs with
-``MGX_CUDA_FUSED_MLP=1``.
+run). ``w16_u2_d4_b1_x`` is the variant of the product's entry, which the CUDA backend runs by
+default.
 
 - ``check``: the fused kernel's row against the two GEMVs' on random 8B weights (three scales of x);
 - ``chains``: 32 layers in one CUDA graph, ms: the MLP after its norm (``norm_stage``) both ways, the

@@ -22,7 +22,7 @@ slower), the add + RMSNorm in the prologue of the native GEMV that reads it (``n
 MGX_CUDA_NORM_GEMV's switch) and that add + RMSNorm staging x once for the imma GEMV's staged twin
 (``staged_x``, MGX_CUDA_STAGED_X's: on by default for INT4 weights only; the 8B INT4 step gained 3%
 on the H200 and the W8A16 layer lost 2%, so tune tries it for the model at hand), and then the int4 MLP
-in one launch where x is staged (``fused_mlp``, MGX_CUDA_FUSED_MLP's: off by default; offered only for
+in one launch where x is staged (``fused_mlp``, MGX_CUDA_FUSED_MLP's: on by default; offered only for
 models with int4 MLPs it can run). Nothing here tunes
 at start-up: the
 runtime reads what this wrote, as it reads autotune's entries.

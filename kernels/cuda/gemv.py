@@ -549,8 +549,8 @@ def _launch(
     kernels.module.launch(entry, (blocks,), (threads,), args, stream, shared_bytes=shared, overlap=kernels.overlap)
 
 
-# The batch-1 int4 MLP in one kernel (gemv.cu's mlp_int4_fused, forty-third session; an experiment the
-# CUDA backend runs with MGX_CUDA_FUSED_MLP=1): gate/up with the SiLU product and down from the record
+# The batch-1 int4 MLP in one kernel (gemv.cu's mlp_int4_fused, forty-third session; the CUDA backend
+# runs it by default since the forty-fourth, MGX_CUDA_FUSED_MLP=0: not): gate/up with the SiLU product and down from the record
 # norm_stage wrote, in a MGX_IMMA_TILE16 + MGX_IMMA_HALF_SCALES build. Its output row is int64
 # multiples of 1 / FIXED_ONE, added up over its blocks in L2 (exact in any order: the same bits every
 # run), then a flag set where a NaN or Inf was met: ``fixed_rows`` makes zeroed rows, ``norm_stage_fx``
