@@ -2,9 +2,9 @@
 session; the variants in ``examples/mlp_fused.cu``) against the two GEMVs the model runs by default,
 on an NVIDIA GPU.
 
-Without the fused MLP (``MGX_CUDA_FUSED_MLP=0``) the model runs gate/up with the SiLU product (``imma_w4``'s staged twin on the record
-``norm_stage`` wrote) and then down (``imma_w16``, which stages its x in each of its blocks), two
-launches a layer. The fused kernel's block b computes SiLU outputs 128 b .. 128 b + 127 and multiplies
+Without the fused MLP (``MGX_CUDA_FUSED_MLP=0``) the model runs gate/up with the SiLU product
+(``imma_w4``'s staged twin on the record ``norm_stage`` wrote) and then down (``imma_w16``, which
+stages its x in each of its blocks), two launches a layer. The fused kernel's block b computes SiLU outputs 128 b .. 128 b + 127 and multiplies
 them by down's 128-column step b at once, adding its share of every output row into a row in L2: fp32
 (its last bits vary from run to run) or, in the ``_x`` entries, 64-bit fixed point (the same bits every
 run). ``w16_u2_d4_b1_x`` is the variant of the product's entry, which the CUDA backend runs by
@@ -111,10 +111,10 @@ class Fused:
         to a MGX_IMMA_TILE16 + HALF_SCALES build (the 8B shapes: the record fits 48 KB of shared memory)."""
         import torch
 
-        from mgx.kernels.cuda.gemv import fused_mlp_args
+        from mgx.kernels.cuda.gemv import fused_mlp_args, fused_mlp_blocks
 
         stream = torch.cuda.current_stream().cuda_stream
-        self.kernels.module.launch(entry_name(entry), (wgu.n // 2 // 128,), (32 * warps(entry),),
+        self.kernels.module.launch(entry_name(entry), (fused_mlp_blocks(wgu),), (32 * warps(entry),),
                                    fused_mlp_args(acc, rec, wgu, wd, mode, stamps), stream, record_bytes(wgu.k),
                                    overlap=self.kernels.overlap)  # fmt: skip
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from bench_gpu_layer import LAYERS, Chain, graph_ms
 
-    from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x
+    from mgx.kernels.cuda.gemv import fused_mlp_blocks, gemv, gemv_staged, stage_x
 
     fused = Fused()
     chain = Chain("int4", 768)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
         if "timeline" in parts:
-            blocks = layers[0]["gate_up"].n // 2 // 128
+            blocks = fused_mlp_blocks(layers[0]["gate_up"])
             stamps = torch.zeros(LAYERS, blocks, 4, dtype=torch.int64, device="cuda")
             graph_ms(mlp(entry, True, 0, stamps), 1)
             for line in timeline_lines(stamps.cpu().double().tolist()):

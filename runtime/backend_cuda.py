@@ -455,7 +455,7 @@ class CUDABackend(Backend):
         # turns it off: on the H200 the 8B INT4 graph took 1.703 against 1.735 ms with the two GEMVs,
         # 146th run). Its rows, one per fused MLP, are zeroed as each step starts (``_mlp_rows``, made by
         # ``use_cuda_kernels``).
-        self.fused_mlp = os.environ.get("MGX_CUDA_FUSED_MLP", "1") == "1"
+        self._fused_mlp = os.environ.get("MGX_CUDA_FUSED_MLP", "1") == "1"
         self._fused_mlp_env = os.environ.get("MGX_CUDA_FUSED_MLP", "") in ("0", "1")  # else a stored tuning's
         self._mlp_rows: torch.Tensor | None = None
         self._mlp_row_of: dict[int, int] = {}  # id(gate/up linear) -> its row
@@ -719,7 +719,7 @@ class CUDABackend(Backend):
         if self.tunings.staged_x is not None and not self.staged_x_pinned:
             self.set_staged_x(self.tunings.staged_x)
         if self.tunings.fused_mlp is not None and not self._fused_mlp_env:
-            self.set_fused_mlp(self.tunings.fused_mlp)
+            self.fused_mlp = self.tunings.fused_mlp
         return f"{len(self.tunings)} stored launch configurations for {arch}"
 
     def use_cuda_kernels(self, images: dict[str, bytes]) -> str:
@@ -799,10 +799,16 @@ class CUDABackend(Backend):
         this model that the fused kernel could run."""
         return self._fused_mlp_env or not self._mlp_widths()
 
-    def set_fused_mlp(self, on: bool) -> None:
-        """The fused MLP switch as ``mgx-run tune`` stores it (the rows made where the native kernels are
-        loaded already; else ``use_cuda_kernels`` makes them)."""
-        self.fused_mlp = on
+    @property
+    def fused_mlp(self) -> bool:
+        """Whether batch-1 decode runs the int4 MLPs ``_mlp_widths`` names in one launch each."""
+        return self._fused_mlp
+
+    @fused_mlp.setter
+    def fused_mlp(self, on: bool) -> None:
+        # Switched on once the native kernels are loaded (mgx-run tune, an A/B flip), the rows are made
+        # here; before that, use_cuda_kernels makes them.
+        self._fused_mlp = bool(on)
         if on and self._mlp_rows is None and self.cuda_kernels is not None:
             self._make_mlp_rows()
 

@@ -146,7 +146,7 @@ SWITCHES = (
             lambda b: "on" if b.stages_x() else "off", lambda b, o: b.set_staged_x(o == "on"), lambda o: o == "on"),
     # after staged_x, which it needs: the int4 MLP in one launch (offered where the model has such MLPs)
     _Switch(FUSED_MLP, "on", ("off", "on"), "fused_mlp_pinned",
-            lambda b: "on" if b.fused_mlp else "off", lambda b, o: b.set_fused_mlp(o == "on"), lambda o: o == "on"),
+            lambda b: "on" if b.fused_mlp else "off", lambda b, o: setattr(b, "fused_mlp", o == "on"), lambda o: o == "on"),
 )  # fmt: skip
 
 

@@ -44,7 +44,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
            "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs",
-           "FIXED_ONE", "FUSED_MLP_ENTRY", "NORM_STAGE_FX_ENTRY", "fixed_rows", "fixed_to", "fused_mlp", "fused_mlp_applies",
+           "FIXED_ONE", "FUSED_MLP_ENTRY", "NORM_STAGE_FX_ENTRY", "fixed_rows", "fixed_to", "fused_mlp", "fused_mlp_applies", "fused_mlp_blocks",
            "fused_mlp_args", "fused_mlp_shared", "norm_stage_fx"]  # fmt: skip
 
 KINDS = ("gemv", "mma", "mma_persistent", "mma_pipelined", "imma", "imma_persistent", "imma_w4", "imma_w16",
@@ -582,6 +582,11 @@ def fused_mlp_shared(k: int) -> int:
     return (steps * 32 + (steps + 1) // 2) * 16
 
 
+def fused_mlp_blocks(gate_up: GpuWeight) -> int:
+    """Blocks of a ``fused_mlp`` launch: one per 128 SiLU outputs (a 128-column step of down)."""
+    return gate_up.n // 2 // MMA_COLUMNS
+
+
 def fused_mlp_applies(kernels: CudaKernels | None, x: torch.Tensor, gate_up: GpuWeight, down: GpuWeight) -> bool:
     """Whether ``fused_mlp`` takes the row x [1, K] (whose record ``norm_stage`` writes) through ``gate_up``
     [2F, K] (the SiLU product's) and ``down`` [N, F]: the loaded kernels hold its entry and
@@ -608,11 +613,11 @@ def fused_mlp(rec: torch.Tensor, gate_up: GpuWeight, down: GpuWeight, *, kernels
     """out [n + 2] int64 (zero before; ``fixed_rows``) += down(silu(gate) * up) of the row whose record
     ``rec`` is (``norm_stage``'s or ``stage_x``'s for int4), in fixed point (``fixed_to``). One launch of
     F / 128 blocks on torch's current stream. The caller checks ``fused_mlp_applies`` first."""
-    f, k, n = gate_up.n // 2, gate_up.k, down.n
+    k, n = gate_up.k, down.n
     if out.dtype != torch.int64 or out.numel() != n + 2 or not out.is_contiguous():
         raise ValueError(f"fused_mlp writes an int64 row of {n + 2} (fixed_rows), not {out.dtype} of {out.numel()}")
     stream = torch.cuda.current_stream(rec.device).cuda_stream
-    kernels.module.launch(FUSED_MLP_ENTRY, (f // MMA_COLUMNS,), (FUSED_MLP_THREADS,), fused_mlp_args(out, rec, gate_up, down),
+    kernels.module.launch(FUSED_MLP_ENTRY, (fused_mlp_blocks(gate_up),), (FUSED_MLP_THREADS,), fused_mlp_args(out, rec, gate_up, down),
                           stream, shared_bytes=fused_mlp_shared(k), overlap=kernels.overlap)  # fmt: skip
     return out
 

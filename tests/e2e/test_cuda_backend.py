@@ -983,7 +983,7 @@ def _decode_side_by_side(graph, runners: list[ModelRunner], steps: int, rel: flo
     ``steps`` single tokens; each step's last logits agree within ``atol`` plus ``rel`` of the second's
     largest magnitude. ``after_prompt``, if given, must hold after the prompt's step. Each runner must
     be fresh: one that decoded before would extend its sequence instead of starting it."""
-    assert all(list(r.blocks.num_computed_many([0])) == [0] for r in runners), "a runner has decoded before"
+    assert all(r.blocks.num_computed_many([0]) == [0] for r in runners), "a runner has decoded before"
     logits = [r.step([SeqChunk(0, _prompts(graph)[0])])[0][-1] for r in runners]
     assert after_prompt is None or after_prompt()
     for _ in range(steps):

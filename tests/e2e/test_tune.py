@@ -443,7 +443,8 @@ def test_tune_runs_the_int4_mlp_in_one_launch_where_it_gains_and_the_environment
 
     def opened(path) -> Engine:  # noqa: ANN001
         engine = engine_on_cpu(path)
-        engine.runner.backend.set_fused_mlp(engine.runner.backend.fused_mlp)  # its rows, now that "code" is loaded
+        backend = engine.runner.backend
+        backend.fused_mlp = backend.fused_mlp  # its rows, now that "code" is loaded
         return engine
 
     engine = opened(int4_artifact)
