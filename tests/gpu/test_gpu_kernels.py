@@ -355,12 +355,13 @@ def test_native_imma_on_tile16_weights_gives_the_row_major_bits(native, tiled, s
 @pytest.fixture(scope="module")
 def half():
     """The native kernels as the cuda_kernels pass builds them for int4 weights in cuda_tile16 with fp16
-    scales: MGX_IMMA_TILE16=1 and MGX_IMMA_HALF_SCALES=1 (int4 scales and zeros from GpuWeight.pairs)."""
+    scales: MGX_IMMA_TILE16=1 and MGX_IMMA_HALF_SCALES=1 (int4 scales and zeros from GpuWeight.pairs), and
+    an experiment's flags from MGX_TEST_HALF_FLAGS (e.g. -DMGX_PRELOAD=3)."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
     arch = device_arch()
-    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=("-DMGX_IMMA_TILE16=1",
-                                                                                  "-DMGX_IMMA_HALF_SCALES=1")), arch)  # fmt: skip
+    flags = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1", *os.environ.get("MGX_TEST_HALF_FLAGS", "").split())
+    kernels = crms.load_cuda_kernels(build.build_cuda_kernels(arch, extra_flags=flags), arch)
     assert kernels is not None
     return kernels
 
