@@ -830,53 +830,19 @@ constexpr bool kTile16 = MGX_IMMA_TILE16 != 0;
 constexpr bool kHalfScales = MGX_IMMA_HALF_SCALES != 0;
 constexpr uint32_t kIdleHalves = 0x48000000u;  // (s, z) = (0, 8) as fp16 halves: a pass with no work
 
-// Build flag MGX_PRELOAD (an experiment of the forty-fifth session; 0 by default). Bit 1: a staged int4
-// GEMV on cuda_tile16 codes with fp16 scale pairs (QKV, o at batch 1) copies its block's whole output
-// group -- steps x 1 KB of codes and the group's scale pairs, contiguous in that layout -- into shared
-// memory with one cp.async.bulk issued first thing, before its PDL wait, and reads them from there: the
-// weights stream in while the latency-bound kernel before it (a norm, decode attention) runs and
-// DRAM is otherwise idle. Bits 2 and 4: the norm_stage after the fused MLP (norm_stage_fx, before QKV)
-// and the one after o (before gate/up or the fused MLP) let their successor launch before their own
-// wait, so that the projection after them is on the SMs and loading sooner. Bit 8: the staged GEMVs
-// (QKV, o) do the same for the kernel after them (decode attention, the norm).
-#ifndef MGX_PRELOAD
-#define MGX_PRELOAD 0
+// norm_stage_fx (the add + norm after the fused MLP, before QKV) lets QKV launch before its own wait
+// (mgx_abi.cuh releases after it), so that QKV's blocks take the SMs the MLP's 112 blocks leave free and
+// load their first pass while the MLP ends; QKV releases after its wait, so no third kernel follows
+// early. Build flag MGX_NORM_FX_EARLY, 1 by default. In the 8B INT4 model on the H200 (forty-fifth
+// session, 151st-152nd runs, graph ms, the flag rebuilt in the same run): with QKV and o on their
+// tuned imma_w16, 1.690 against 1.702 / 1.695 without; on imma (MGX_CUDA_STAGED_X=imma), 1.635 against
+// 1.678 / 1.671. Both norms early: 1.681 (151st) and 1.676 (150th, against 1.703 / 1.694); the norm
+// before the MLP alone 1.710 (its successor's blocks fill an SM and wait for o's to leave anyway); the
+// staged GEMVs releasing early too, 1.702-1.703.
+#ifndef MGX_NORM_FX_EARLY
+#define MGX_NORM_FX_EARLY 1
 #endif
-constexpr bool kPreloadGroup = (MGX_PRELOAD & 1) != 0;
-constexpr bool kNormEarlyFx = (MGX_PRELOAD & 2) != 0;
-constexpr bool kNormEarly = (MGX_PRELOAD & 4) != 0;
-constexpr bool kStagedEarly = (MGX_PRELOAD & 8) != 0;
-constexpr int kPreSteps = 32;  // the most steps (K = 4,096) a preloaded group holds: 32 KB of codes
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// One thread: arm the block's barrier for `bytes` and start the bulk copies of codes and pairs.
-__device__ __forceinline__ void preload_start(uint64_t* bar, void* codes, const void* src_codes, uint32_t code_bytes,
-                                              void* pairs, const void* src_pairs, uint32_t pair_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t b = smem_addr(bar);
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(code_bytes + pair_bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(codes)), "l"(src_codes), "r"(code_bytes), "r"(b) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(pairs)), "l"(src_pairs), "r"(pair_bytes), "r"(b) : "memory");
-#endif
-}
-
-// Every thread: wait until the bulk copies have landed (phase 0 of the barrier).
-__device__ __forceinline__ void preload_wait(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(smem_addr(bar)) : "memory");
-  }
-#endif
-}
+constexpr bool kNormFxEarly = MGX_NORM_FX_EARLY != 0;
 
 // (s, z) from their fp16 halves (s in the low one).
 __device__ __forceinline__ float2 half_pair(uint32_t r) {
@@ -886,6 +852,14 @@ __device__ __forceinline__ float2 half_pair(uint32_t r) {
 // of codes, scales and zeros into shared memory with cp.async before mgx_pdl_wait (build flag
 // MGX_IMMA_PRELOAD). Same bits and occupancy, but the 8B INT4 chain lost (1.713 -> 1.883-2.240 ms) and
 // every kernel alone was slower (gate/up imma_w4 staged 23.4 -> 28.5 us with one pass): README.
+// Tried on the H200 (45th session, 149th-152nd runs; 5a4cee7, build flag MGX_PRELOAD bit 1) and
+// dropped: a staged int4 GEMV copying its block's whole output group (steps x 1 KB of cuda_tile16
+// codes and the group's scale pairs, contiguous) into shared memory with one cp.async.bulk before its
+// PDL wait, and reading it from there. Same bits (the half-scales test, 6 passed), but in the 8B INT4
+// model 1.698 against 1.702 / 1.694 ms with QKV and o on imma_w16 (384 blocks at two an SM: two
+// waves), 1.646 against 1.678 / 1.671 on imma, and 1.653 with norm_stage_fx's early release, which alone
+// gave 1.635: the windows before QKV and o (a norm, decode attention) are already used by the first
+// pass each block loads before its wait.
 // Tried on the H200 (35th session, 95th run) and dropped: a kernel of its own asking L2 for the next
 // projections' weights (cp.async.bulk.prefetch.L2 over byte spans) after QKV, while decode attention
 // runs. Every plan lost in the 8B INT4 layer chain (1.697 ms without; o's 9 MB 1.853; o and 16 MB of
@@ -1227,9 +1201,7 @@ __device__ void norm_stage_row(__nv_bfloat16* __restrict__ out, uint4* __restric
   // build, took 1.698 and 1.689 ms against 1.721 and 1.707 without (two A/B pairs, 32 layers), the
   // norms alone 0.155 and 0.152 against 0.164 and 0.165; the same values, so the same bits.
   const NormWeights first = norm_weights_first(in, k);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kFx ? kNormEarlyFx : kNormEarly) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  if constexpr (kFx && kNormFxEarly) mgx_pdl_release();
   mgx_pdl_wait();
   norm_prologue<kFx>(xs, in, k, &first, delta_fx);  // ends with a block barrier: xs is complete
   // Each block normalizes the whole row (its sum of squares needs all of it; the reads are one batch
@@ -1266,27 +1238,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   uint8_t* buf = imma_buffer<W>(warp);
   reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones (sum q)
   if (threadIdx.x < 4) (&imma_tally<W>().arrived[0])[threadIdx.x] = 0;  // arrived[2], stored[2]
-  // MGX_PRELOAD bit 1: the block's first group (its only one on the staged launches' grid) from shared
-  // memory, copied there in bulk before the wait; groups past K = 4,096 or 32 scale groups a row, sm_80,
-  // and a block's later groups read global memory as without it.
-  constexpr bool kWhole = kPreloadGroup && kStaged && kInt4 && kTile16 && kHalfScales && !kSilu && !kArgmax && !kNorm &&
-                          !kMulti;
-  __shared__ __align__(128) uint4 pre_codes[kWhole ? kPreSteps * 64 : 1];
-  __shared__ __align__(16) uint2 pre_pairs[kWhole ? kPreSteps * 8 : 1];
-  __shared__ __align__(8) uint64_t pre_bar;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const bool whole = kWhole && steps <= kPreSteps && stride_s <= kPreSteps && blockIdx.x < groups;
-#else
-  const bool whole = false;
-#endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kStagedEarly && kStaged) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  if (kWhole && whole && threadIdx.x == 0) {
-    const uint32_t code_bytes = static_cast<uint32_t>(steps) * 1024u, pair_bytes = static_cast<uint32_t>(stride_s) * 64u;
-    preload_start(&pre_bar, pre_codes, w + static_cast<size_t>(blockIdx.x) * code_bytes, code_bytes, pre_pairs,
-                  reinterpret_cast<const uint8_t*>(scales) + static_cast<size_t>(blockIdx.x) * pair_bytes, pair_bytes);
-  }
   __syncthreads();
   // Lane (g, t) reads B column g % 4 of part g / 4 (a warp's LDS.64 covers all eight).
   const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
@@ -1339,16 +1290,6 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
       const uint4* b = reinterpret_cast<const uint4*>(w + (w_hi + static_cast<uint32_t>(s) * kStepBytes));
       const uint4 zero = make_uint4(0, 0, 0, 0);
       const bool in = s < steps && at.x < groups;
-      if (kWhole && whole && at.x == static_cast<int>(blockIdx.x)) {  // the preloaded group (kWhole: kW 1)
-        const uint2* pairs = pre_pairs;
-        const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
-        p.lo[u] = in ? pre_codes[s * 64 + lane] : zero;
-        p.hi[u] = in ? pre_codes[s * 64 + 32 + lane] : zero;
-        const uint2 sz = in ? pairs[grp * 8u + static_cast<uint32_t>(g)] : make_uint2(kIdleHalves, kIdleHalves);
-        p.z_lo[u] = sz.x;
-        p.z_hi[u] = sz.y;
-        continue;
-      }
 #pragma unroll
       for (int v = 0; v < kW; ++v) {  // cuda_tile16: each word's 32 lanes read 512 contiguous bytes
         p.lo[kW * u + v] = in ? load_stream_fetch(a + kWordBytes / 16 * v) : zero;
@@ -1486,14 +1427,8 @@ __device__ void gemv_imma(__nv_bfloat16* __restrict__ out, const uint4* __restri
   // Only the first pass's codes before the wait: asking L2 for the block's whole first group there
   // (build flag MGX_IMMA_PREFETCH, twenty-first session) lost on the H200 (the 8B layer chained 32
   // times: INT4 2.24 vs 1.81 ms, W8A16 2.92 vs 2.32).
-  if (kWhole && whole) {  // the group is on its way in bulk: wait for the kernel before, then for it
-    mgx_pdl_wait();
-    preload_wait(&pre_bar);
-    load_w(at, even);
-  } else {
-    load_w(at, even);
-    mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
-  }
+  load_w(at, even);
+  mgx_pdl_wait();  // as in gemv_rows: the first codes are on their way; x may be the last kernel's
   load_x(at, even);
   while (at.x < groups) {
     int2 later = next(at.x, at.y);

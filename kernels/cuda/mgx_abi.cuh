@@ -25,3 +25,12 @@ __device__ __forceinline__ void mgx_pdl_wait() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// Lets the next kernel launch now, before this one's mgx_pdl_wait (which releases it anyway): only
+// where that kernel's blocks, waiting, cannot hold up this one's or release a third early (gemv.cu's
+// norm_stage_fx). A no-op below sm_90.
+__device__ __forceinline__ void mgx_pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
