@@ -4,6 +4,8 @@ runs in tests/gpu/test_gpu_kernels.py against the reference)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from mgx.kernels.cuda import build  # noqa: E402
 from mgx.kernels.cuda import gemv as cg  # noqa: E402
 from mgx.kernels.triton.testing import as_read_by, make_weight  # noqa: E402
 
@@ -521,3 +524,33 @@ def test_fused_mlp_rows_read_back_in_fixed_point_and_the_launchers_refuse_what_t
     assert cg.FUSED_MLP_THREADS == 16 * 32
     example = (Path(__file__).resolve().parents[2] / "examples" / "mlp_fused.cu").read_text()
     assert "MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)" in example  # the variant timed as the product's
+
+
+def _entry_ptx(ptx: str, entry: str) -> str:
+    """The PTX of one ``.entry`` of a module's text, up to the next one."""
+    start = ptx.index(f".entry {entry}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start:] if end < 0 else ptx[start:end]
+
+
+@pytest.mark.parametrize("early", [None, "0"])
+def test_norm_stage_fx_releases_qkv_before_its_wait_and_no_other_norm_does(early: str | None) -> None:
+    """In the product's build (cuda_tile16, fp16 scale pairs) for sm_90a, the add + norm after the fused
+    MLP lets the next kernel (QKV) launch before its own griddepcontrol.wait; the norm before gate/up
+    releases only after it, as every other kernel does (mgx_abi.cuh). MGX_NORM_FX_EARLY=0 turns the
+    early release off."""
+    nvcc = build.find_nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    flags = ["-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1", *([f"-DMGX_NORM_FX_EARLY={early}"] if early else [])]
+    with tempfile.TemporaryDirectory(prefix="mgx-ptx-") as tmp:
+        out = Path(tmp) / "gemv.ptx"
+        proc = subprocess.run([nvcc, "-ptx", build.gencode("sm_90a"), "-O3", "-std=c++17", *flags, "-o", str(out),
+                               str(Path(build.HERE) / "gemv.cu")], capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ptx = out.read_text()
+    for entry, released_first in ((cg.NORM_STAGE_FX_ENTRY, early is None), (cg.NORM_STAGE_ENTRIES["int4"], False)):
+        body = _entry_ptx(ptx, entry)
+        wait, release = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
+        assert wait >= 0 and release >= 0, entry
+        assert (release < wait) == released_first, (entry, release, wait)
