@@ -545,8 +545,8 @@ def test_norm_stage_fx_releases_qkv_before_its_wait_and_no_other_norm_does(early
     flags = ["-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1", *([f"-DMGX_NORM_FX_EARLY={early}"] if early else [])]
     with tempfile.TemporaryDirectory(prefix="mgx-ptx-") as tmp:
         out = Path(tmp) / "gemv.ptx"
-        proc = subprocess.run([nvcc, "-ptx", build.gencode("sm_90a"), "-O3", "-std=c++17", *flags, "-o", str(out),
-                               str(Path(build.HERE) / "gemv.cu")], capture_output=True, text=True, timeout=600)  # fmt: skip
+        cmd = [nvcc, "-ptx", *build._flags("sm_90a", tuple(flags)), "-o", str(out), str(build.HERE / "gemv.cu")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # the kernels' own nvcc flags
         assert proc.returncode == 0, proc.stderr[-2000:]
         ptx = out.read_text()
     for entry, released_first in ((cg.NORM_STAGE_FX_ENTRY, early is None), (cg.NORM_STAGE_ENTRIES["int4"], False)):
