@@ -495,7 +495,8 @@ class CUDABackend(Backend):
         self.steps_by_path: Counter[str] = Counter()
         self.captures: Counter[str] = Counter()
         self.capture_s: Counter[str] = Counter()  # host seconds spent capturing (warm-up runs included)
-        self._pool: Any = None
+        self._pool: Any = None  # the captured steps' memory pool (``_graph_pool``)
+        self._pool_anchor: Any = None  # the graph that keeps it open
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
         self.tunings = Tunings()  # stored autotune choices for this GPU (use_tunings); empty: defaults
@@ -1232,6 +1233,19 @@ class CUDABackend(Backend):
                        width: int) -> _Graph:  # fmt: skip
         return self._record(run_ops, batch, self._mixed_step(bucket, cap, width), self._fill_mixed)
 
+    def _graph_pool(self) -> Any:
+        """The private memory pool that every captured step allocates from, held open for the backend's
+        life by a graph of its own (``_pool_anchor``: one 4-byte fill). torch counts the graphs that
+        use a pool; when every step is dropped (``mgx-run tune`` drops them all between its trials)
+        the count falls to zero, and while a tensor allocated in the pool is still alive torch keeps
+        the pool and refuses the next capture into it with an internal assert (torch 2.11 on the
+        H200, the 154th run: 8B INT4 after tune's first trial)."""
+        pool = torch.cuda.graph_pool_handle()
+        self._pool_anchor = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._pool_anchor, pool=pool):
+            torch.zeros(1, dtype=torch.int32, device=self.device)
+        return pool
+
     def _capture(self, run_ops: Callable[[StepBatch], Array], batch: StepBatch, bucket: int, width: int) -> _Graph:
         return self._record(run_ops, batch, self._static_step(bucket, width), self._fill)
 
@@ -1250,7 +1264,7 @@ class CUDABackend(Backend):
                     self._pending.clear()
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+                self._pool = self._graph_pool()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = run_ops(batch)

@@ -1312,6 +1312,35 @@ def test_gpu_warm_up_leaves_the_batch_1_decode_graphs_narrow_and_a_long_context_
     assert widths[-1] == (1, 75) and backend._decode_graphs[(1, True)].step.block_tables.shape[1] == 75
 
 
+@pytest.mark.gpu
+def test_gpu_steps_capture_again_after_every_graph_is_dropped_while_pool_memory_lives() -> None:
+    """``mgx-run tune`` drops every captured step between its trials. A tensor allocated in the
+    graphs' memory pool may outlive them all (here a graph's output, held); the next capture into
+    the pool must still work (the 154th run's 8B INT4 tune failed there on torch 2.11 with an
+    internal assert of the caching allocator) and decode the same tokens."""
+    import gc
+
+    from mgx.runtime import Engine, EngineConfig
+
+    from _tiny_graph import tiny_contents
+
+    contents = tiny_contents()
+    backend = CUDABackend(contents.graph, dtype="f32")
+    engine = Engine.from_contents(contents, backend=backend,
+                                  config=EngineConfig(max_num_seqs=2, max_tokens_per_step=512, block_size=16))
+    prompt = np.random.default_rng(5).integers(2, 300, 40).tolist()
+    want = engine.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+    held = []
+    for round_ in range(2):
+        held += [g.out for kind in ("decode", "prefill", "mixed") for g in getattr(backend, f"_{kind}_graphs").values()]
+        assert held, "the first generate captured no graph"
+        backend.drop_graphs()
+        gc.collect()
+        got = engine.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+        assert got == want, f"round {round_}"
+    assert backend.graph_stats()["captures"]["decode"] >= 3
+
+
 def test_drop_graphs_forgets_the_kinds_it_is_given_and_names_an_unknown_one() -> None:
     backend = CUDABackend(compiled("gqa", "dense"), device="cpu", dtype="f32")
     for kind in ("decode", "prefill", "mixed"):
