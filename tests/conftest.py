@@ -18,6 +18,13 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Built native kernels are kept in the temp directory, not the user's cache (shared by the workers
 # of one run and by later runs: the cache's keys are what decides the bytes).
 os.environ.setdefault("MGX_CUDA_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "mgx-test-cuda-kernels"))
+# `python -m pytest` (the README's test command) puts the working directory, the repository root,
+# first on sys.path. There this project's folders (kernels/, runtime/, ...) would stand for top-level
+# packages of their names, which they are not (the package is `mgx`, installed): transformers 5
+# imports the Hugging Face `kernels` package, and the root's kernels/ shadowed it. The tests' own
+# `python -c` subprocesses (run from the root) get PYTHONSAFEPATH, which keeps it off theirs (3.11+).
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__file__).resolve().parents[1]]
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Without a GPU, Triton kernels run in Triton's interpreter; this must be set before anything

@@ -28,3 +28,14 @@ def test_import_contracts_hold() -> None:
 def test_ruff_is_clean() -> None:
     res = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:]
+
+
+def test_the_repository_folders_are_no_top_level_packages_in_the_tests() -> None:
+    """The root is the `mgx` package's folder: on sys.path its kernels/ shadowed the Hugging Face
+    `kernels` package that transformers 5 imports (tests/conftest.py takes the root off)."""
+    import importlib.util
+
+    for name in ("kernels", "runtime", "compiler", "passes", "formats"):
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        assert origin is None or ROOT not in origin.parents, f"{name} resolves to {origin}"
