@@ -56,8 +56,34 @@ def _weight_files(source: SourceSpec) -> list[Path]:
     return files
 
 
+def _check_kernels_package() -> None:
+    """transformers 5 imports the Hugging Face ``kernels`` package where it is installed. Started with
+    this project's folder on its path (``python -c`` or ``python -m`` run from the repository root,
+    which is the ``mgx`` package's own folder), Python finds the project's ``kernels/`` under that
+    name instead and the model's import fails deep inside transformers: say so before."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return  # transformers does not import it
+    loaded = sys.modules.get("kernels")
+    origin = getattr(loaded, "__file__", None) if loaded is not None else None
+    if loaded is None:
+        spec = importlib.util.find_spec("kernels")
+        origin = spec.origin if spec is not None else None
+    ours = Path(__file__).resolve().parents[1]
+    if origin and ours in Path(origin).resolve().parents:
+        raise SourceError(f"the 'kernels' package that transformers imports resolves to this project's own folder "
+                          f"({Path(origin).parent}): Python was started with {ours} on its path (python -c or -m "
+                          "run there put it first); run from another folder, or use the installed mgxc command")
+
+
 def load_source(source: SourceSpec) -> LoadedSource:
     """Load weights, config and tokenizer for ``source`` in fp32 on the CPU."""
+    _check_kernels_package()
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

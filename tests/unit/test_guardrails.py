@@ -39,3 +39,33 @@ def test_the_repository_folders_are_no_top_level_packages_in_the_tests() -> None
         spec = importlib.util.find_spec(name)
         origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
         assert origin is None or ROOT not in origin.parents, f"{name} resolves to {origin}"
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_loading_a_source_with_the_root_on_the_path_names_the_shadowed_kernels_package(
+    installed: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`python -c` / `-m` run from the root: where the Hugging Face `kernels` package is installed
+    (transformers 5 imports it), the compiler says what shadows it before transformers fails deep
+    inside; where it is not, nothing is in the way and loading goes on (here: to the missing folder)."""
+    import importlib.metadata
+
+    from mgx.compiler.sources import SourceError, load_source
+    from mgx.compiler.spec import SourceSpec
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:  # the kernels distribution as the case has it, the others as they are
+        if name != "kernels":
+            return real(name)
+        if installed:
+            return "0.19.1"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.delitem(sys.modules, "kernels", raising=False)
+    monkeypatch.syspath_prepend(str(ROOT))
+    missing = SourceSpec("hf_dir", tmp_path / "nowhere", "nowhere")
+    want = "'kernels' package that transformers imports resolves to this project's own folder"
+    with pytest.raises(SourceError, match=want if installed else "nowhere: cannot read the model config"):
+        load_source(missing)
