@@ -63,17 +63,13 @@ def _check_kernels_package() -> None:
     name instead and the model's import fails deep inside transformers: say so before."""
     import importlib.metadata
     import importlib.util
-    import sys
 
     try:
         importlib.metadata.version("kernels")
     except importlib.metadata.PackageNotFoundError:
         return  # transformers does not import it
-    loaded = sys.modules.get("kernels")
-    origin = getattr(loaded, "__file__", None) if loaded is not None else None
-    if loaded is None:
-        spec = importlib.util.find_spec("kernels")
-        origin = spec.origin if spec is not None else None
+    spec = importlib.util.find_spec("kernels")  # an imported module's own spec, else the path's
+    origin = spec.origin if spec is not None else None
     ours = Path(__file__).resolve().parents[1]
     if origin and ours in Path(origin).resolve().parents:
         raise SourceError(f"the 'kernels' package that transformers imports resolves to this project's own folder "
