@@ -188,8 +188,10 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
             TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
             TIMES[f"autotune_{scheme}_shapes"] = result.stats["timings"]
             for shape, t in result.stats["timings"].items():
+                how = {"staged": ", after its norm", "norm": ", norm in its loads", "add": ", add in its epilogue"}
                 log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
-                    f"best Triton {t['triton_us']:.1f} us, {t['triton_config']})")
+                    f"best Triton {t['triton_us']:.1f} us, {t['triton_config']}{how.get(t['fused'], '')})"
+                    + "".join(f"; {kind} {us:.1f}" for kind, us in t.get("native_us", {}).items()))
     fp = Fingerprint("random", "wordlevel", "bf16", base, "cuda")
     variants = [(scheme, tunings)]
     if untuned_twin and tunings:

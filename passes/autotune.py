@@ -13,9 +13,10 @@ head, the imma kinds' greedy entries (``gemv_argmax``), which must pick the Trit
 not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
-launch, weight GB/s, the best Triton configuration's us and blocks, and with ``fused`` how it was
-timed: "add", "norm" or ""}), for build logs and benchmarks: a slow
-build GPU or a shape that lost shows there before any model runs.
+launch, weight GB/s, the best Triton configuration's us and blocks, each native kind's us
+(``native_us``), and with ``fused`` how it was timed: "add", "norm", "staged" (after its norm, the
+time of both: option ``staged``) or ""}), for build logs and benchmarks: a slow build GPU or a shape
+that lost shows there before any model runs.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class AutotuneOptions:
     # apart from the way they run, the 8B W8A16 choices cost 0.3 ms a decode step on the H200 (see
     # ``_overlap``); False: time them one after the other (for A/Bs and for runtimes with MGX_CUDA_PDL=0).
     overlapped: bool = True
+    # Time the one-row projections that the CUDA backend runs on an imma kind's staged twin (weights of
+    # ``STAGED_SCHEMES`` read by an add + RMSNorm: QKV and gate/up) as it runs them: each candidate
+    # after its norm, a kind with a staged twin as ``norm_stage`` + the twin, every other candidate
+    # after the plain add + RMSNorm kernel (``_staged_launch`` says why). False: alone, as before.
+    staged: bool = True
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -262,6 +268,86 @@ def _fused_launch(fused: tuple[str, ir.Op, ir.Op], launch: Callable[..., Any], x
     return timed
 
 
+def _staged_readers(graph: ir.Graph) -> dict[tuple[str, int, int], ir.Op]:
+    """For ``staged``: by (kernel, N, K), an RMSNorm whose whole row only that linear reads (QKV and
+    gate/up after their norms; the CUDA backend's ``_one_row_reader``), for the shapes most of whose
+    linears are such readers."""
+    users: dict[str, list[ir.Op]] = {}
+    for op in graph.ops:
+        for name in op.inputs:
+            users.setdefault(name, []).append(op)
+    norm_of = {}
+    for op in graph.ops:
+        if op.kind == "rms_norm" and len(users.get(op.outputs[0], [])) == 1 and op.outputs[0] not in graph.outputs:
+            reader = users[op.outputs[0]][0]
+            if reader.kind == "linear" and reader.inputs == op.outputs and int(op.attrs["group"]) == int(
+                    reader.attrs["in_features"]):  # fmt: skip
+                norm_of[id(reader)] = op
+    votes: dict[tuple[str, int, int], list[ir.Op | None]] = {}
+    for op in graph.ops:  # keyed by the logical shape (a quantized weight's codes are packed)
+        if op.kind == "linear":
+            key = (_kernel_of(graph, op), int(op.attrs["out_features"]), int(op.attrs["in_features"]))
+            votes.setdefault(key, []).append(norm_of.get(id(op)))
+    return {key: next(n for n in norms if n is not None) for key, norms in votes.items()
+            if 2 * sum(n is not None for n in norms) >= len(norms)}  # fmt: skip
+
+
+def _staged_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: Any, kernels: Any, graph: ir.Graph,
+                   device: Any, dtype: Any) -> tuple[Callable[[Any], Callable[..., Any]], Callable[[Any], Callable[..., Any]]] | None:  # fmt: skip
+    """For ``staged``: (config -> the timed call of a Triton candidate, native config -> a native kind's),
+    each after the norm that feeds it in the CUDA backend's batch-1 step, on a random row and residual;
+    None where ``norm_stage`` does not take the row (the backend then stages nothing).
+
+    Timed alone, a projection's kind was ranked otherwise than in the step: on the H200 (forty-sixth
+    session, the 8B INT4 model) autotune chose ``imma_w16`` for QKV (6.7 us alone) where ``mgx-run
+    tune`` measured the step 3.5% shorter on ``imma`` (1.631 against 1.690 ms): launched while its
+    norm runs, ``imma``'s 8-warp blocks are all resident and load their first weights before they
+    wait, where ``imma_w16``'s 16-warp blocks take two waves. Timed after the norm, each candidate
+    meets that. A kind with a staged twin runs as the backend runs it, ``norm_stage`` (the norm that
+    also stages x) and the twin on its record; every other candidate reads the row of the plain add +
+    RMSNorm kernel (``rms_norm`` with the residual), as where the backend stages nothing."""
+    import torch
+
+    from mgx.kernels.cuda.gemv import (
+        NormPrologue,
+        gemv_staged,
+        norm_stage,
+        norm_stage_applies,
+        run_native,
+        staged_applies,
+    )
+    from mgx.kernels.cuda.rmsnorm import rms_norm
+
+    k = w.k
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    delta = torch.randn(1, k, dtype=dtype, device=device)
+    t = graph.tensors.get(norm.weights.get("weight", ""))
+    weight = None if t is None else torch.as_tensor(to_f32(t), device=device).to(dtype).contiguous()
+    eps = float(norm.attrs["eps"])
+    normed, total = torch.empty_like(x), torch.empty_like(x)
+    prologue = NormPrologue(delta, weight, eps, total)
+    if not norm_stage_applies(kernels, x, prologue, w.scheme):
+        return None
+
+    def plain() -> Any:
+        return rms_norm(x, weight, eps, kernels=kernels, residual=delta, out=normed)[0]
+
+    def triton(config: Any) -> Callable[..., Any]:
+        return lambda c=config, f=launch, w=w: f(plain(), w, config=c)
+
+    def native(config: Any) -> Callable[..., Any]:
+        kind = config.native
+        if staged_applies(kernels, x, w, kind):
+            def twin(c: Any = config, w: Any = w) -> Any:
+                _, rec = norm_stage(x, prologue, w.scheme, kernels=kernels, out=normed)
+                return gemv_staged(rec, w, kernels=kernels, kind=c.native, silu_mul=silu)
+
+            return twin
+        return lambda c=config, w=w: run_native(plain(), w, kernels=kernels, kind=c.native, silu_mul=silu)
+
+    return triton, native
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """How many copies of an ``nbytes`` weight span 4x an L2 of ``l2_bytes``: 2 to 16."""
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
@@ -287,6 +373,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
     from mgx.kernels.cuda.gemv import (
         NATIVE_TOLERANCE,
+        STAGED_SCHEMES,
         gemv_applies,
         half_scales_hold,
         native_error,
@@ -306,6 +393,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
     roles = _fused_roles(graph) if opts.fused else {}
+    staged_norms = _staged_readers(graph) if opts.staged else {}
     entries: dict[str, AutotuneEntry] = {}
     measured: dict[str, dict[str, Any]] = {}  # the winners' times, for the build log (stats["timings"])
     timed = 0
@@ -340,10 +428,15 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 best = None
                 fused = roles.get((kernel, w.n, w.k)) if m == 1 and w.scheme == "none" else None
                 as_run = _fused_launch(fused, launch[kernel], x, w, graph, entries, device, dtype) if fused else None
+                norm = staged_norms.get((kernel, w.n, w.k)) if m == 1 and w.scheme in STAGED_SCHEMES else None
+                staged = None if norm is None or kernels is None else _staged_launch(
+                    norm, launch[kernel], kernel == "linear_silu_mul", w, kernels, graph, device, dtype)  # fmt: skip
                 for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
                     try:
                         if as_run is not None:
                             seconds = _time(as_run(config), opts.repeats, ws)
+                        elif staged is not None:
+                            seconds = _time(staged[0](config), opts.repeats, ws)
                         else:
                             seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
                     except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
@@ -362,20 +455,24 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 # dtype; the LM head: the same token, its logit within that): a native kernel that
                 # disagrees is reported, never chosen.
                 want = launch[kernel](x, w, config=best[1]) if kinds else None
+                natives_us: dict[str, float] = {}  # each native kind's time, for the build log
                 for kind in kinds:
                     err = native_error(x, w, None, kernels=kernels, kind=kind, want=want, silu_mul=silu, argmax=head)
                     if err > NATIVE_TOLERANCE:
                         rejected.append(f"{kind} {key[1]} ({native_error_text(err, head)})")
                         continue
                     native = dataclasses.replace(best[1], native=kind)
-                    seconds = _time(lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
-                        x, w, kernels=kernels, kind=d, silu_mul=s, argmax=h), opts.repeats, ws)  # fmt: skip
+                    call = staged[1](native) if staged is not None else (lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
+                        x, w, kernels=kernels, kind=d, silu_mul=s, argmax=h))  # fmt: skip
+                    seconds = _time(call, opts.repeats, ws)
                     timed += 1
+                    natives_us[kind] = seconds * 1e6
                     if seconds < best[0]:
                         best = (seconds, native)
                 if best is not None:
                     entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
-                    measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": fused[0] if fused else ""}
+                    how = fused[0] if fused else "staged" if staged is not None else ""
+                    measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": how, "native_us": natives_us}
             copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]

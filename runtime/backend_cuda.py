@@ -95,6 +95,7 @@ from mgx.formats.ir import DType, Graph, Op, Tensor
 from mgx.kernels.cuda.gemv import (
     ARGMAX_ENTRIES,
     ARGMAX_LABEL,
+    STAGED_SCHEMES,
     TILE16_MARKER,
     NormPrologue,
     fixed_rows,
@@ -165,11 +166,6 @@ SELF_MERGE_MAX_SPLITS = 16
 # Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
 # default; W8A16 and dense readers lost on the H200 (module docstring).
 NORM_IN_SCHEMES = frozenset({"int4"})
-# Weights whose projections after an add + RMSNorm run the staged twin by default at batch 1
-# (``_norm_stage_into_gemv``). On the H200 (27th session, 8B shape, tuned kinds) the INT4 batch-1
-# graph took 1.861 ms staged against 1.924 unstaged; the W8A16 layer chain was slower staged (2.353
-# against 2.311 ms), so W8A16 stays unstaged unless MGX_CUDA_STAGED_X=1.
-STAGED_SCHEMES = frozenset({"int4"})
 # Token buckets of the prefill graphs (module docstring): powers of two up to 256, then
 # steps of 128 to 512 and of 256 to 4,096, so that padding adds less than half to prompts past 256
 # tokens and less than a third past 768.

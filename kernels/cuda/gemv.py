@@ -43,7 +43,7 @@ from .rmsnorm import KERNEL_ABI, CudaKernels
 
 __all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
-           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs",
+           "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGED_SCHEMES", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs",
            "FIXED_ONE", "FUSED_MLP_ENTRY", "NORM_STAGE_FX_ENTRY", "fixed_rows", "fixed_to", "fused_mlp", "fused_mlp_applies", "fused_mlp_blocks",
            "fused_mlp_args", "fused_mlp_shared", "norm_stage_fx"]  # fmt: skip
 
@@ -106,6 +106,12 @@ STAGED_KINDS = ("imma", "imma_w4", "imma_w16")
 STAGED_ENTRIES = {(kind, scheme): ENTRIES[_ENTRY_KIND[kind], scheme].replace(f"_bf16_v{KERNEL_ABI}", f"_staged_bf16_v{KERNEL_ABI}")
                   for kind in STAGED_KINDS for scheme in ("int4", "w8a16")}  # fmt: skip
 _STAGED = {(_ENTRY_KIND[kind], scheme): name for (kind, scheme), name in STAGED_ENTRIES.items()}  # as _launch looks up
+# Weights whose projections after an add + RMSNorm the CUDA backend runs on the staged twin by default
+# at batch 1 (its ``_norm_stage_into_gemv``; the autotune pass times them so). On the H200 (27th
+# session, 8B shape, tuned kinds) the INT4 batch-1 graph took 1.861 ms staged against 1.924 unstaged;
+# the W8A16 layer chain was slower staged (2.353 against 2.311 ms), so W8A16 stays unstaged unless
+# MGX_CUDA_STAGED_X=1.
+STAGED_SCHEMES = frozenset({"int4"})
 STAGE_ENTRIES = {"int4": f"mgx_imma_stage_int4_v{KERNEL_ABI}", "w8a16": f"mgx_imma_stage_w8a16_v{KERNEL_ABI}"}
 STAGE_WARPS = 4  # kStageWarps in gemv.cu: warps (steps) a block of the stage kernel
 # The RMSNorm that also writes the record (``norm_stage``: one kernel instead of the norm's and the stage's).

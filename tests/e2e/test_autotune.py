@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mgx.formats import ir
 from mgx.formats.artifact import load_artifact, write_artifact
 from mgx.kernels.triton.linear import LinearConfig
 from mgx.kernels.triton.tuning import candidates
@@ -436,6 +437,98 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
     plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
     assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
+
+
+@pytest.mark.interpreted
+def test_staged_timing_times_the_norm_fed_int4_projections_after_their_norm(monkeypatch) -> None:  # noqa: ANN001
+    """``staged`` (on by default): the one-row int4 projections that one add + RMSNorm feeds (QKV and
+    gate/up; the CUDA backend stages x for them) are timed after that norm. A native kind with a
+    staged twin runs ``norm_stage`` and the twin on its record, every other candidate (Triton
+    configurations, kinds without a twin) reads the plain add + RMSNorm's row; o, down and the LM
+    head are timed alone. The kernels are stood in for (no GPU): each kind of call runs once here,
+    and the result it gives is the reference product of the normalized row."""
+    import torch
+
+    from mgx.kernels.cuda import gemv as cg
+    from mgx.kernels.cuda import rmsnorm as crms
+    from mgx.kernels.triton.linear import linear_ref, linear_silu_mul_ref
+    from mgx.kernels.triton.rmsnorm import rms_norm_ref
+
+    monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
+    monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: _StandIn())
+    monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False:
+                        x.shape[0] == 1 and not argmax and kind in ("imma", "imma_w16"))  # fmt: skip
+    monkeypatch.setattr(cg, "gemv", reference_gemv())
+    monkeypatch.setattr(cg, "norm_stage_applies", lambda k, x, norm, scheme: scheme == "int4" and norm.delta is not None)
+    monkeypatch.setattr(cg, "staged_applies", lambda k, x, w, kind, bias=None: kind == "imma")  # imma_w16: no twin
+    ran: list[tuple] = []
+    rows: list = []
+
+    def norm_stage(x, norm, scheme, *, kernels, out=None, rec=None, blocks=None):  # noqa: ANN001, ANN202
+        normed, total = rms_norm_ref(x, norm.weight, norm.eps, residual=norm.delta)
+        norm.total.copy_(total)
+        out.copy_(normed)
+        rows.append(normed)
+        ran.append(("norm_stage", scheme))
+        return out, torch.zeros(cg.staged_bytes(x.shape[1]), dtype=torch.uint8)
+
+    def gemv_staged(rec, w, bias=None, *, kernels, kind, silu_mul=False, out=None):  # noqa: ANN001, ANN202
+        ran.append(("staged", kind, w.n))
+        return (linear_silu_mul_ref if silu_mul else linear_ref)(rows[-1], w, bias).to(rows[-1].dtype)
+
+    real_norm = crms.rms_norm
+
+    def rms_norm(x, weight, eps, *, kernels, residual=None, out=None, **kw):  # noqa: ANN001, ANN202
+        ran.append(("rms_norm", residual is not None))
+        return real_norm(x, weight, eps, kernels=kernels, residual=residual, out=out, **kw)
+
+    monkeypatch.setattr(cg, "norm_stage", norm_stage)
+    monkeypatch.setattr(cg, "gemv_staged", gemv_staged)
+    monkeypatch.setattr(crms, "rms_norm", rms_norm)
+    called: set[tuple[int, str]] = set()  # (N, what): each kind of timed call runs once
+
+    def timer(fn, repeats, weights=None):  # noqa: ANN001, ANN202
+        config = fn.__defaults__[0]
+        w = next(d for d in fn.__defaults__ if hasattr(d, "scheme"))  # the weight
+        what = config.native or "triton"
+        if (w.n, what) not in called:
+            called.add((w.n, what))
+            before = len(ran)
+            out = fn()
+            assert out.shape[0] == 1 and torch.isfinite(out.float()).all()
+            seen.append((w.n, what, ran[before:]))
+        return {"imma": 1.0, "imma_w16": 2.0}.get(config.native, 3.0 + fake_seconds(config) * 1e-3)
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(autotune_pass, "_time", timer)
+    graph = tiny_contents(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, head_dim=32,
+                          dtype=ir.DType.BF16).graph  # fmt: skip
+    for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
+        PASSES[name](graph, {"group_size": 128} if name == "quantize_int4" else {}, PassContext(target="cuda"))
+    readers = autotune_pass._staged_readers(graph)
+    qkv = int(next(op for op in graph.ops if op.kind == "linear").attrs["out_features"])
+    inter = graph.arch.intermediate_size
+    assert set(readers) == {("linear", qkv, 128), ("linear_silu_mul", 2 * inter, 128)}
+    assert all(n.kind == "rms_norm" for n in readers.values())
+
+    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "bf16"}, PassContext(target="cuda"))
+    timings = result.stats["timings"]
+    how = {key.split(",N=")[1].split(",")[0]: (t["fused"], t["chosen"]) for key, t in timings.items()
+           if not key.startswith("lm_head")}  # fmt: skip
+    assert how == {str(qkv): ("staged", "imma"), str(2 * inter): ("staged", "imma"), "128": ("", "imma")}
+    assert all(t["native_us"] == {"imma": 1e6, "imma_w16": 2e6} for key, t in timings.items() if not key.startswith("lm_head"))
+    calls = {(n, what): tuple(c[0] for c in run) for n, what, run in seen}
+    for n in (qkv, 2 * inter):  # after the norm: the twin after norm_stage, the rest after the plain norm
+        assert calls[n, "imma"] == ("norm_stage", "staged")
+        assert calls[n, "imma_w16"] == ("rms_norm",) and calls[n, "triton"] == ("rms_norm",)
+    assert all(c[1] is True for n, _, run in seen for c in run if c[0] == "rms_norm")  # with the residual
+    assert calls[128, "imma"] == () and calls[128, "triton"] == ()  # o and down: alone
+
+    seen.clear()
+    called.clear()
+    plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "bf16", "staged": False}, PassContext(target="cuda"))
+    assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
+    assert not [c for _, _, run in seen for c in run]
 
 
 @pytest.mark.parametrize(("arch", "option", "want"), [("sm_90", True, True), ("sm_80", True, False), ("sm_90", False, False)])

@@ -383,6 +383,36 @@ def test_gpu_tune_times_the_decode_step_and_the_written_model_runs_its_choices(t
     assert "batch-1 decode step" in result.output
 
 
+@pytest.mark.gpu
+def test_gpu_autotune_times_the_staged_projections_after_their_norm() -> None:
+    """On a real GPU, an int4 model in cuda_tile16 with fp16 scale pairs (the 8B INT4 model's build):
+    autotune times QKV and gate/up after their norm (``staged``: ``norm_stage`` and a kind's staged
+    twin, or the plain add + RMSNorm before the rest), o and down alone; every time is real, and each
+    native choice is one of the kinds the build holds."""
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
+    from mgx.kernels.cuda.gemv import KINDS
+
+    graph = tiny_contents(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, head_dim=64,
+                          num_kv_heads=2, dtype=ir.DType.BF16).graph  # fmt: skip
+    for name, options in (("fuse_qkv", {}), ("fuse_gate_up", {}), ("quantize_int4", {"group_size": 128}),
+                          ("reorder_weights", {})):  # fmt: skip
+        PASSES[name](graph, options, PassContext(target="cuda"))
+    timed = {}
+    for staged in (True, False):
+        result = PASSES["autotune"](graph, {"rows": [1], "staged": staged, "repeats": 5}, PassContext(target="cuda"))
+        timed[staged] = {key.split(",N=")[1].split(",")[0] + ("/" + key.split(",K=")[1].split(",")[0]): t
+                         for key, t in result.stats["timings"].items() if not key.startswith("lm_head")}  # fmt: skip
+    qkv = str(256 + 2 * 2 * 64)
+    assert {key: t["fused"] for key, t in timed[True].items()} == {
+        f"{qkv}/256": "staged", "1024/256": "staged", "256/256": "", "256/512": ""}
+    assert {t["fused"] for t in timed[False].values()} == {""}
+    for t in (*timed[True].values(), *timed[False].values()):
+        assert t["us"] > 0 and t["triton_us"] > 0 and t["chosen"] in ("triton", *KINDS)
+    # After the norm a projection takes at least as long as the norm and itself alone, in the same build.
+    assert timed[True][f"{qkv}/256"]["triton_us"] > timed[False][f"{qkv}/256"]["triton_us"]
+
+
 def test_kernel_flags_ask_for_the_layouts_the_weights_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kernel_flags``: nothing for row-major weights; MGX_IMMA_TILE16 once reorder_weights tiled them;
     with it MGX_IMMA_HALF_SCALES where every int4 weight has groups of 128 and fp16 scales (quantize_int4's
