@@ -14,9 +14,9 @@ not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arc
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
 launch, weight GB/s, the best Triton configuration's us and blocks, each native kind's us
-(``native_us``), and with ``fused`` how it was timed: "add", "norm", "staged" (after its norm, the
-time of both: option ``staged``) or ""}), for build logs and benchmarks: a slow build GPU or a shape
-that lost shows there before any model runs.
+(``native_us``), and with ``fused`` how it was timed: "add", "norm", "after_norm" (option
+``after_norm``: the time of the norm and the projection) or ""}), for build logs and benchmarks: a
+slow build GPU or a shape that lost shows there before any model runs.
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ class AutotuneOptions:
     # apart from the way they run, the 8B W8A16 choices cost 0.3 ms a decode step on the H200 (see
     # ``_overlap``); False: time them one after the other (for A/Bs and for runtimes with MGX_CUDA_PDL=0).
     overlapped: bool = True
-    # Time the one-row projections that the CUDA backend runs on an imma kind's staged twin (weights of
-    # ``STAGED_SCHEMES`` read by an add + RMSNorm: QKV and gate/up) as it runs them: each candidate
-    # after its norm, a kind with a staged twin as ``norm_stage`` + the twin, every other candidate
-    # after the plain add + RMSNorm kernel (``_staged_launch`` says why). False: alone, as before.
-    staged: bool = True
+    # Time the one-row projections that a whole-row add + RMSNorm feeds (QKV and gate/up) after that
+    # norm, as the CUDA backend's decode step runs them: on weights it stages x for (``STAGED_SCHEMES``)
+    # a kind with a staged twin as ``norm_stage`` + the twin, every other candidate after the plain add
+    # + RMSNorm kernel (``_after_norm_launch`` says why). False: each alone, as before the forty-seventh
+    # session. ``fused`` takes the dense projections it times.
+    after_norm: bool = True
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -268,10 +269,10 @@ def _fused_launch(fused: tuple[str, ir.Op, ir.Op], launch: Callable[..., Any], x
     return timed
 
 
-def _staged_readers(graph: ir.Graph) -> dict[tuple[str, int, int], ir.Op]:
-    """For ``staged``: by (kernel, N, K), an RMSNorm whose whole row only that linear reads (QKV and
-    gate/up after their norms; the CUDA backend's ``_one_row_reader``), for the shapes most of whose
-    linears are such readers."""
+def _norm_readers(graph: ir.Graph) -> dict[tuple[str, int, int], ir.Op]:
+    """For ``after_norm``: by (kernel, N, K), an RMSNorm whose whole row only that linear reads (QKV
+    and gate/up after their norms; the CUDA backend's ``_one_row_reader``), for the shapes most of
+    whose linears are such readers."""
     users: dict[str, list[ir.Op]] = {}
     for op in graph.ops:
         for name in op.inputs:
@@ -292,23 +293,25 @@ def _staged_readers(graph: ir.Graph) -> dict[tuple[str, int, int], ir.Op]:
             if 2 * sum(n is not None for n in norms) >= len(norms)}  # fmt: skip
 
 
-def _staged_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: Any, kernels: Any, graph: ir.Graph,
-                   device: Any, dtype: Any) -> tuple[Callable[[Any], Callable[..., Any]], Callable[[Any], Callable[..., Any]]] | None:  # fmt: skip
-    """For ``staged``: (config -> the timed call of a Triton candidate, native config -> a native kind's),
-    each after the norm that feeds it in the CUDA backend's batch-1 step, on a random row and residual;
-    None where ``norm_stage`` does not take the row (the backend then stages nothing).
+def _after_norm_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: Any, kernels: Any, graph: ir.Graph,
+                       device: Any, dtype: Any) -> tuple[Callable[[Any], Callable[..., Any]], Callable[[Any], Callable[..., Any]]]:  # fmt: skip
+    """For ``after_norm``: (config -> the timed call of a Triton candidate, native config -> a native
+    kind's), each after the norm that feeds it in the CUDA backend's batch-1 step, on a random row and
+    residual.
 
     Timed alone, a projection's kind was ranked otherwise than in the step: on the H200 (forty-sixth
     session, the 8B INT4 model) autotune chose ``imma_w16`` for QKV (6.7 us alone) where ``mgx-run
     tune`` measured the step 3.5% shorter on ``imma`` (1.631 against 1.690 ms): launched while its
     norm runs, ``imma``'s 8-warp blocks are all resident and load their first weights before they
     wait, where ``imma_w16``'s 16-warp blocks take two waves. Timed after the norm, each candidate
-    meets that. A kind with a staged twin runs as the backend runs it, ``norm_stage`` (the norm that
-    also stages x) and the twin on its record; every other candidate reads the row of the plain add +
-    RMSNorm kernel (``rms_norm`` with the residual), as where the backend stages nothing."""
+    meets that. Where the backend stages x (``STAGED_SCHEMES`` weights, the kernels' ``norm_stage``
+    taking the row), a kind with a staged twin runs as the backend runs it, ``norm_stage`` (the norm
+    that also stages x) and the twin on its record; every other candidate reads the row of the plain
+    add + RMSNorm kernel (``rms_norm`` with the residual), as where the backend stages nothing."""
     import torch
 
     from mgx.kernels.cuda.gemv import (
+        STAGED_SCHEMES,
         NormPrologue,
         gemv_staged,
         norm_stage,
@@ -326,24 +329,23 @@ def _staged_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: Any, 
     eps = float(norm.attrs["eps"])
     normed, total = torch.empty_like(x), torch.empty_like(x)
     prologue = NormPrologue(delta, weight, eps, total)
-    if not norm_stage_applies(kernels, x, prologue, w.scheme):
-        return None
+    stages = w.scheme in STAGED_SCHEMES and norm_stage_applies(kernels, x, prologue, w.scheme)
 
-    def plain() -> Any:
+    def plain(x: Any) -> Any:
         return rms_norm(x, weight, eps, kernels=kernels, residual=delta, out=normed)[0]
 
+    # The timed calls take their candidate first and the weight by name, as the plain ones in ``run``.
     def triton(config: Any) -> Callable[..., Any]:
-        return lambda c=config, f=launch, w=w: f(plain(), w, config=c)
+        return lambda c=config, f=launch, x=x, w=w: f(plain(x), w, config=c)
 
     def native(config: Any) -> Callable[..., Any]:
-        kind = config.native
-        if staged_applies(kernels, x, w, kind):
-            def twin(c: Any = config, w: Any = w) -> Any:
+        if stages and staged_applies(kernels, x, w, config.native):
+            def twin(c: Any = config, x: Any = x, w: Any = w, s: bool = silu) -> Any:
                 _, rec = norm_stage(x, prologue, w.scheme, kernels=kernels, out=normed)
-                return gemv_staged(rec, w, kernels=kernels, kind=c.native, silu_mul=silu)
+                return gemv_staged(rec, w, kernels=kernels, kind=c.native, silu_mul=s)
 
             return twin
-        return lambda c=config, w=w: run_native(plain(), w, kernels=kernels, kind=c.native, silu_mul=silu)
+        return lambda c=config, x=x, w=w, s=silu: run_native(plain(x), w, kernels=kernels, kind=c.native, silu_mul=s)
 
     return triton, native
 
@@ -373,7 +375,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.cuda.gemv import KINDS as NATIVE_KINDS
     from mgx.kernels.cuda.gemv import (
         NATIVE_TOLERANCE,
-        STAGED_SCHEMES,
         gemv_applies,
         half_scales_hold,
         native_error,
@@ -393,7 +394,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[opts.dtype]
     launch = {"linear": linear, "linear_silu_mul": linear_silu_mul, "lm_head_argmax": lm_head_argmax}
     roles = _fused_roles(graph) if opts.fused else {}
-    staged_norms = _staged_readers(graph) if opts.staged else {}
+    norms = _norm_readers(graph) if opts.after_norm else {}
     entries: dict[str, AutotuneEntry] = {}
     measured: dict[str, dict[str, Any]] = {}  # the winners' times, for the build log (stats["timings"])
     timed = 0
@@ -428,15 +429,15 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 best = None
                 fused = roles.get((kernel, w.n, w.k)) if m == 1 and w.scheme == "none" else None
                 as_run = _fused_launch(fused, launch[kernel], x, w, graph, entries, device, dtype) if fused else None
-                norm = staged_norms.get((kernel, w.n, w.k)) if m == 1 and w.scheme in STAGED_SCHEMES else None
-                staged = None if norm is None or kernels is None else _staged_launch(
+                norm = norms.get((kernel, w.n, w.k)) if m == 1 and fused is None else None
+                after = None if norm is None else _after_norm_launch(
                     norm, launch[kernel], kernel == "linear_silu_mul", w, kernels, graph, device, dtype)  # fmt: skip
                 for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
                     try:
                         if as_run is not None:
                             seconds = _time(as_run(config), opts.repeats, ws)
-                        elif staged is not None:
-                            seconds = _time(staged[0](config), opts.repeats, ws)
+                        elif after is not None:
+                            seconds = _time(after[0](config), opts.repeats, ws)
                         else:
                             seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
                     except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
@@ -462,7 +463,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         rejected.append(f"{kind} {key[1]} ({native_error_text(err, head)})")
                         continue
                     native = dataclasses.replace(best[1], native=kind)
-                    call = staged[1](native) if staged is not None else (lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
+                    call = after[1](native) if after is not None else (lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
                         x, w, kernels=kernels, kind=d, silu_mul=s, argmax=h))  # fmt: skip
                     seconds = _time(call, opts.repeats, ws)
                     timed += 1
@@ -471,7 +472,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         best = (seconds, native)
                 if best is not None:
                     entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
-                    how = fused[0] if fused else "staged" if staged is not None else ""
+                    how = fused[0] if fused else "after_norm" if after is not None else ""
                     measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": how, "native_us": natives_us}
             copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))

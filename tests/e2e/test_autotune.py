@@ -436,17 +436,19 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     total, squares = ran_add[0]
     assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
     plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
-    assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
+    fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in plain.stats["timings"].items()}
+    assert fused == {"linear": "after_norm", "linear/o": "", "linear_silu_mul": "after_norm", "lm_head_argmax": ""}
 
 
 @pytest.mark.interpreted
-def test_staged_timing_times_the_norm_fed_int4_projections_after_their_norm(monkeypatch) -> None:  # noqa: ANN001
-    """``staged`` (on by default): the one-row int4 projections that one add + RMSNorm feeds (QKV and
-    gate/up; the CUDA backend stages x for them) are timed after that norm. A native kind with a
-    staged twin runs ``norm_stage`` and the twin on its record, every other candidate (Triton
-    configurations, kinds without a twin) reads the plain add + RMSNorm's row; o, down and the LM
-    head are timed alone. The kernels are stood in for (no GPU): each kind of call runs once here,
-    and the result it gives is the reference product of the normalized row."""
+@pytest.mark.parametrize("scheme", ["int4", "w8a16"])
+def test_after_norm_timing_times_the_norm_fed_projections_after_their_norm(monkeypatch, scheme: str) -> None:  # noqa: ANN001
+    """``after_norm`` (on by default): the one-row projections that one add + RMSNorm feeds (QKV and
+    gate/up) are timed after that norm. On int4 weights, which the CUDA backend stages x for, a native
+    kind with a staged twin runs ``norm_stage`` and the twin on its record; every other candidate
+    (Triton configurations, kinds without a twin, and every W8A16 one) reads the plain add +
+    RMSNorm's row; o, down and the LM head are timed alone. The kernels are stood in for (no GPU):
+    each kind of call runs once here, and gives the reference product of the normalized row."""
     import torch
 
     from mgx.kernels.cuda import gemv as cg
@@ -459,7 +461,7 @@ def test_staged_timing_times_the_norm_fed_int4_projections_after_their_norm(monk
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False:
                         x.shape[0] == 1 and not argmax and kind in ("imma", "imma_w16"))  # fmt: skip
     monkeypatch.setattr(cg, "gemv", reference_gemv())
-    monkeypatch.setattr(cg, "norm_stage_applies", lambda k, x, norm, scheme: scheme == "int4" and norm.delta is not None)
+    monkeypatch.setattr(cg, "norm_stage_applies", lambda k, x, norm, scheme: norm.delta is not None)
     monkeypatch.setattr(cg, "staged_applies", lambda k, x, w, kind, bias=None: kind == "imma")  # imma_w16: no twin
     ran: list[tuple] = []
     rows: list = []
@@ -503,9 +505,9 @@ def test_staged_timing_times_the_norm_fed_int4_projections_after_their_norm(monk
     monkeypatch.setattr(autotune_pass, "_time", timer)
     graph = tiny_contents(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, head_dim=32,
                           dtype=ir.DType.BF16).graph  # fmt: skip
-    for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
+    for name in ("fuse_qkv", "fuse_gate_up", f"quantize_{scheme}"):
         PASSES[name](graph, {"group_size": 128} if name == "quantize_int4" else {}, PassContext(target="cuda"))
-    readers = autotune_pass._staged_readers(graph)
+    readers = autotune_pass._norm_readers(graph)
     qkv = int(next(op for op in graph.ops if op.kind == "linear").attrs["out_features"])
     inter = graph.arch.intermediate_size
     assert set(readers) == {("linear", qkv, 128), ("linear_silu_mul", 2 * inter, 128)}
@@ -515,18 +517,18 @@ def test_staged_timing_times_the_norm_fed_int4_projections_after_their_norm(monk
     timings = result.stats["timings"]
     how = {key.split(",N=")[1].split(",")[0]: (t["fused"], t["chosen"]) for key, t in timings.items()
            if not key.startswith("lm_head")}  # fmt: skip
-    assert how == {str(qkv): ("staged", "imma"), str(2 * inter): ("staged", "imma"), "128": ("", "imma")}
+    assert how == {str(qkv): ("after_norm", "imma"), str(2 * inter): ("after_norm", "imma"), "128": ("", "imma")}
     assert all(t["native_us"] == {"imma": 1e6, "imma_w16": 2e6} for key, t in timings.items() if not key.startswith("lm_head"))
     calls = {(n, what): tuple(c[0] for c in run) for n, what, run in seen}
-    for n in (qkv, 2 * inter):  # after the norm: the twin after norm_stage, the rest after the plain norm
-        assert calls[n, "imma"] == ("norm_stage", "staged")
+    for n in (qkv, 2 * inter):  # after the norm: int4's twin after norm_stage, the rest after the plain norm
+        assert calls[n, "imma"] == (("norm_stage", "staged") if scheme == "int4" else ("rms_norm",))
         assert calls[n, "imma_w16"] == ("rms_norm",) and calls[n, "triton"] == ("rms_norm",)
     assert all(c[1] is True for n, _, run in seen for c in run if c[0] == "rms_norm")  # with the residual
     assert calls[128, "imma"] == () and calls[128, "triton"] == ()  # o and down: alone
 
     seen.clear()
     called.clear()
-    plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "bf16", "staged": False}, PassContext(target="cuda"))
+    plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "bf16", "after_norm": False}, PassContext(target="cuda"))
     assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
     assert not [c for _, _, run in seen for c in run]
 

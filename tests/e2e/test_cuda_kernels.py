@@ -384,11 +384,11 @@ def test_gpu_tune_times_the_decode_step_and_the_written_model_runs_its_choices(t
 
 
 @pytest.mark.gpu
-def test_gpu_autotune_times_the_staged_projections_after_their_norm() -> None:
+def test_gpu_autotune_times_the_norm_fed_projections_after_their_norm() -> None:
     """On a real GPU, an int4 model in cuda_tile16 with fp16 scale pairs (the 8B INT4 model's build):
-    autotune times QKV and gate/up after their norm (``staged``: ``norm_stage`` and a kind's staged
-    twin, or the plain add + RMSNorm before the rest), o and down alone; every time is real, and each
-    native choice is one of the kinds the build holds."""
+    autotune times QKV and gate/up after their norm (``after_norm``: ``norm_stage`` and a kind's
+    staged twin, or the plain add + RMSNorm before the rest), o and down alone; every time is real,
+    and each native choice is one of the kinds the build holds."""
     if build.find_nvcc() is None:
         pytest.skip("needs nvcc (set NVCC or CUDA_HOME)")
     from mgx.kernels.cuda.gemv import KINDS
@@ -399,13 +399,13 @@ def test_gpu_autotune_times_the_staged_projections_after_their_norm() -> None:
                           ("reorder_weights", {})):  # fmt: skip
         PASSES[name](graph, options, PassContext(target="cuda"))
     timed = {}
-    for staged in (True, False):
-        result = PASSES["autotune"](graph, {"rows": [1], "staged": staged, "repeats": 5}, PassContext(target="cuda"))
-        timed[staged] = {key.split(",N=")[1].split(",")[0] + ("/" + key.split(",K=")[1].split(",")[0]): t
+    for after in (True, False):
+        result = PASSES["autotune"](graph, {"rows": [1], "after_norm": after, "repeats": 5}, PassContext(target="cuda"))
+        timed[after] = {key.split(",N=")[1].split(",")[0] + ("/" + key.split(",K=")[1].split(",")[0]): t
                          for key, t in result.stats["timings"].items() if not key.startswith("lm_head")}  # fmt: skip
     qkv = str(256 + 2 * 2 * 64)
     assert {key: t["fused"] for key, t in timed[True].items()} == {
-        f"{qkv}/256": "staged", "1024/256": "staged", "256/256": "", "256/512": ""}
+        f"{qkv}/256": "after_norm", "1024/256": "after_norm", "256/256": "", "256/512": ""}
     assert {t["fused"] for t in timed[False].values()} == {""}
     for t in (*timed[True].values(), *timed[False].values()):
         assert t["us"] > 0 and t["triton_us"] > 0 and t["chosen"] in ("triton", *KINDS)
