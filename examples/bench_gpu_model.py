@@ -187,8 +187,8 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
             log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
             TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
             TIMES[f"autotune_{scheme}_shapes"] = result.stats["timings"]
+            how = {"after_norm": ", after its norm", "norm": ", norm in its loads", "add": ", add in its epilogue"}
             for shape, t in result.stats["timings"].items():
-                how = {"staged": ", after its norm", "norm": ", norm in its loads", "add": ", add in its epilogue"}
                 log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
                     f"best Triton {t['triton_us']:.1f} us, {t['triton_config']}{how.get(t['fused'], '')})"
                     + "".join(f"; {kind} {us:.1f}" for kind, us in t.get("native_us", {}).items()))

@@ -195,12 +195,7 @@ def _fused_roles(graph: ir.Graph) -> dict[tuple[str, int, int], tuple[str, ir.Op
     no chain holds (the first layer's QKV after the embedding's norm), keep the role most of their
     ops have."""
     ops = graph.ops
-    users: dict[str, list[ir.Op | None]] = {}
-    for op in ops:
-        for name in op.inputs:
-            users.setdefault(name, []).append(op)
-    for name in graph.outputs:
-        users.setdefault(name, []).append(None)  # read by the caller
+    users = _users(graph)
     role_of: dict[int, tuple[str, ir.Op, ir.Op]] = {}  # id(linear) -> its role, its chain's norm and producer
     for i, op in enumerate(ops[:-3]):
         if op.kind == "linear" and users.get(op.outputs[0]) == [ops[i + 1]] and _add_norm_linear(graph, ops[i + 1 : i + 4], users):
@@ -222,6 +217,25 @@ def _fused_roles(graph: ir.Graph) -> dict[tuple[str, int, int], tuple[str, ir.Op
         if role:
             roles[key] = found[key, role]
     return roles
+
+
+def _users(graph: ir.Graph) -> dict[str, list[ir.Op | None]]:
+    """Each tensor's readers in op order; None for the graph's caller (its outputs)."""
+    users: dict[str, list[ir.Op | None]] = {}
+    for op in graph.ops:
+        for name in op.inputs:
+            users.setdefault(name, []).append(op)
+    for name in graph.outputs:
+        users.setdefault(name, []).append(None)  # read by the caller
+    return users
+
+
+def _norm_weight(graph: ir.Graph, norm: ir.Op, device: Any, dtype: Any) -> Any:
+    """An RMSNorm op's weight on the device in ``dtype`` (None where it has none)."""
+    import torch
+
+    t = graph.tensors.get(norm.weights.get("weight", ""))
+    return None if t is None else torch.as_tensor(to_f32(t), device=device).to(dtype).contiguous()
 
 
 def _add_norm_linear(graph: ir.Graph, three: list[ir.Op], users: dict[str, list[ir.Op | None]]) -> bool:
@@ -255,8 +269,7 @@ def _fused_launch(fused: tuple[str, ir.Op, ir.Op], launch: Callable[..., Any], x
         if e.kernel == "linear" and (fields.get("scheme"), fields.get("N"), fields.get("K"), fields.get("M")) == (
                 "none", str(n), str(k), "1"):  # fmt: skip
             block_n = int(e.config["block_n"])
-    t = graph.tensors.get(norm.weights.get("weight", ""))
-    weight = None if t is None else torch.as_tensor(to_f32(t), device=device).to(dtype)
+    weight = _norm_weight(graph, norm, device, dtype)
     tiles = -(-w.k // block_n)
     squares = RowSquares(torch.rand(1, tiles, device=device, dtype=torch.float32) * (w.k / tiles), tiles)
     how = NormIn(squares, weight, float(norm.attrs["eps"]))
@@ -273,17 +286,14 @@ def _norm_readers(graph: ir.Graph) -> dict[tuple[str, int, int], ir.Op]:
     """For ``after_norm``: by (kernel, N, K), an RMSNorm whose whole row only that linear reads (QKV
     and gate/up after their norms; the CUDA backend's ``_one_row_reader``), for the shapes most of
     whose linears are such readers."""
-    users: dict[str, list[ir.Op]] = {}
-    for op in graph.ops:
-        for name in op.inputs:
-            users.setdefault(name, []).append(op)
+    users = _users(graph)
     norm_of = {}
     for op in graph.ops:
-        if op.kind == "rms_norm" and len(users.get(op.outputs[0], [])) == 1 and op.outputs[0] not in graph.outputs:
-            reader = users[op.outputs[0]][0]
-            if reader.kind == "linear" and reader.inputs == op.outputs and int(op.attrs["group"]) == int(
-                    reader.attrs["in_features"]):  # fmt: skip
-                norm_of[id(reader)] = op
+        readers = users.get(op.outputs[0], []) if op.kind == "rms_norm" else []
+        reader = readers[0] if len(readers) == 1 else None  # None also where the caller reads it
+        if (reader is not None and reader.kind == "linear" and reader.inputs == op.outputs
+                and int(op.attrs["group"]) == int(reader.attrs["in_features"])):  # fmt: skip
+            norm_of[id(reader)] = op
     votes: dict[tuple[str, int, int], list[ir.Op | None]] = {}
     for op in graph.ops:  # keyed by the logical shape (a quantized weight's codes are packed)
         if op.kind == "linear":
@@ -324,8 +334,7 @@ def _after_norm_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: A
     k = w.k
     x = torch.randn(1, k, dtype=dtype, device=device)
     delta = torch.randn(1, k, dtype=dtype, device=device)
-    t = graph.tensors.get(norm.weights.get("weight", ""))
-    weight = None if t is None else torch.as_tensor(to_f32(t), device=device).to(dtype).contiguous()
+    weight = _norm_weight(graph, norm, device, dtype)
     eps = float(norm.attrs["eps"])
     normed, total = torch.empty_like(x), torch.empty_like(x)
     prologue = NormPrologue(delta, weight, eps, total)

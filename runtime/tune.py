@@ -6,9 +6,10 @@ The autotune pass (``mgxc compile``) times every candidate kernel of a shape on 
 the same kernel back to back (QKV and gate/up each after its norm, option ``after_norm``, which since
 the forty-seventh session gives the 8B INT4 model the kinds this chooses). Inside the decode step a
 kernel starts while the one before it finishes (overlapped launches) and hands over to a different
-one, and that ranks the candidates otherwise. On the H200 (nineteenth session, the 8B W8A16 model, its batch-1 step 2.75 ms): the down
-projection on kind ``imma_w16`` took the step to 2.575 ms against 2.750 on autotune's ``imma``, and
-gate/up on ``imma`` to 2.641 against 2.749 on autotune's ``imma_persistent_w4``.
+one, and that ranks the candidates otherwise. On the H200 (nineteenth session, the 8B W8A16 model,
+its batch-1 step 2.75 ms): the down projection on kind ``imma_w16`` took the step to 2.575 ms against
+2.750 on autotune's ``imma``, and gate/up on ``imma`` to 2.641 against 2.749 on autotune's
+``imma_persistent_w4``.
 
 So this takes the artifact's stored tunings for the GPU's architecture and, shape by shape (one
 coordinate at a time, ``rounds`` passes over them), tries every kernel that can run the shape at
