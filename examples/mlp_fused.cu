@@ -279,6 +279,315 @@ __device__ void mlp_int4_queued(void* __restrict__ acc_out, const uint4* __restr
   }
 }
 
+// ---- The same: the last kTail row groups of every step to blocks past F / 128 (entries *_t)
+template <int W, int U, int DB, bool kDB, bool kFixed, int kTail>
+__device__ void mlp_int4_tail(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
+                               const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
+                               const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
+                               int group_shift, int mode, unsigned long long* __restrict__ stamps,
+                              unsigned* __restrict__ ws) {
+  static_assert(W % 16 == 0, "16 SiLU groups a block, W / 16 warps each");
+  float* acc = static_cast<float*>(acc_out);
+  unsigned long long* acc_fx = static_cast<unsigned long long*>(acc_out);
+  constexpr int kShare = W / 16;  // warps a SiLU group
+  const auto now = [] {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+  };
+  if (stamps != nullptr && threadIdx.x == 0) stamps[blockIdx.x * 4] = now();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.x, steps = k >> 7, steps_d = f >> 7, row_groups = n >> 4;
+  __shared__ float part[W][16];
+  __shared__ __align__(16) __nv_bfloat16 xs[128];
+  extern __shared__ uint4 rec_s[];  // the record: steps x 32 lanes' B words, then steps float2 (factor, sum X)
+  const int rec_words = steps * 32 + (steps + 1) / 2;
+  uint8_t* buf = imma_buffer<W>(warp);
+  reinterpret_cast<uint32_t*>(buf + imma_column(2))[lane] = 0x01010101u;  // column 2: ones (sum q)
+  const int b_at = imma_column(g & 3) + 16 * t + 8 * (g >> 2);
+  const ImmaLane weigh{(t & 1) ? 64 : 0, (t & 1) ? 0.0f : 1.0f, (t & 1) ? 65536.0f : 256.0f, t >= 2};
+  const auto nibbles = [](uint4 v, int h) {
+    constexpr uint32_t kMask = 0x0F0F0F0Fu;  // as gemv_imma's kLowNibbles
+    return h == 0 ? make_uint4(v.x & kMask, v.y & kMask, v.z & kMask, v.w & kMask)
+                  : make_uint4((v.x >> 4) & kMask, (v.y >> 4) & kMask, (v.z >> 4) & kMask, (v.w >> 4) & kMask);
+  };
+  // One step's s (sum q X - z sum X) of the lane's rows lo and hi into (acc_lo, acc_hi), as gemv_imma.
+  const auto step = [&](uint4 lo, uint4 hi, uint4 bw, float factor, float sum_x, uint2 sz, float& acc_lo,
+                        float& acc_hi) {
+    int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t b0 = h == 0 ? bw.x : bw.z, b1 = h == 0 ? bw.y : bw.w;
+      mma_imma<true>(d, nibbles(lo, h), b0, b1);
+      mma_imma<true>(e, nibbles(hi, h), b0, b1);
+    }
+    const float zx = t == 0 ? sum_x : 0.0f;
+    const float2 pl = half_pair(sz.x), ph = half_pair(sz.y);
+    acc_lo = fmaf(factor * pl.x, fmaf(-pl.y, zx, imma_value(d, weigh)), acc_lo);
+    acc_hi = fmaf(factor * ph.x, fmaf(-ph.y, zx, imma_value(e, weigh)), acc_hi);
+  };
+  static_assert(kTail % W == 0 && kTail / W <= DB, "the tail: whole row groups a warp, at most DB");
+  uint4* pub = reinterpret_cast<uint4*>(ws + 1024);
+  const int own_groups = row_groups - kTail;
+  if (b >= steps_d) {  // an extra block: the tail row groups of steps e, e + E, ...
+    const int e = b - steps_d, extra = static_cast<int>(gridDim.x) - steps_d;
+    struct Tail {
+      uint4 lo[kTail / W], hi[kTail / W];
+      uint2 sz[kTail / W];
+    };
+    const auto load_t = [&](int sd, Tail& tl) {
+      const uint32_t grp = (static_cast<uint32_t>(sd) << 7) >> group_shift;
+#pragma unroll
+      for (int u = 0; u < kTail / W; ++u) {
+        const int rg = own_groups + warp + W * u;
+        const uint32_t at = (static_cast<uint32_t>(rg) * steps_d + sd) * 1024u + 16u * lane;
+        tl.lo[u] = load_stream_fetch(reinterpret_cast<const uint4*>(wd + at));
+        tl.hi[u] = load_stream_fetch(reinterpret_cast<const uint4*>(wd + at + 512u));
+        tl.sz[u] = load_now(pd + (static_cast<uint32_t>(rg) * groups_d + grp) * 8u + g);
+      }
+    };
+    const auto run_t = [&](int sd, const Tail& tl) {
+      if (threadIdx.x == 0) {
+        while (ld_acquire_u32(ws + 2 + sd) == 0u) __nanosleep(32);
+      }
+      __syncthreads();
+      const uint4 bw = __ldcg(pub + sd * 33 + lane), fs = __ldcg(pub + sd * 33 + 32);
+#pragma unroll
+      for (int u = 0; u < kTail / W; ++u) {
+        float lo = 0.0f, hi = 0.0f;
+        step(tl.lo[u], tl.hi[u], bw, __uint_as_float(fs.x), __uint_as_float(fs.y), tl.sz[u], lo, hi);
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+          lo += __shfl_xor_sync(0xFFFFFFFFu, lo, o);
+          hi += __shfl_xor_sync(0xFFFFFFFFu, hi, o);
+        }
+        const int rg = own_groups + warp + W * u;
+        if (t == 0) {
+          const auto fx = [](float v) { return static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.0f)); };
+          if (!isfinite(lo) || !isfinite(hi)) atomicOr(acc_fx + n, 1ull);
+          atomicAdd(acc_fx + 16 * rg + g, fx(lo));
+          atomicAdd(acc_fx + 16 * rg + g + 8, fx(hi));
+        }
+      }
+    };
+    Tail ta, tb;
+    int sd = e;
+    if (sd < steps_d) load_t(sd, ta);
+    mgx_pdl_wait();
+    if (stamps != nullptr && threadIdx.x == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      stamps[blockIdx.x * 4 + 1] = now();
+      stamps[blockIdx.x * 4 + 3] = sm;
+    }
+    while (sd < steps_d) {
+      if (sd + extra < steps_d) load_t(sd + extra, tb);
+      run_t(sd, ta);
+      sd += extra;
+      if (sd >= steps_d) break;
+      if (sd + extra < steps_d) load_t(sd + extra, ta);
+      run_t(sd, tb);
+      sd += extra;
+    }
+    if (stamps != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) stamps[blockIdx.x * 4 + 2] = now();
+    }
+    return;
+  }
+
+  // ---- phase 1: SiLU group j, steps share, share + kShare, ... (U a pass, the next pass in flight)
+  const int j = b * 16 + (warp & 15), share = warp >> 4;
+  const auto tile_at = [&](uint32_t r0) {  // cuda_tile16: rows r0 .. r0 + 7 at step 0, the lane's 16 bytes
+    return (r0 >> 4) * (static_cast<uint32_t>(steps) * 1024u) + (r0 & 15u) * 64u + 16u * lane;
+  };
+  const uint32_t a_lo = tile_at(8u * j), a_hi = tile_at(static_cast<uint32_t>(f) + 8u * j);
+  struct Pass {
+    uint4 lo[U], hi[U];
+    uint2 sz[U];
+  };
+  const auto load_w = [&](int s0, Pass& p) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * kShare;
+      const bool in = s < steps;
+      const uint32_t at = static_cast<uint32_t>(s) * 1024u;
+      p.lo[u] = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wgu + a_lo + at)) : make_uint4(0, 0, 0, 0);
+      p.hi[u] = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wgu + a_hi + at)) : make_uint4(0, 0, 0, 0);
+      const uint32_t grp = (static_cast<uint32_t>(s) << 7) >> group_shift;
+      p.sz[u] = in ? load_now(pgu + (static_cast<uint32_t>(j) * groups_gu + grp) * 8u + g)
+                   : make_uint2(kIdleHalves, kIdleHalves);
+    }
+  };
+  float acc_lo = 0.0f, acc_hi = 0.0f;
+  Pass even, odd;
+  constexpr int kStride = U * kShare;  // steps a warp's pass advances
+  int s = (mode & 2) ? steps : share;
+  load_w(s, even);  // the codes are no kernel's output: before the wait
+  mgx_pdl_wait();   // the record is the norm's
+  for (int i = threadIdx.x; i < rec_words; i += blockDim.x) rec_s[i] = x_oct<false>(rec, i);
+  __syncthreads();
+  const float2* fs_s = reinterpret_cast<const float2*>(rec_s + steps * 32);
+  const auto compute = [&](int s0, const Pass& p) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int st = s0 + u * kShare;
+      if (st >= steps) break;
+      const float2 fs = fs_s[st];
+      step(p.lo[u], p.hi[u], rec_s[st * 32 + lane], fs.x, fs.y, p.sz[u], acc_lo, acc_hi);
+    }
+  };
+  while (s < steps) {
+    load_w(s + kStride, odd);
+    compute(s, even);
+    s += kStride;
+    if (s >= steps) break;
+    load_w(s + kStride, even);
+    compute(s, odd);
+    s += kStride;
+  }
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
+    acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
+    acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
+  }
+  if (t == 0) {
+    part[warp][g] = acc_lo;  // gate row 8 j + g
+    part[warp][g + 8] = acc_hi;  // its up row
+  }
+
+  // ---- phase 2: down's step b for row groups warp, warp + W, ...
+  struct Down {
+    uint4 lo, hi;
+    uint2 sz;
+  };
+  const uint32_t grp_d = (static_cast<uint32_t>(b) << 7) >> group_shift;
+  const auto load_d = [&](int i0, Down (&dd)[DB]) {
+#pragma unroll
+    for (int u = 0; u < DB; ++u) {
+      const int rg = warp + W * (i0 + u);
+      const bool in = rg < own_groups && !(mode & 1);
+      const uint32_t at = (static_cast<uint32_t>(rg) * steps_d + b) * 1024u + 16u * lane;
+      dd[u].lo = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wd + at)) : make_uint4(0, 0, 0, 0);
+      dd[u].hi = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wd + at + 512u)) : make_uint4(0, 0, 0, 0);
+      dd[u].sz = in ? load_now(pd + (static_cast<uint32_t>(rg) * groups_d + grp_d) * 8u + g)
+                    : make_uint2(kIdleHalves, kIdleHalves);
+    }
+  };
+  Down dn[DB], dn2[kDB ? DB : 1];
+  load_d(0, dn);  // on their way while the block adds up its SiLU outputs
+  __syncthreads();
+  if (stamps != nullptr && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    stamps[blockIdx.x * 4 + 1] = now();
+    stamps[blockIdx.x * 4 + 3] = sm;
+  }
+  if (threadIdx.x < 128) {
+    const int jl = threadIdx.x >> 3, r = threadIdx.x & 7;
+    float gate = 0.0f, up = 0.0f;
+#pragma unroll
+    for (int h = 0; h < kShare; ++h) {
+      gate += part[jl + 16 * h][r];
+      up += part[jl + 16 * h][r + 8];
+    }
+    xs[threadIdx.x] = __float2bfloat16_rn(silu_times(gate, up));
+  }
+  __syncthreads();
+  if (mode & 1) {  // phase 1 only: something for the compiler to keep
+    if (threadIdx.x < 128) {
+      if constexpr (kFixed) {
+        acc_fx[(b * 128 + threadIdx.x) % n] = __bfloat16_as_ushort(xs[threadIdx.x]);
+      } else {
+        acc[(b * 128 + threadIdx.x) % n] = __bfloat162float(xs[threadIdx.x]);
+      }
+    }
+    return;
+  }
+  float sum_x;
+  const float factor = imma4_stage_x(buf, x_oct<true>(reinterpret_cast<const uint4*>(xs), lane >> 1), lane, sum_x);
+  const uint2 c0 = *reinterpret_cast<const uint2*>(buf + b_at), c1 = *reinterpret_cast<const uint2*>(buf + b_at + 64);
+  const uint4 bw = make_uint4(c0.x, c0.y, c1.x, c1.y);
+  if (warp == 0) {  // the step's record for the extra blocks, then its flag
+    pub[b * 33 + lane] = bw;
+    if (lane == 0) pub[b * 33 + 32] = make_uint4(__float_as_uint(factor), __float_as_uint(sum_x), 0u, 0u);
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) st_release_u32(ws + 2 + b, 1u);
+  }
+  // Row group rg's 16 sums into acc: rows 4 q .. 4 q + 3 gathered in lane q < 4 (rows r < 8 are lane 4
+  // r's lo, rows r >= 8 lane 4 (r - 8)'s hi), one 16-byte reduction each.
+  const auto put = [&](int rg, float lo, float hi) {
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      lo += __shfl_xor_sync(0xFFFFFFFFu, lo, o);
+      hi += __shfl_xor_sync(0xFFFFFFFFu, hi, o);
+    }
+    if constexpr (kFixed) {  // rows g and g + 8 from lane (g, 0), as 64-bit integers of 2^-32
+      if (t == 0 && rg < own_groups) {
+        const auto fx = [](float v) { return static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.0f)); };
+        if (!isfinite(lo) || !isfinite(hi)) atomicOr(acc_fx + n, 1ull);  // the row's flag: NaN downstream
+        if (mode & 4) {
+          acc_fx[16 * rg + g] = fx(lo);
+          acc_fx[16 * rg + g + 8] = fx(hi);
+        } else {
+          atomicAdd(acc_fx + 16 * rg + g, fx(lo));
+          atomicAdd(acc_fx + 16 * rg + g + 8, fx(hi));
+        }
+      }
+      return;
+    }
+    const int q = lane & 3;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int src = 4 * (4 * (q & 1) + i);
+      const float a = __shfl_sync(0xFFFFFFFFu, lo, src), c = __shfl_sync(0xFFFFFFFFu, hi, src);
+      v[i] = q < 2 ? a : c;
+    }
+    if (lane < 4 && rg < own_groups) {
+      float4* at = reinterpret_cast<float4*>(acc + 16 * rg) + q;
+      if (mode & 4) {
+        *at = make_float4(v[0], v[1], v[2], v[3]);
+      } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+        __trap();  // 16-byte fp32 reductions need sm_90 (the product's entry is kFixed)
+#else
+        atomicAdd(at, make_float4(v[0], v[1], v[2], v[3]));
+#endif
+      }
+    }
+  };
+  const auto compute_d = [&](int i0, const Down (&dd)[DB]) {
+#pragma unroll
+    for (int u = 0; u < DB; ++u) {
+      float lo = 0.0f, hi = 0.0f;
+      step(dd[u].lo, dd[u].hi, bw, factor, sum_x, dd[u].sz, lo, hi);
+      put(warp + W * (i0 + u), lo, hi);
+    }
+  };
+  const int per_warp = (own_groups + W - 1) / W;
+  if constexpr (kDB) {
+    for (int i0 = 0; i0 < per_warp; i0 += 2 * DB) {
+      if (i0 + DB < per_warp) load_d(i0 + DB, dn2);
+      compute_d(i0, dn);
+      if (i0 + DB >= per_warp) break;
+      if (i0 + 2 * DB < per_warp) load_d(i0 + 2 * DB, dn);
+      compute_d(i0 + DB, dn2);
+    }
+  } else {
+    for (int i0 = 0; i0 < per_warp; i0 += DB) {
+      compute_d(i0, dn);
+      if (i0 + DB < per_warp) load_d(i0 + DB, dn);
+    }
+  }
+  if (stamps != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) stamps[blockIdx.x * 4 + 2] = now();
+  }
+}
+
+
 }  // namespace mgx_gemv
 
 #define MGX_MLP_QUEUED_ENTRY(W, U, DB, FX, X)                                                                 \
@@ -292,3 +601,16 @@ __device__ void mlp_int4_queued(void* __restrict__ acc_out, const uint4* __restr
 
 MGX_MLP_QUEUED_ENTRY(16, 2, 4, true, _x)
 MGX_MLP_QUEUED_ENTRY(16, 2, 2, true, _x)
+
+#define MGX_MLP_TAIL_ENTRY(W, U, DB, TAIL)                                                                     \
+  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(mgx_mlp_int4_w##W##_u##U##_d##DB##_t##TAIL##_x)( \
+      void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd,  \
+      int f, int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps,  \
+      unsigned* ws) {                                                                                        \
+    mgx_gemv::mlp_int4_tail<W, U, DB, true, true, TAIL>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, \
+                                                        k, n, groups_gu, groups_d, group_shift, mode, stamps, ws); \
+  }
+
+MGX_MLP_TAIL_ENTRY(16, 2, 4, 16)
+MGX_MLP_TAIL_ENTRY(16, 2, 4, 32)
+MGX_MLP_TAIL_ENTRY(16, 2, 4, 48)
