@@ -34,11 +34,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
-# "_q": down's tiles taken from a queue (mlp_int4_queued); "_tR": down's last R row groups of every step
-# to the blocks past F / 128 (mlp_int4_tail); "+E": E blocks more than F / 128
+# "_q": down's tiles taken from a queue (mlp_int4_queued), "+E": E blocks more than F / 128, queue only
 ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x", "w16_u2_d4_q_x",
-           "w16_u2_d4_q_x+20", "w16_u2_d2_q_x", "w16_u2_d2_q_x+20", "w16_u2_d4_t16_x+20", "w16_u2_d4_t32_x+20",
-           "w16_u2_d4_t48_x+20", "w16_u2_d4_t32_x+10")
+           "w16_u2_d4_q_x+20", "w16_u2_d2_q_x", "w16_u2_d2_q_x+20")
 PRODUCT = "w16_u2_d4_b1_x"  # the variant of gemv.cu's entry
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
@@ -57,7 +55,7 @@ def warps(entry: str) -> int:
 
 def queued(entry: str) -> bool:
     """Whether ``entry`` takes down's tiles from a queue (``mlp_int4_queued``: it needs ``new_ws``)."""
-    return "_q" in entry or "_t" in entry
+    return "_q" in entry
 
 
 def extra_blocks(entry: str) -> int:
@@ -74,7 +72,7 @@ def new_ws(steps: int, *shape: int):  # noqa: ANN201
 
 def fixed(entry: str) -> bool:
     """Whether ``entry`` adds the row up in 64-bit fixed point (int64 of 2^-32) instead of fp32."""
-    return entry.split("+")[0].endswith("_x")
+    return entry.endswith("_x")
 
 
 def new_rows(entry: str, *shape: int):  # noqa: ANN201
