@@ -26,7 +26,6 @@ flight (d) and whether those are double-buffered (b). Needs an NVIDIA GPU of sm_
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 from pathlib import Path
@@ -34,10 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
-# "_q": down's tiles taken from a queue (mlp_int4_queued), "+E": E blocks more than F / 128, queue only
-ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x", "w16_u2_d4_q_x",
-           "w16_u2_d4_q_x+20", "w16_u2_d2_q_x", "w16_u2_d2_q_x+20")
-PRODUCT = "w16_u2_d4_b1_x"  # the variant of gemv.cu's entry
+ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
@@ -46,28 +42,11 @@ MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # ml
 def entry_name(entry: str) -> str:
     from mgx.kernels.cuda.rmsnorm import KERNEL_ABI
 
-    return f"mgx_mlp_int4_{entry.split('+')[0]}_v{KERNEL_ABI}"
+    return f"mgx_mlp_int4_{entry}_v{KERNEL_ABI}"
 
 
 def warps(entry: str) -> int:
     return int(entry.split("_")[0][1:])
-
-
-def queued(entry: str) -> bool:
-    """Whether ``entry`` takes down's tiles from a queue (``mlp_int4_queued``: it needs ``new_ws``)."""
-    return "_q" in entry
-
-
-def extra_blocks(entry: str) -> int:
-    return int(entry.split("+")[1]) if "+" in entry else 0
-
-
-def new_ws(steps: int, *shape: int):  # noqa: ANN201
-    """A queued entry's work space for F / 128 = ``steps``: u32 counters and slots (the first 1024 words,
-    zero before each launch), then the steps' records."""
-    import torch
-
-    return torch.zeros(*shape, 1024 + 33 * 4 * steps, dtype=torch.int32, device="cuda")
 
 
 def fixed(entry: str) -> bool:
@@ -126,7 +105,7 @@ class Fused:
             raise SystemExit(f"the kernels built for {arch} do not load on this GPU")
         self.kernels.allow_overlap(10 * major + minor)
 
-    def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None, ws=None) -> None:  # noqa: ANN001
+    def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None) -> None:  # noqa: ANN001
         """acc (``new_rows``: fp32 [1, N], or int64 of 2^-32 [1, N + 2] for a ``fixed`` entry) +=
         down(silu(gate) * up) of the row staged in rec; wgu and wd as ``testing.as_read_by`` gives them
         to a MGX_IMMA_TILE16 + HALF_SCALES build (the 8B shapes: the record fits 48 KB of shared memory)."""
@@ -135,26 +114,20 @@ class Fused:
         from mgx.kernels.cuda.gemv import fused_mlp_args, fused_mlp_blocks
 
         stream = torch.cuda.current_stream().cuda_stream
-        args = fused_mlp_args(acc, rec, wgu, wd, mode, stamps)
-        if queued(entry):
-            if ws is None:
-                raise ValueError(f"{entry} needs its work space (new_ws)")
-            args.append(ctypes.c_void_p(ws.data_ptr()))
-        self.kernels.module.launch(entry_name(entry), (fused_mlp_blocks(wgu) + extra_blocks(entry),), (32 * warps(entry),),
-                                   args, stream, record_bytes(wgu.k), overlap=self.kernels.overlap)  # fmt: skip
+        self.kernels.module.launch(entry_name(entry), (fused_mlp_blocks(wgu),), (32 * warps(entry),),
+                                   fused_mlp_args(acc, rec, wgu, wd, mode, stamps), stream, record_bytes(wgu.k),
+                                   overlap=self.kernels.overlap)  # fmt: skip
 
 
-def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float, int]]:
+def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]:
     """Per scale of x: (relative error of the fused row against the two GEMVs' bf16 row, the same with
     the fused row rounded to bf16, the largest difference between two runs of the fused kernel over the
-    row's largest magnitude, and for a fixed-point entry the count of its row's words, flag included,
-    that differ from the product entry's: sums in 2^-32 are exact in any order, so 0)."""
+    row's largest magnitude)."""
     import torch
 
-    from mgx.kernels.cuda.gemv import fused_mlp_blocks, gemv, gemv_staged, stage_x
+    from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x
 
     k = fused.kernels
-    ws = new_ws(fused_mlp_blocks(w["gate_up"]))
     gen = torch.Generator(device="cuda").manual_seed(0)
     found = []
     for scale in (1.0, 4.0, 16.0):
@@ -162,23 +135,15 @@ def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float, 
         rec = stage_x(x, "int4", kernels=k)
         h = gemv_staged(rec, w["gate_up"], kernels=k, kind="imma_w4", silu_mul=True)
         want = gemv(h, w["down"], kernels=k, kind="imma_w16").float()
-        runs, words = [], []
+        runs = []
         for _ in range(2):
             acc = new_rows(entry, 1, w["down"].n)
-            ws[:1024].zero_()
-            fused.launch(entry, rec, w["gate_up"], w["down"], acc, ws=ws)
+            fused.launch(entry, rec, w["gate_up"], w["down"], acc)
             runs.append(as_float(entry, acc[:, : w["down"].n]))
-            words.append(acc)
-        if fixed(entry):
-            ref = new_rows(PRODUCT, 1, w["down"].n)
-            fused.launch(PRODUCT, rec, w["gate_up"], w["down"], ref)
-            differ = int((words[0] != ref).sum()) + int((words[1] != ref).sum())
-        else:
-            differ = -1
         torch.cuda.synchronize()
         norm = float(want.norm())
         found.append((float((runs[0] - want).norm()) / norm, float((runs[0].bfloat16().float() - want).norm()) / norm,
-                      float((runs[0] - runs[1]).abs().max() / want.abs().max()), differ))  # fmt: skip
+                      float((runs[0] - runs[1]).abs().max() / want.abs().max())))  # fmt: skip
     return found
 
 
@@ -210,15 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     layers = chain.layers_for(fused.kernels)
     kinds = {"qkv": "imma", "o": "imma_w16", "gate_up": "imma_w4", "down": "imma_w16"}
     rows = {e: new_rows(e, LAYERS, 1, layers[0]["down"].n) for e in entries}
-    ws = new_ws(fused_mlp_blocks(layers[0]["gate_up"]), LAYERS)
     fixed = stage_x(torch.randn(1, layers[0]["gate_up"].k, device="cuda").to(torch.bfloat16), "int4", kernels=fused.kernels)
 
     def mlp(entry: str | None, norms: bool, mode: int = 0, stamps=None):  # noqa: ANN001, ANN202
         def run() -> None:
             if entry is not None:
                 rows[entry].zero_()
-                if queued(entry):
-                    ws[:, :1024].zero_()
             res = chain.x["res"]
             for i, w in enumerate(layers):
                 rec = fixed
@@ -229,18 +191,15 @@ def main(argv: list[str] | None = None) -> int:
                     gemv(h, w["down"], kernels=fused.kernels, kind=kinds["down"])
                 else:
                     fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i], mode,
-                                 None if stamps is None else stamps[i], ws[i])  # fmt: skip
+                                 None if stamps is None else stamps[i])  # fmt: skip
 
         return run
 
     def layer(entry: str):  # noqa: ANN202
         def run() -> None:  # bench_gpu_layer's decode layer with the MLP fused (its next norm reads a stand-in)
             rows[entry].zero_()
-            if queued(entry):
-                ws[:, :1024].zero_()
             for i, w in enumerate(layers):
-                chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i],
-                                                               ws=ws[i])  # fmt: skip
+                chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i])
                 chain.layer(w, fused.kernels, kinds, "all")
             chain.mlp = None
 
@@ -249,20 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     for entry in entries:
         print(f"{entry} ({entry_name(entry)}):", flush=True)
         if "check" in parts:
-            for scale, (err, err_bf16, spread, differ) in zip((1, 4, 16), check(fused, entry, layers[0]), strict=True):
-                words = f"; words unlike {PRODUCT}'s in two runs: {differ}" if differ >= 0 else ""
+            for scale, (err, err_bf16, spread) in zip((1, 4, 16), check(fused, entry, layers[0]), strict=True):
                 print(f"  check, x of scale {scale}: relative error {err:.2e} against the two GEMVs (fused row rounded to "
-                      f"bf16: {err_bf16:.2e}); two runs differ by at most {spread:.1e} of its largest{words}", flush=True)
+                      f"bf16: {err_bf16:.2e}); two runs differ by at most {spread:.1e} of its largest", flush=True)
         if "chains" in parts:
             times = {"mlp after its norm, two GEMVs": mlp(None, True), "mlp after its norm, fused": mlp(entry, True),
                      "GEMVs alone, two": mlp(None, False), "GEMVs alone, fused": mlp(entry, False),
-                     **{f"fused, {what}": mlp(entry, False, mode) for what, mode in MODES.items() if not queued(entry)},
+                     **{f"fused, {what}": mlp(entry, False, mode) for what, mode in MODES.items()},
                      "decode layer, two GEMVs": chain.step(fused.kernels, kinds, "all"), "decode layer, fused": layer(entry)}  # fmt: skip
             for what, fn in times.items():
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
         if "timeline" in parts:
-            blocks = fused_mlp_blocks(layers[0]["gate_up"]) + extra_blocks(entry)
+            blocks = fused_mlp_blocks(layers[0]["gate_up"])
             stamps = torch.zeros(LAYERS, blocks, 4, dtype=torch.int64, device="cuda")
             graph_ms(mlp(entry, True, 0, stamps), 1)
             for line in timeline_lines(stamps.cpu().double().tolist()):
