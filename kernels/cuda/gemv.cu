@@ -1554,6 +1554,11 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // Timing knobs (`mode` bits, the results then meaningless): 1 phase 1 only, 2 phase 2 only, 4 plain
 // stores instead of the reductions. `stamps` (or null): per block, %globaltimer at its start, after
 // phase 1, at its end, and its SM.
+// Tried on the H200 (48th session, 163rd-164th runs; e3a2164, ae3dc2e) and dropped: phase 2 shared out
+// beyond block b, by a queue of items all blocks took from (the decode layer chain 1.736 against 1.577
+// ms) or by giving the last row groups of every step to 10-20 extra blocks that waited for the step's
+// published record (1.746-1.998 against 1.559): the counters and flags cost more than the blocks'
+// imbalance and the idle SMs give back (README, "Forty-eighth session").
 
 template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
