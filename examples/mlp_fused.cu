@@ -13,12 +13,3 @@ MGX_MLP_ENTRY(16, 4, 4, 1, false, )
 MGX_MLP_ENTRY(16, 2, 4, 1, false, )
 MGX_MLP_ENTRY(32, 2, 2, 0, true, _x)
 MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)
-
-// Forty-eighth session: down's second batch of row groups also asked for before the block adds up its
-// SiLU outputs (kTwoEarly), so that 8 tiles a warp are in flight across that barrier instead of 4.
-extern "C" __global__ void __launch_bounds__(16 * 32, 1) MGX_ENTRY(mgx_mlp_int4_w16_u2_d4_b1_e2_x)(
-    void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd, int f,
-    int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps) {
-  mgx_gemv::mlp_int4_fused<16, 2, 4, true, true, true>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, k,
-                                                       n, groups_gu, groups_d, group_shift, mode, stamps);
-}

@@ -1560,7 +1560,7 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // published record (1.746-1.998 against 1.559): the counters and flags cost more than the blocks'
 // imbalance and the idle SMs give back (docs/cuda-notebook.md, "Forty-eighth session").
 
-template <int W, int U, int DB, bool kDB, bool kFixed, bool kTwoEarly = false>
+template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
                                const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
                                const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
@@ -1686,7 +1686,6 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
   };
   Down dn[DB], dn2[kDB ? DB : 1];
   load_d(0, dn);  // on their way while the block adds up its SiLU outputs
-  if constexpr (kDB && kTwoEarly) load_d(DB, dn2);
   __syncthreads();
   if (stamps != nullptr && threadIdx.x == 0) {
     unsigned sm;
@@ -1773,7 +1772,7 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
   const int per_warp = (row_groups + W - 1) / W;
   if constexpr (kDB) {
     for (int i0 = 0; i0 < per_warp; i0 += 2 * DB) {
-      if (!(kTwoEarly && i0 == 0) && i0 + DB < per_warp) load_d(i0 + DB, dn2);
+      if (i0 + DB < per_warp) load_d(i0 + DB, dn2);
       compute_d(i0, dn);
       if (i0 + DB >= per_warp) break;
       if (i0 + 2 * DB < per_warp) load_d(i0 + 2 * DB, dn);
