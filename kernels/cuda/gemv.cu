@@ -1559,6 +1559,8 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // ms) or by giving the last row groups of every step to 10-20 extra blocks that waited for the step's
 // published record (1.746-1.998 against 1.559): the counters and flags cost more than the blocks'
 // imbalance and the idle SMs give back (docs/cuda-notebook.md, "Forty-eighth session").
+// Also dropped (172nd run, 2c872e6): down's second batch asked for before the SiLU barrier too (8 tiles a
+// warp in flight across it): 1.603 against 1.571 ms; phase 1 slowed by what phase 2 gained.
 
 template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
