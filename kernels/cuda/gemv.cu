@@ -851,7 +851,7 @@ __device__ __forceinline__ float2 half_pair(uint32_t r) {
 // Tried on the H200 (36th session, 99th-100th runs) and dropped: each warp copying its next 1-4 passes
 // of codes, scales and zeros into shared memory with cp.async before mgx_pdl_wait (build flag
 // MGX_IMMA_PRELOAD). Same bits and occupancy, but the 8B INT4 chain lost (1.713 -> 1.883-2.240 ms) and
-// every kernel alone was slower (gate/up imma_w4 staged 23.4 -> 28.5 us with one pass): docs/cuda-notebook.md.
+// every kernel alone was slower (gate/up imma_w4 staged 23.4 -> 28.5 us with one pass): kernels/cuda/NOTEBOOK.md.
 // Tried on the H200 (45th session, 149th-152nd runs; 5a4cee7, build flag MGX_PRELOAD bit 1) and
 // dropped: a staged int4 GEMV copying its block's whole output group (steps x 1 KB of cuda_tile16
 // codes and the group's scale pairs, contiguous) into shared memory with one cp.async.bulk before its
@@ -863,7 +863,7 @@ __device__ __forceinline__ float2 half_pair(uint32_t r) {
 // Tried on the H200 (35th session, 95th run) and dropped: a kernel of its own asking L2 for the next
 // projections' weights (cp.async.bulk.prefetch.L2 over byte spans) after QKV, while decode attention
 // runs. Every plan lost in the 8B INT4 layer chain (1.697 ms without; o's 9 MB 1.853; o and 16 MB of
-// gate/up 2.258): each MB asked for cost about what reading it from DRAM again costs (docs/cuda-notebook.md).
+// gate/up 2.258): each MB asked for cost about what reading it from DRAM again costs (kernels/cuda/NOTEBOOK.md).
 // Tried on the H200 (34th session, 94th run) and dropped: loading a pass with no work (a warp's steps
 // past K, the pass after the block's last group) from the last group and step instead of predicating
 // its loads off with zero fills (cuda_tile16 int4 imma4 staged: 131 -> 120 SASS instructions a step
@@ -1550,7 +1550,7 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // times both). acc must be zero before.
 // On the H200 (143rd-144th runs, examples/bench_gpu_mlp.py) the 8B decode layer chained 32 times took
 // 1.613 -> 1.556 ms with <16, 2, 4, true, true> (the product's entry below), 1.609 -> 1.554 with the
-// fp32 <32, 2, 2, false, false>; docs/cuda-notebook.md ("Forty-third session") has the rest.
+// fp32 <32, 2, 2, false, false>; kernels/cuda/NOTEBOOK.md ("Forty-third session") has the rest.
 // Timing knobs (`mode` bits, the results then meaningless): 1 phase 1 only, 2 phase 2 only, 4 plain
 // stores instead of the reductions. `stamps` (or null): per block, %globaltimer at its start, after
 // phase 1, at its end, and its SM.
@@ -1558,7 +1558,7 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // beyond block b, by a queue of items all blocks took from (the decode layer chain 1.736 against 1.577
 // ms) or by giving the last row groups of every step to 10-20 extra blocks that waited for the step's
 // published record (1.746-1.998 against 1.559): the counters and flags cost more than the blocks'
-// imbalance and the idle SMs give back (docs/cuda-notebook.md, "Forty-eighth session").
+// imbalance and the idle SMs give back (kernels/cuda/NOTEBOOK.md, "Forty-eighth session").
 // Also dropped (172nd run, 2c872e6): down's second batch asked for before the SiLU barrier too (8 tiles a
 // warp in flight across it): 1.603 against 1.571 ms; phase 1 slowed by what phase 2 gained.
 
