@@ -27,11 +27,23 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__f
 os.environ.setdefault("PYTHONSAFEPATH", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Under pytest-xdist each worker is a process whose torch (OpenMP) pool takes a thread a core, so N
+# workers run N threads a core and their busy-waiting pools slow each other: here, two workers each
+# building SmolLM2's artifact took 113 s at the default against 68 s at one thread each; on the H200's
+# 16 cores, three of them had not finished after 500 s (168th run) where one alone took 28 s. Each
+# worker gets its share of the cores unless OMP_NUM_THREADS says otherwise.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+_SHARE = max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ else 0
+if _SHARE:
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+
 # Without a GPU, Triton kernels run in Triton's interpreter; this must be set before anything
 # imports triton (its driver is chosen once, at import).
 try:
     import torch as _torch
 
+    if _SHARE:
+        _torch.set_num_threads(_SHARE)  # in case a plugin imported torch before this file
     _HAS_CUDA = _torch.cuda.is_available()
 except ImportError:
     _HAS_CUDA = False

@@ -69,3 +69,30 @@ def test_loading_a_source_with_the_root_on_the_path_names_the_shadowed_kernels_p
     want = "'kernels' package that transformers imports resolves to this project's own folder"
     with pytest.raises(SourceError, match=want if installed else "nowhere: cannot read the model config"):
         load_source(missing)
+
+
+def test_thread_share_probe() -> None:
+    """Run by the test below in a process that looks like one of two pytest-xdist workers: conftest.py
+    gave it half of the cores for torch's pool (at least one thread)."""
+    import os
+
+    if os.environ.get("MGX_TEST_THREAD_PROBE") != "1":
+        pytest.skip("a probe for test_xdist_workers_share_the_cores")
+    torch = pytest.importorskip("torch")
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert os.environ["OMP_NUM_THREADS"] == str(share)
+    assert torch.get_num_threads() == share
+
+
+def test_xdist_workers_share_the_cores() -> None:
+    """Under pytest-xdist each worker's torch pool would take a thread a core (N workers, N threads a
+    core, busy-waiting against each other: tests/conftest.py has the figures)."""
+    import os
+
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_ADDOPTS")}
+    env.update(PYTEST_XDIST_WORKER_COUNT="2", MGX_TEST_THREAD_PROBE="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"{Path(__file__).relative_to(ROOT)}::test_thread_share_probe"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
