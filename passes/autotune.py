@@ -27,7 +27,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mgx.formats import ir
 
@@ -303,11 +303,17 @@ def _norm_readers(graph: ir.Graph) -> dict[tuple[str, int, int], ir.Op]:
             if 2 * sum(n is not None for n in norms) >= len(norms)}  # fmt: skip
 
 
+class _AfterNorm(NamedTuple):
+    """``_after_norm_launch``'s timed calls: config -> a Triton candidate's, native config -> a native kind's."""
+
+    triton: Callable[[Any], Callable[..., Any]]
+    native: Callable[[Any], Callable[..., Any]]
+
+
 def _after_norm_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: Any, kernels: Any, graph: ir.Graph,
-                       device: Any, dtype: Any) -> tuple[Callable[[Any], Callable[..., Any]], Callable[[Any], Callable[..., Any]]]:  # fmt: skip
-    """For ``after_norm``: (config -> the timed call of a Triton candidate, native config -> a native
-    kind's), each after the norm that feeds it in the CUDA backend's batch-1 step, on a random row and
-    residual.
+                       device: Any, dtype: Any) -> _AfterNorm:  # fmt: skip
+    """For ``after_norm``: the timed calls of a Triton candidate and of a native kind, each after the
+    norm that feeds it in the CUDA backend's batch-1 step, on a random row and residual.
 
     Timed alone, a projection's kind was ranked otherwise than in the step: on the H200 (forty-sixth
     session, the 8B INT4 model) autotune chose ``imma_w16`` for QKV (6.7 us alone) where ``mgx-run
@@ -356,7 +362,7 @@ def _after_norm_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: A
             return twin
         return lambda c=config, x=x, w=w, s=silu: run_native(plain(x), w, kernels=kernels, kind=c.native, silu_mul=s)
 
-    return triton, native
+    return _AfterNorm(triton, native)
 
 
 def copies_for(nbytes: int, l2_bytes: int) -> int:
@@ -446,7 +452,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         if as_run is not None:
                             seconds = _time(as_run(config), opts.repeats, ws)
                         elif after is not None:
-                            seconds = _time(after[0](config), opts.repeats, ws)
+                            seconds = _time(after.triton(config), opts.repeats, ws)
                         else:
                             seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
                     except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
@@ -472,7 +478,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         rejected.append(f"{kind} {key[1]} ({native_error_text(err, head)})")
                         continue
                     native = dataclasses.replace(best[1], native=kind)
-                    call = after[1](native) if after is not None else (lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
+                    call = after.native(native) if after is not None else (lambda c=native, x=x, w=w, s=silu, d=kind, h=head: run_native(
                         x, w, kernels=kernels, kind=d, silu_mul=s, argmax=h))  # fmt: skip
                     seconds = _time(call, opts.repeats, ws)
                     timed += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -74,8 +75,6 @@ def test_loading_a_source_with_the_root_on_the_path_names_the_shadowed_kernels_p
 def test_thread_share_probe() -> None:
     """Run by the test below in a process that looks like one of two pytest-xdist workers: conftest.py
     gave it half of the cores for torch's pool (at least one thread)."""
-    import os
-
     if os.environ.get("MGX_TEST_THREAD_PROBE") != "1":
         pytest.skip("a probe for test_xdist_workers_share_the_cores")
     torch = pytest.importorskip("torch")
@@ -87,8 +86,6 @@ def test_thread_share_probe() -> None:
 def test_xdist_workers_share_the_cores() -> None:
     """Under pytest-xdist each worker's torch pool would take a thread a core (N workers, N threads a
     core, busy-waiting against each other: tests/conftest.py has the figures)."""
-    import os
-
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_ADDOPTS")}
     env.update(PYTEST_XDIST_WORKER_COUNT="2", MGX_TEST_THREAD_PROBE="1")
