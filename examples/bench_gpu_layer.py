@@ -118,13 +118,6 @@ class Chain:
         # Stands in for gate/up and down where set: called with gate/up's record (bench_gpu_mlp.py's
         # fused MLP); the next layer's norm then reads the stand-in for down's output.
         self.mlp: Callable[[object], None] | None = None
-        # Stands in for the add + norm before gate/up and the MLP where set: called with (o's output, the
-        # residual, the norm's weight), returns the new residual (bench_gpu_mlp.py's "_n" entries).
-        self.mlp_norm: Callable[[object, object, object], object] | None = None
-
-    def total_for(self, res):  # noqa: ANN001, ANN201
-        """The buffer an add + norm writes res + delta into: the one of two that is not ``res``."""
-        return self.totals[0] if res.data_ptr() != self.totals[0].data_ptr() else self.totals[1]
 
     def _norm(self, name: str, x, res, g, kernels):  # noqa: ANN001, ANN202
         """The add + RMSNorm before projection ``name``: (its x, the new residual, its record or None)."""
@@ -133,7 +126,7 @@ class Chain:
 
         if not (self.norm_stages and name in self.staged):
             return (*rms_norm(x, g, 1e-5, kernels=kernels, residual=res), None)
-        total = self.total_for(res)
+        total = self.totals[0] if res.data_ptr() != self.totals[0].data_ptr() else self.totals[1]
         out, rec = norm_stage(res, NormPrologue(x, g, 1e-5, total), self.scheme, kernels=kernels)
         return out, total, rec
 
@@ -176,10 +169,6 @@ class Chain:
                                        num_warps=self.attention_warps)  # fmt: skip
         o = self._gemv("o", a, w, kernels, kinds["o"]) if runs["o"] else self.stand_in["down"]
         x2, rec = o, None
-        if self.mlp_norm is not None and norms:
-            self.x["res"] = self.mlp_norm(o, res, w["g2"])
-            self.x["d"] = self.stand_in["down"]
-            return
         if norms:
             x2, res, rec = self._norm("gate_up", o, res, w["g2"], kernels)
         if self.mlp is not None and rec is not None:

@@ -33,8 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
-# "_n": the add + norm before the MLP inside the kernel (no norm_stage launch)
-ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x", "w16_u2_d4_b1_x_n")
+ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
@@ -52,12 +51,7 @@ def warps(entry: str) -> int:
 
 def fixed(entry: str) -> bool:
     """Whether ``entry`` adds the row up in 64-bit fixed point (int64 of 2^-32) instead of fp32."""
-    return entry.removesuffix("_n").endswith("_x")
-
-
-def normed(entry: str) -> bool:
-    """Whether ``entry`` takes the add + RMSNorm before the MLP itself (res, delta, g instead of a record)."""
-    return entry.endswith("_n")
+    return entry.endswith("_x")
 
 
 def new_rows(entry: str, *shape: int):  # noqa: ANN201
@@ -111,25 +105,18 @@ class Fused:
             raise SystemExit(f"the kernels built for {arch} do not load on this GPU")
         self.kernels.allow_overlap(10 * major + minor)
 
-    def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None, norm=None) -> None:  # noqa: ANN001
+    def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None) -> None:  # noqa: ANN001
         """acc (``new_rows``: fp32 [1, N], or int64 of 2^-32 [1, N + 2] for a ``fixed`` entry) +=
-        down(silu(gate) * up) of the row staged in rec (a ``normed`` entry: of the row ``norm``, a
-        ``NormPrologue`` with its total, gives); wgu and wd as ``testing.as_read_by`` gives them to a
-        MGX_IMMA_TILE16 + HALF_SCALES build (the 8B shapes: the record fits 48 KB of shared memory)."""
-        import ctypes
-
+        down(silu(gate) * up) of the row staged in rec; wgu and wd as ``testing.as_read_by`` gives them
+        to a MGX_IMMA_TILE16 + HALF_SCALES build (the 8B shapes: the record fits 48 KB of shared memory)."""
         import torch
 
-        from mgx.kernels.cuda.gemv import _ptr, fused_mlp_args, fused_mlp_blocks
+        from mgx.kernels.cuda.gemv import fused_mlp_args, fused_mlp_blocks
 
         stream = torch.cuda.current_stream().cuda_stream
-        args, shared = fused_mlp_args(acc, rec, wgu, wd, mode, stamps), record_bytes(wgu.k)
-        if normed(entry):  # rec: the residual the norm's delta is added to
-            args = [args[0], _ptr(norm.total), _ptr(rec), _ptr(norm.delta), _ptr(norm.weight), ctypes.c_float(norm.eps),
-                    *args[2:]]  # fmt: skip
-            shared += 2 * wgu.k
-        self.kernels.module.launch(entry_name(entry), (fused_mlp_blocks(wgu),), (32 * warps(entry),), args, stream,
-                                   shared, overlap=self.kernels.overlap)  # fmt: skip
+        self.kernels.module.launch(entry_name(entry), (fused_mlp_blocks(wgu),), (32 * warps(entry),),
+                                   fused_mlp_args(acc, rec, wgu, wd, mode, stamps), stream, record_bytes(wgu.k),
+                                   overlap=self.kernels.overlap)  # fmt: skip
 
 
 def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]:
@@ -138,35 +125,20 @@ def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]
     row's largest magnitude)."""
     import torch
 
-    from mgx.kernels.cuda.gemv import NormPrologue, gemv, gemv_staged, norm_stage, stage_x
+    from mgx.kernels.cuda.gemv import gemv, gemv_staged, stage_x
 
     k = fused.kernels
     gen = torch.Generator(device="cuda").manual_seed(0)
     found = []
     for scale in (1.0, 4.0, 16.0):
         x = (torch.randn(1, w["gate_up"].k, device="cuda", generator=gen) * scale).to(torch.bfloat16)
-        norm = None
-        if normed(entry):  # x is the residual: the norm_stage kernel's record and total are the reference
-            delta = (torch.randn(1, w["gate_up"].k, device="cuda", generator=gen) * scale).to(torch.bfloat16)
-            g = (torch.rand(w["gate_up"].k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
-            norm = NormPrologue(delta, g, 1e-5, torch.empty_like(x))
-            rec = norm_stage(x, norm, "int4", kernels=k)[1]
-        else:
-            rec = stage_x(x, "int4", kernels=k)
+        rec = stage_x(x, "int4", kernels=k)
         h = gemv_staged(rec, w["gate_up"], kernels=k, kind="imma_w4", silu_mul=True)
         want = gemv(h, w["down"], kernels=k, kind="imma_w16").float()
         runs = []
         for _ in range(2):
             acc = new_rows(entry, 1, w["down"].n)
-            if norm is None:
-                fused.launch(entry, rec, w["gate_up"], w["down"], acc)
-            else:
-                mine = NormPrologue(norm.delta, norm.weight, norm.eps, torch.empty_like(x))
-                fused.launch(entry, x, w["gate_up"], w["down"], acc, norm=mine)
-                product = new_rows(entry, 1, w["down"].n)
-                fused.launch(entry.removesuffix("_n"), rec, w["gate_up"], w["down"], product)
-                if not (torch.equal(acc, product) and torch.equal(mine.total, norm.total)):
-                    raise SystemExit(f"{entry}: its row or total differs from norm_stage + the fused MLP's")
+            fused.launch(entry, rec, w["gate_up"], w["down"], acc)
             runs.append(as_float(entry, acc[:, : w["down"].n]))
         torch.cuda.synchronize()
         norm = float(want.norm())
@@ -195,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from bench_gpu_layer import LAYERS, Chain, graph_ms
 
-    from mgx.kernels.cuda.gemv import NormPrologue, fused_mlp_blocks, gemv, gemv_staged, stage_x
+    from mgx.kernels.cuda.gemv import fused_mlp_blocks, gemv, gemv_staged, stage_x
 
     fused = Fused()
     chain = Chain("int4", 768)
     chain.staged, chain.norm_stages, chain.stage_in_graph = {"qkv", "gate_up"}, True, True
     layers = chain.layers_for(fused.kernels)
     kinds = {"qkv": "imma", "o": "imma_w16", "gate_up": "imma_w4", "down": "imma_w16"}
-    rows = {e: new_rows(e, LAYERS, 1, layers[0]["down"].n) for e in {*entries, *(e.removesuffix("_n") for e in entries)}}
+    rows = {e: new_rows(e, LAYERS, 1, layers[0]["down"].n) for e in entries}
     fixed = stage_x(torch.randn(1, layers[0]["gate_up"].k, device="cuda").to(torch.bfloat16), "int4", kernels=fused.kernels)
 
     def mlp(entry: str | None, norms: bool, mode: int = 0, stamps=None):  # noqa: ANN001, ANN202
@@ -212,14 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             res = chain.x["res"]
             for i, w in enumerate(layers):
                 rec = fixed
-                if norms and not (entry is not None and normed(entry)):
+                if norms:
                     _, res, rec = chain._norm("gate_up", chain.stand_in["down"], res, w["g2"], fused.kernels)
-                if entry is not None and normed(entry):  # the norm in the kernel: res + down's stand-in
-                    norm = NormPrologue(chain.stand_in["down"], w["g2"], 1e-5, chain.total_for(res))
-                    fused.launch(entry, res, w["gate_up"], w["down"], rows[entry][i], mode,
-                                 None if stamps is None else stamps[i], norm=norm)  # fmt: skip
-                    res = norm.total
-                elif entry is None:
+                if entry is None:
                     h = gemv_staged(rec, w["gate_up"], kernels=fused.kernels, kind=kinds["gate_up"], silu_mul=True)
                     gemv(h, w["down"], kernels=fused.kernels, kind=kinds["down"])
                 else:
@@ -228,22 +195,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    def mlp_norm(entry: str, o, res, g, w: dict, acc):  # noqa: ANN001, ANN202
-        """A ``normed`` entry after o: the add + norm in the kernel; returns the new residual."""
-        norm = NormPrologue(o, g, 1e-5, chain.total_for(res))
-        fused.launch(entry, res, w["gate_up"], w["down"], acc, norm=norm)
-        return norm.total
-
     def layer(entry: str):  # noqa: ANN202
         def run() -> None:  # bench_gpu_layer's decode layer with the MLP fused (its next norm reads a stand-in)
             rows[entry].zero_()
             for i, w in enumerate(layers):
-                if normed(entry):
-                    chain.mlp_norm = lambda o, res, g, w=w, i=i: mlp_norm(entry, o, res, g, w, rows[entry][i])
-                else:
-                    chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i])
+                chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i])
                 chain.layer(w, fused.kernels, kinds, "all")
-            chain.mlp = chain.mlp_norm = None
+            chain.mlp = None
 
         return run
 
@@ -258,11 +216,6 @@ def main(argv: list[str] | None = None) -> int:
                      "GEMVs alone, two": mlp(None, False), "GEMVs alone, fused": mlp(entry, False),
                      **{f"fused, {what}": mlp(entry, False, mode) for what, mode in MODES.items()},
                      "decode layer, two GEMVs": chain.step(fused.kernels, kinds, "all"), "decode layer, fused": layer(entry)}  # fmt: skip
-            if normed(entry):  # no record to read without the norm; the product's entry beside it
-                product = entry.removesuffix("_n")
-                times = {"mlp after its norm, fused": mlp(entry, True), f"mlp after its norm, {product}": mlp(product, True),
-                         "decode layer, fused": layer(entry), f"decode layer, {product}": layer(product),
-                         "decode layer, fused again": layer(entry), f"decode layer, {product} again": layer(product)}  # fmt: skip
             for what, fn in times.items():
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)

@@ -13,10 +13,3 @@ MGX_MLP_ENTRY(16, 4, 4, 1, false, )
 MGX_MLP_ENTRY(16, 2, 4, 1, false, )
 MGX_MLP_ENTRY(32, 2, 2, 0, true, _x)
 MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)
-
-// The add + RMSNorm before the MLP in the kernel (mlp_int4_fused's kNorm; MGX_MLP_NORM_ENTRY_NAMED):
-// "_n" entries, no norm_stage launch before them.
-#define MGX_MLP_NORM_ENTRY(W, U, DB, DBUF, FX, X) \
-  MGX_MLP_NORM_ENTRY_NAMED(mgx_mlp_int4_w##W##_u##U##_d##DB##_b##DBUF##X##_n, W, U, DB, DBUF, FX)
-
-MGX_MLP_NORM_ENTRY(16, 2, 4, 1, true, _x)

@@ -1562,17 +1562,11 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // Also dropped (172nd run, 2c872e6): down's second batch asked for before the SiLU barrier too (8 tiles a
 // warp in flight across it): 1.603 against 1.571 ms; phase 1 slowed by what phase 2 gained.
 
-// kNorm: rec is unused and `in` gives the row instead: every block normalizes it
-// (norm_prologue: rms_norm(res + delta) * g, block 0 writing res + delta to res_out) into shared memory
-// after the K / 8 words of the record and stages the steps into the record itself, a warp a step, as
-// norm_stage does (so the same record, and the same bits): the add + norm before the MLP without a
-// launch of its own. Dynamic shared memory: the record's and 2 K bytes more.
-template <int W, int U, int DB, bool kDB, bool kFixed, bool kNorm = false>
+template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
                                const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
                                const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
-                               int group_shift, int mode, unsigned long long* __restrict__ stamps,
-                               NormIn in = NormIn{}) {
+                               int group_shift, int mode, unsigned long long* __restrict__ stamps) {
   static_assert(W % 16 == 0, "16 SiLU groups a block, W / 16 warps each");
   float* acc = static_cast<float*>(acc_out);
   unsigned long long* acc_fx = static_cast<unsigned long long*>(acc_out);
@@ -1642,16 +1636,8 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
   constexpr int kStride = U * kShare;  // steps a warp's pass advances
   int s = (mode & 2) ? steps : share;
   load_w(s, even);  // the codes are no kernel's output: before the wait
-  if constexpr (kNorm) {
-    const NormWeights first = norm_weights_first(in, k);  // no kernel's output either
-    mgx_pdl_wait();  // res + delta: the kernels' before
-    uint4* row = rec_s + rec_words;
-    norm_prologue(row, in, k, &first);  // ends with a block barrier: the row is complete
-    for (int st = warp; st < steps; st += W) imma_stage_step<true, true>(rec_s, buf, row, st, steps);
-  } else {
-    mgx_pdl_wait();  // the record is the norm's
-    for (int i = threadIdx.x; i < rec_words; i += blockDim.x) rec_s[i] = x_oct<false>(rec, i);
-  }
+  mgx_pdl_wait();   // the record is the norm's
+  for (int i = threadIdx.x; i < rec_words; i += blockDim.x) rec_s[i] = x_oct<false>(rec, i);
   __syncthreads();
   const float2* fs_s = reinterpret_cast<const float2*>(rec_s + steps * 32);
   const auto compute = [&](int s0, const Pass& p) {
@@ -2013,19 +1999,6 @@ extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
 #if MGX_IMMA_TILE16 && MGX_IMMA_HALF_SCALES
 MGX_MLP_ENTRY_NAMED(mgx_mlp_int4_fused, 16, 2, 4, true, true)
 #endif
-
-// The same with the add + RMSNorm before it (mlp_int4_fused's kNorm): the row is rms_norm(res + delta) *
-// g, res + delta goes to res_out (never res or delta); rec is unused. Dynamic shared memory: the
-// record's and 2 K bytes more.
-#define MGX_MLP_NORM_ENTRY_NAMED(NAME, W, U, DB, DBUF, FX)                                                     \
-  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(NAME)(                                   \
-      void* acc, __nv_bfloat16* res_out, const __nv_bfloat16* res, const __nv_bfloat16* delta,               \
-      const __nv_bfloat16* g, float eps, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd, \
-      int f, int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps) { \
-    const mgx_gemv::NormIn in{res, delta, g, res_out, eps};                                                  \
-    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF, FX, true>(acc, nullptr, wgu, pgu, wd, pd, f, k, n, groups_gu,     \
-                                                       groups_d, group_shift, mode, stamps, in);              \
-  }
 
 // Markers of the builds (gemv.py: which layout and scale table the imma kinds read).
 #if MGX_IMMA_HALF_SCALES

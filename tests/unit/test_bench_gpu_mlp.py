@@ -29,9 +29,8 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
 def test_the_record_fits_in_shared_memory_as_the_kernel_copies_it(bench) -> None:  # noqa: ANN001
     assert bench.record_bytes(4096) == (32 * 32 + 16) * 16  # 32 steps of B words, 32 float2 in 16 words
     assert bench.record_bytes(384) == (3 * 32 + 2) * 16  # an odd count of float2 rounds up to a word
-    assert [bench.warps(e) for e in bench.ENTRIES] == [32, 16, 16, 32, 16, 16]
-    assert [bench.fixed(e) for e in bench.ENTRIES] == [False, False, False, True, True, True]
-    assert [bench.normed(e) for e in bench.ENTRIES] == [False] * 5 + [True]
+    assert [bench.warps(e) for e in bench.ENTRIES] == [32, 16, 16, 32, 16]
+    assert [bench.fixed(e) for e in bench.ENTRIES] == [False, False, False, True, True]
 
 
 def test_fixed_point_rows_read_back_as_multiples_of_two_to_the_minus_32(bench) -> None:  # noqa: ANN001
