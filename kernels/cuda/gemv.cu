@@ -1561,6 +1561,9 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // imbalance and the idle SMs give back (kernels/cuda/NOTEBOOK.md, "Forty-eighth session").
 // Also dropped (172nd run, 2c872e6): down's second batch asked for before the SiLU barrier too (8 tiles a
 // warp in flight across it): 1.603 against 1.571 ms; phase 1 slowed by what phase 2 gained.
+// And (49th session, 173rd run, 2b47034): the add + RMSNorm before the MLP in every block (norm_prologue,
+// then the steps staged into the shared record; no norm_stage launch): the same bits, 1.612 / 1.616
+// against 1.576 / 1.574 ms; the early-launched norm kernel costs less than the prologue on the path.
 
 template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
