@@ -28,6 +28,7 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
                        (["--kinds", "qkv=imma"], "no kind for down, gate_up, o"),
                        (["--context", "1100"], "not within the table's 1024 tokens"),
                        (["--self-merge-max", "16,all"], "'16,all' is not a comma-separated list"),
+                       (["--attention-block-n", "64,48"], "[48] not a power of two from 16 to 256"),
                        (["--staged", "qkv,lm_head"], "lm_head not a projection on one of"),
                        (["--kinds", "qkv=triton,o=imma,gate_up=imma_w4,down=imma_w16", "--staged", "qkv,o"],
                         "--staged: qkv not a projection on one of imma, imma_w4, imma_w16")):  # fmt: skip
