@@ -104,11 +104,11 @@ class Chain:
         self.context = torch.tensor([context], device=dev, dtype=torch.int32)
         self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context.
+        # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context
+        # (self.attention_block_n; --attention-block-n).
         self.sms = sms
         self.tiles_of(64)
         self.attention_warps = 4  # the decode attention's warps a program (the backend's; --attention-warps)
-        self.attention_block_n = 64  # tokens a decode attention tile (the backend's; --attention-block-n)
         self.self_merge = True  # whether the pieces' last merges them (the backend's rule: SELF_MERGE_MAX_SPLITS)
         self.stand_in = {"qkv": torch.randn(1, qkv_n, device=dev).to(bf16),  # outputs of the parts left out
                          "attention": torch.randn(1, HEADS * HEAD_DIM, device=dev).to(bf16),
@@ -320,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     chain = Chain(args.scheme, args.context, table_blocks=args.table_blocks)
     print(f"{args.scheme}, {LAYERS} layers, context {args.context}, {chain.splits} attention pieces, kinds {kinds}")
     for limit in limits:
-        chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
-        merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
         variants = [("", set(), True, False)]
         if staged:
             variants += [(f" [{'+'.join(staged)} staged]", set(staged), True, False),
@@ -331,9 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         for (label, kernels), chain.attention_warps, block_n in itertools.product(builds.items(), warps, tiles):
             if len(warps) > 1:
                 label = f"{label} [attention on {chain.attention_warps} warps]"
+            chain.tiles_of(block_n)
+            chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
+            merge = "" if limit is None else f" [{'self-merge' if chain.self_merge else 'merge kernel'}, limit {limit}]"
             if len(tiles) > 1:
-                chain.tiles_of(block_n)
-                chain.self_merge = chain.splits <= (SELF_MERGE_MAX_SPLITS if limit is None else limit)
                 label = f"{label} [attention tiles of {block_n}, {chain.splits} pieces]"
             for how, chain.staged, chain.stage_in_graph, chain.norm_stages in variants:
                 chain.records.clear()
