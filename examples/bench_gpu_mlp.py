@@ -33,9 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
-# "_hH": helper blocks on the SMs the others leave idle take each SiLU group's last H gate/up steps
-ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x", "w16_u2_d4_b1_x_h4",
-           "w16_u2_d4_b1_x_h2")
+ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
 PARTS = ("check", "chains", "timeline")
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
@@ -53,18 +51,7 @@ def warps(entry: str) -> int:
 
 def fixed(entry: str) -> bool:
     """Whether ``entry`` adds the row up in 64-bit fixed point (int64 of 2^-32) instead of fp32."""
-    return product_of(entry).endswith("_x")
-
-
-def helped(entry: str) -> int:
-    """The gate/up steps of each SiLU group that ``entry``'s helper blocks take (0: no helpers)."""
-    last = entry.split("_")[-1]
-    return int(last[1:]) if last.startswith("h") and last[1:].isdigit() else 0
-
-
-def product_of(entry: str) -> str:
-    """``entry`` without its helpers: the variant it is an experiment on."""
-    return entry.rsplit("_", 1)[0] if helped(entry) else entry
+    return entry.endswith("_x")
 
 
 def new_rows(entry: str, *shape: int):  # noqa: ANN201
@@ -117,8 +104,6 @@ class Fused:
         if self.kernels is None:
             raise SystemExit(f"the kernels built for {arch} do not load on this GPU")
         self.kernels.allow_overlap(10 * major + minor)
-        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.help: dict[int, tuple] = {}  # owners -> (sums [owners, 16, 16] fp32, flags [owners, 16] zeroed)
 
     def launch(self, entry: str, rec, wgu, wd, acc, mode: int = 0, stamps=None) -> None:  # noqa: ANN001
         """acc (``new_rows``: fp32 [1, N], or int64 of 2^-32 [1, N + 2] for a ``fixed`` entry) +=
@@ -126,20 +111,12 @@ class Fused:
         to a MGX_IMMA_TILE16 + HALF_SCALES build (the 8B shapes: the record fits 48 KB of shared memory)."""
         import torch
 
-        from mgx.kernels.cuda.gemv import _ptr, fused_mlp_args, fused_mlp_blocks
+        from mgx.kernels.cuda.gemv import fused_mlp_args, fused_mlp_blocks
 
         stream = torch.cuda.current_stream().cuda_stream
-        owners = fused_mlp_blocks(wgu)
-        args, blocks = fused_mlp_args(acc, rec, wgu, wd, mode, stamps), owners
-        if helped(entry):  # the SMs the owners leave, and the helpers' sums and flags
-            if self.sms <= owners:
-                raise SystemExit(f"{entry}: no SM left for helpers ({owners} blocks on {self.sms} SMs)")
-            if owners not in self.help:
-                self.help[owners] = (torch.zeros(owners * 256, dtype=torch.float32, device="cuda"),
-                                     torch.zeros(owners * 16, dtype=torch.int32, device="cuda"))  # fmt: skip
-            args, blocks = [*args, *map(_ptr, self.help[owners])], self.sms
-        self.kernels.module.launch(entry_name(entry), (blocks,), (32 * warps(entry),), args, stream,
-                                   record_bytes(wgu.k), overlap=self.kernels.overlap)  # fmt: skip
+        self.kernels.module.launch(entry_name(entry), (fused_mlp_blocks(wgu),), (32 * warps(entry),),
+                                   fused_mlp_args(acc, rec, wgu, wd, mode, stamps), stream, record_bytes(wgu.k),
+                                   overlap=self.kernels.overlap)  # fmt: skip
 
 
 def check(fused: Fused, entry: str, w: dict) -> list[tuple[float, float, float]]:
@@ -197,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     chain.staged, chain.norm_stages, chain.stage_in_graph = {"qkv", "gate_up"}, True, True
     layers = chain.layers_for(fused.kernels)
     kinds = {"qkv": "imma", "o": "imma_w16", "gate_up": "imma_w4", "down": "imma_w16"}
-    rows = {e: new_rows(e, LAYERS, 1, layers[0]["down"].n) for e in {*entries, *map(product_of, entries)}}
+    rows = {e: new_rows(e, LAYERS, 1, layers[0]["down"].n) for e in entries}
     fixed = stage_x(torch.randn(1, layers[0]["gate_up"].k, device="cuda").to(torch.bfloat16), "int4", kernels=fused.kernels)
 
     def mlp(entry: str | None, norms: bool, mode: int = 0, stamps=None):  # noqa: ANN001, ANN202
@@ -239,20 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                      "GEMVs alone, two": mlp(None, False), "GEMVs alone, fused": mlp(entry, False),
                      **{f"fused, {what}": mlp(entry, False, mode) for what, mode in MODES.items()},
                      "decode layer, two GEMVs": chain.step(fused.kernels, kinds, "all"), "decode layer, fused": layer(entry)}  # fmt: skip
-            if helped(entry):  # the variant it is an experiment on beside it, twice each
-                base = product_of(entry)
-                times = {"mlp after its norm, fused": mlp(entry, True), f"mlp after its norm, {base}": mlp(base, True),
-                         "GEMVs alone, fused": mlp(entry, False), f"GEMVs alone, {base}": mlp(base, False),
-                         "decode layer, fused": layer(entry), f"decode layer, {base}": layer(base),
-                         "decode layer, fused again": layer(entry), f"decode layer, {base} again": layer(base)}  # fmt: skip
             for what, fn in times.items():
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
         if "timeline" in parts:
-            owners = fused_mlp_blocks(layers[0]["gate_up"])  # helpers stamp their start only: left out
-            stamps = torch.zeros(LAYERS, fused.sms if helped(entry) else owners, 4, dtype=torch.int64, device="cuda")
+            blocks = fused_mlp_blocks(layers[0]["gate_up"])
+            stamps = torch.zeros(LAYERS, blocks, 4, dtype=torch.int64, device="cuda")
             graph_ms(mlp(entry, True, 0, stamps), 1)
-            for line in timeline_lines(stamps[:, :owners].cpu().double().tolist()):
+            for line in timeline_lines(stamps.cpu().double().tolist()):
                 print(f"  {line}", flush=True)
     return 0
 

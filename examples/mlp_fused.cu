@@ -13,11 +13,3 @@ MGX_MLP_ENTRY(16, 4, 4, 1, false, )
 MGX_MLP_ENTRY(16, 2, 4, 1, false, )
 MGX_MLP_ENTRY(32, 2, 2, 0, true, _x)
 MGX_MLP_ENTRY(16, 2, 4, 1, true, _x)
-
-// Helper blocks on the SMs the owners leave idle (mlp_int4_fused's H: the last H gate/up steps of
-// each owner's groups): "_hH" entries, launched on all the GPU's SMs with help and flags.
-#define MGX_MLP_HELP_ENTRY(W, U, DB, DBUF, FX, X, H) \
-  MGX_MLP_HELP_ENTRY_NAMED(mgx_mlp_int4_w##W##_u##U##_d##DB##_b##DBUF##X##_h##H, W, U, DB, DBUF, FX, H)
-
-MGX_MLP_HELP_ENTRY(16, 2, 4, 1, true, _x, 4)
-MGX_MLP_HELP_ENTRY(16, 2, 4, 1, true, _x, 2)

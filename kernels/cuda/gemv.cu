@@ -1565,17 +1565,11 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // then the steps staged into the shared record; no norm_stage launch): the same bits, 1.612 / 1.616
 // against 1.576 / 1.574 ms; the early-launched norm kernel costs less than the prologue on the path.
 
-// H > 0 (an experiment): blocks past the F / 128 owners are helpers, on SMs the owners leave idle; an
-// owner computes its SiLU groups' gate/up sums over the first steps - H steps only, and helper i those
-// over the last H steps for owners i, i + helpers, ...: each of its warps writes its group's 16 row sums
-// to help [owners][16][16] and sets that group's flag (flags [owners][16], zero before; the owner reads
-// the sums after the flag, adds them to its own and sets the flag back to zero).
-template <int W, int U, int DB, bool kDB, bool kFixed, int H = 0>
+template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
                                const uint2* __restrict__ pgu, const uint8_t* __restrict__ wd,
                                const uint2* __restrict__ pd, int f, int k, int n, int groups_gu, int groups_d,
-                               int group_shift, int mode, unsigned long long* __restrict__ stamps,
-                               float* __restrict__ help = nullptr, unsigned* __restrict__ flags = nullptr) {
+                               int group_shift, int mode, unsigned long long* __restrict__ stamps) {
   static_assert(W % 16 == 0, "16 SiLU groups a block, W / 16 warps each");
   float* acc = static_cast<float*>(acc_out);
   unsigned long long* acc_fx = static_cast<unsigned long long*>(acc_out);
@@ -1618,16 +1612,11 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
   };
 
   // ---- phase 1: SiLU group j, steps share, share + kShare, ... (U a pass, the next pass in flight)
-  const int owners = f >> 7;
-  const bool helper = H > 0 && b >= owners;
-  const int first_owner = helper ? b - owners : b;
-  const int s_end = H == 0 ? steps : helper ? steps : steps - H;  // a helper's steps: steps - H .. steps
-  int j = first_owner * 16 + (warp & 15);
-  const int share = warp >> 4;
+  const int j = b * 16 + (warp & 15), share = warp >> 4;
   const auto tile_at = [&](uint32_t r0) {  // cuda_tile16: rows r0 .. r0 + 7 at step 0, the lane's 16 bytes
     return (r0 >> 4) * (static_cast<uint32_t>(steps) * 1024u) + (r0 & 15u) * 64u + 16u * lane;
   };
-  uint32_t a_lo = tile_at(8u * j), a_hi = tile_at(static_cast<uint32_t>(f) + 8u * j);
+  const uint32_t a_lo = tile_at(8u * j), a_hi = tile_at(static_cast<uint32_t>(f) + 8u * j);
   struct Pass {
     uint4 lo[U], hi[U];
     uint2 sz[U];
@@ -1636,7 +1625,7 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int s = s0 + u * kShare;
-      const bool in = s < s_end;
+      const bool in = s < steps;
       const uint32_t at = static_cast<uint32_t>(s) * 1024u;
       p.lo[u] = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wgu + a_lo + at)) : make_uint4(0, 0, 0, 0);
       p.hi[u] = in ? load_stream_fetch(reinterpret_cast<const uint4*>(wgu + a_hi + at)) : make_uint4(0, 0, 0, 0);
@@ -1648,7 +1637,7 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
   float acc_lo = 0.0f, acc_hi = 0.0f;
   Pass even, odd;
   constexpr int kStride = U * kShare;  // steps a warp's pass advances
-  int s = (mode & 2) ? steps : share + (helper ? steps - H : 0);
+  int s = (mode & 2) ? steps : share;
   load_w(s, even);  // the codes are no kernel's output: before the wait
   mgx_pdl_wait();   // the record is the norm's
   for (int i = threadIdx.x; i < rec_words; i += blockDim.x) rec_s[i] = x_oct<false>(rec, i);
@@ -1658,62 +1647,24 @@ __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restri
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int st = s0 + u * kShare;
-      if (st >= s_end) break;
+      if (st >= steps) break;
       const float2 fs = fs_s[st];
       step(p.lo[u], p.hi[u], rec_s[st * 32 + lane], fs.x, fs.y, p.sz[u], acc_lo, acc_hi);
     }
   };
-  const auto run_steps = [&] {
-    while (s < s_end) {
-      load_w(s + kStride, odd);
-      compute(s, even);
-      s += kStride;
-      if (s >= s_end) break;
-      load_w(s + kStride, even);
-      compute(s, odd);
-      s += kStride;
-    }
+  while (s < steps) {
+    load_w(s + kStride, odd);
+    compute(s, even);
+    s += kStride;
+    if (s >= steps) break;
+    load_w(s + kStride, even);
+    compute(s, odd);
+    s += kStride;
+  }
 #pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
-      acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
-      acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
-    }
-  };
-  run_steps();
-  if constexpr (H > 0) {
-    if (helper) {  // owner o's group sums over the last H steps, then the next owner's
-      const int helpers = gridDim.x - owners;
-      for (int o = first_owner;;) {
-        const int slot = o * 16 + (warp & 15);
-        if (t == 0) {
-          __stcg(help + slot * 16 + g, acc_lo);
-          __stcg(help + slot * 16 + g + 8, acc_hi);
-          __threadfence();
-        }
-        __syncwarp();
-        if (lane == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + slot), "r"(1u) : "memory");
-        o += helpers;
-        if (o >= owners) return;
-        j = o * 16 + (warp & 15);
-        a_lo = tile_at(8u * j);
-        a_hi = tile_at(static_cast<uint32_t>(f) + 8u * j);
-        s = share + steps - H;
-        acc_lo = acc_hi = 0.0f;
-        load_w(s, even);
-        run_steps();
-      }
-    }
-    if (t == 0) {  // the owner: its helper's sums over the last H steps
-      const int slot = b * 16 + (warp & 15);
-      unsigned ready = 0;
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flags + slot) : "memory");
-      } while (ready == 0);
-      acc_lo += __ldcg(help + slot * 16 + g);
-      acc_hi += __ldcg(help + slot * 16 + g + 8);
-    }
-    __syncwarp();
-    if (lane == 0) flags[b * 16 + (warp & 15)] = 0u;  // for the next launch (it starts after this one ends)
+  for (int o = 1; o < 4; o <<= 1) {  // the quad's lanes
+    acc_lo += __shfl_xor_sync(0xFFFFFFFFu, acc_lo, o);
+    acc_hi += __shfl_xor_sync(0xFFFFFFFFu, acc_hi, o);
   }
   if (t == 0) {
     part[warp][g] = acc_lo;  // gate row 8 j + g
@@ -2041,17 +1992,6 @@ extern "C" __global__ void __launch_bounds__(mgx_gemv::kMaxThreads)
 // pairs (gemv.scale_pairs; pgu in the SiLU product's order) with groups_gu and groups_d groups a row.
 // Grid: F / 128 blocks of W warps; dynamic shared memory: the record (rounded up to 16 bytes; over 48
 // KB needs the attribute). F and K multiples of 128, n of 16. The macro is examples/mlp_fused.cu's too.
-// The experiment's (mlp_int4_fused's H): two more parameters, help and flags; the grid F / 128 blocks and
-// the helpers.
-#define MGX_MLP_HELP_ENTRY_NAMED(NAME, W, U, DB, DBUF, FX, H)                                                   \
-  extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(NAME)(                                   \
-      void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd, \
-      int f, int k, int n, int groups_gu, int groups_d, int group_shift, int mode, unsigned long long* stamps, \
-      float* help, unsigned* flags) {                                                                          \
-    mgx_gemv::mlp_int4_fused<W, U, DB, DBUF, FX, H>(acc, reinterpret_cast<const uint4*>(rec), wgu, pgu, wd, pd, f, \
-                                                    k, n, groups_gu, groups_d, group_shift, mode, stamps, help,   \
-                                                    flags);                                                      \
-  }
 #define MGX_MLP_ENTRY_NAMED(NAME, W, U, DB, DBUF, FX)                                                          \
   extern "C" __global__ void __launch_bounds__(W * 32, 1) MGX_ENTRY(NAME)(                                   \
       void* acc, const uint8_t* rec, const uint8_t* wgu, const uint2* pgu, const uint8_t* wd, const uint2* pd, \
