@@ -1564,6 +1564,9 @@ __device__ __forceinline__ void gemv_int4_imma(__nv_bfloat16* out, const uint4* 
 // And (49th session, 173rd run, 2b47034): the add + RMSNorm before the MLP in every block (norm_prologue,
 // then the steps staged into the shared record; no norm_stage launch): the same bits, 1.612 / 1.616
 // against 1.576 / 1.574 ms; the early-launched norm kernel costs less than the prologue on the path.
+// And (177th run, f953fad): helper blocks on the 20 idle SMs taking each SiLU group's last 2 or 4 gate/up steps,
+// their sums handed over by release flags: 1.716-1.802 against 1.563-1.565 ms; phase 1 looks bound by
+// DRAM as a whole, not by the 112 SMs (the owners' phase 1 and hand-over no shorter than the product's).
 
 template <int W, int U, int DB, bool kDB, bool kFixed>
 __device__ void mlp_int4_fused(void* __restrict__ acc_out, const uint4* __restrict__ rec, const uint8_t* __restrict__ wgu,
