@@ -103,10 +103,9 @@ class Chain:
         self.max_context = table_blocks * page
         self.context = torch.tensor([context], device=dev, dtype=torch.int32)
         self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         # As the backend's batch-1 graph: pieces of one 64-token tile over the table's context
         # (self.attention_block_n; --attention-block-n).
-        self.sms = sms
         self.tiles_of(64)
         self.attention_warps = 4  # the decode attention's warps a program (the backend's; --attention-warps)
         self.self_merge = True  # whether the pieces' last merges them (the backend's rule: SELF_MERGE_MAX_SPLITS)
