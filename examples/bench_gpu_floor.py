@@ -8,12 +8,15 @@ what a kernel boundary costs against a grid barrier inside one persistent kernel
   reading all of it (the rate without boundaries). Each reader loads its first bytes before its wait,
   as the GEMVs do. Compare a projection's rate here with ``bench_gpu_layer.py --parts qkv,o,...``.
 - ``boundaries``: P phases each reading S bytes, as P kernels chained by programmatic dependent
-  launch against one persistent kernel with a grid barrier between its phases (a release add on one
-  counter, then each block polling it with acquire loads), whose blocks ask for their share of the
-  next phase's first bytes before the barrier ("early") or after it ("late"): what a persistent
-  decode kernel would pay for each boundary it removes.
+  launch against one persistent kernel with a grid barrier between its phases, whose blocks ask for
+  their share of the next phase's first bytes before the barrier ("early") or after it ("late"):
+  what a persistent decode kernel would pay for each boundary it removes. The barriers
+  (``--barriers``): ``one``, a release add on one counter, then each block polling it with acquire
+  loads (the thirty-ninth session's); ``spread``, the adds spread over 32 counters that a warp of
+  each block polls at once; ``flags``, a flag a block stored with release semantics, all of them
+  polled by a warp of each block at once (no atomics).
 
-    python examples/bench_gpu_floor.py [--parts floor,boundaries] [--blocks-per-sm 1,2,4]
+    python examples/bench_gpu_floor.py [--parts floor,boundaries] [--blocks-per-sm 1,2,4] [--barriers one,spread,flags]
 
 Needs an NVIDIA GPU (sm_90 or newer: programmatic dependent launches) and nvcc. Times are medians,
 milliseconds.
@@ -27,6 +30,10 @@ import statistics
 import sys
 
 PARTS = ("floor", "boundaries")
+# The persistent kernel's grid barriers (floor_phases' mode, in this order; SOURCE's grid_barrier says how).
+BARRIERS = ("one", "spread", "flags")
+MAX_BLOCKS = 1024  # the persistent kernel's blocks at most ("flags": 32 lanes x kMaxFlags)
+LINE_WORDS = 32  # 4-byte words a 128-byte line (kLine)
 LAYERS = 32
 # (N, K) of the 8B layer's one-row products (as bench_gpu_layer.py: gate/up holds the gate, then the up rows).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -85,19 +92,62 @@ extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* src, l
   const uint32_t acc = stream_from(first, src, lo, hi);
   if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;  // keeps the loads
 }
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+constexpr int kLine = 32;  // u32 words a 128-byte line: each counter or flag of the barriers on its own
+constexpr int kMaxFlags = 32;  // flags a polling lane reads at once ("flags": up to 1,024 blocks)
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// A grid barrier, the block's arrival at phase `phase` (1, 2, ...) and its wait for every block's:
+// mode 0 ("one"): a release add on one counter, thread 0 polling it with acquire loads;
+// mode 1 ("spread"): block b adds to counter b % 32 (a line each), lane i of warp 0 polls counter i
+//   with relaxed loads, then one acquire fence;
+// mode 2 ("flags"): block b stores the phase into its own line with release semantics, the lanes of
+//   warp 0 poll all the blocks' lines (up to 32 loads in flight a lane), then one acquire fence.
+__device__ __forceinline__ void grid_barrier(unsigned* sync, unsigned phase, int mode) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-    unsigned seen;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-    } while (seen < target);
+  const unsigned lane = threadIdx.x;
+  if (mode == 0) {
+    if (lane == 0) {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
+      unsigned seen;
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
+      } while (seen < phase * gridDim.x);
+    }
+  } else if (mode == 1) {
+    if (lane == 0)
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync + (blockIdx.x % 32) * kLine) : "memory");
+    if (lane < 32) {
+      const unsigned mine = (gridDim.x + 31 - lane) / 32;  // the blocks b with b % 32 == lane
+      while (!__all_sync(0xFFFFFFFFu, ld_relaxed(sync + lane * kLine) >= phase * mine)) {
+      }
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+  } else {
+    if (lane == 0)
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + blockIdx.x * kLine), "r"(phase) : "memory");
+    if (lane < 32) {
+      bool done;
+      do {
+        unsigned seen[kMaxFlags];
+#pragma unroll
+        for (int i = 0; i < kMaxFlags; ++i) {
+          const unsigned b = lane + 32u * i;
+          seen[i] = b < gridDim.x ? ld_relaxed(sync + b * kLine) : phase;
+        }
+        done = true;
+#pragma unroll
+        for (int i = 0; i < kMaxFlags; ++i) done = done && seen[i] >= phase;
+      } while (!__all_sync(0xFFFFFFFFu, done));
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
   }
   __syncthreads();
 }
 extern "C" __global__ void __launch_bounds__(256) floor_phases(const uint4* src, long long words, int phases,
-                                                               unsigned* counter, uint32_t* sink, int early) {
+                                                               unsigned* sync, uint32_t* sink, int early, int mode) {
   long long lo, hi;
   share(words, 0, lo, hi);
   Batch first;
@@ -109,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(256) floor_phases(const uint4* src,
     const bool more = p + 1 < phases;
     if (more) share(words, p + 1, lo, hi);
     if (more && early) load_batch(first, src, lo + threadIdx.x, hi);
-    grid_barrier(counter, static_cast<unsigned>(p + 1) * gridDim.x);
+    grid_barrier(sync, static_cast<unsigned>(p + 1), mode);
     if (more && !early) load_batch(first, src, lo + threadIdx.x, hi);
   }
   if (total == 0x9E3779B9u) sink[blockIdx.x] = total;
@@ -160,7 +210,7 @@ class Bench:
         need = max(sum((n + 255) // 256 * 256 for n in plan) for plan in plans.values())
         self.src = torch.randint(0, 255, (need,), dtype=torch.uint8, device="cuda")
         self.sink = torch.zeros(4096, dtype=torch.int32, device="cuda")
-        self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.sync = torch.zeros(MAX_BLOCKS * LINE_WORDS, dtype=torch.int32, device="cuda")  # the barriers' lines
 
     def _launch(self, name: str, blocks: int, args: list, overlap: bool) -> None:
         stream = self.torch.cuda.current_stream().cuda_stream
@@ -199,14 +249,19 @@ class Bench:
 
         return self._ms(run, graph=True)
 
-    def persistent(self, words: int, phases: int, blocks: int, early: bool) -> float:
+    def persistent(self, words: int, phases: int, blocks: int, early: bool, barrier: str = "one") -> float:
+        """The phases in one kernel of ``blocks`` (at most ``MAX_BLOCKS``), a ``barrier`` between them."""
+        if blocks > MAX_BLOCKS:
+            raise ValueError(f"{blocks} blocks: the barriers' lines hold {MAX_BLOCKS}")
+
         def run() -> None:
-            self.counter.zero_()
+            self.sync.zero_()
             args = [ctypes.c_void_p(self.src.data_ptr()), ctypes.c_longlong(words), ctypes.c_int(phases),
-                    ctypes.c_void_p(self.counter.data_ptr()), ctypes.c_void_p(self.sink.data_ptr()), ctypes.c_int(int(early))]  # fmt: skip
+                    ctypes.c_void_p(self.sync.data_ptr()), ctypes.c_void_p(self.sink.data_ptr()), ctypes.c_int(int(early)),
+                    ctypes.c_int(BARRIERS.index(barrier))]  # fmt: skip
             self._launch("floor_phases", blocks, args, overlap=False)
 
-        return self._ms(run, graph=False)
+        return self._ms(run, graph=True)  # as the chains: a graph's launch on each side of the times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,11 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks-per-sm", default="1,2,4", help="reader blocks (256 threads) an SM, comma-separated")
     ap.add_argument("--phases", type=int, default=128, help="phases of the boundaries part")
     ap.add_argument("--phase-mb", default="28,12,3,0.25", help="MB a phase reads in the boundaries part, comma-separated (the 39th session timed 29: the buffer shrank with the fp16 scale pairs)")
+    ap.add_argument("--barriers", default=",".join(BARRIERS), help=f"the persistent kernel's grid barriers, of {', '.join(BARRIERS)}")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: {', '.join(unknown)} not one of {', '.join(PARTS)}")
+    barriers = args.barriers.split(",")
+    if unknown := [b for b in barriers if b not in BARRIERS]:
+        ap.error(f"--barriers: {', '.join(unknown)} not one of {', '.join(BARRIERS)}")
     try:
         per_sm = [int(x) for x in args.blocks_per_sm.split(",")]
         phase_mb = [float(x) for x in args.phase_mb.split(",")]
@@ -251,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                 pdl = bench.chain([words * 16] * args.phases, blocks)
                 line = (f"  boundaries, {mb:g} MB x {args.phases} phases, {k} blocks an SM: one kernel {one:.3f} ms; "
                         f"PDL chain {pdl:.3f} ms ({1e3 * (pdl - one) / args.phases:.2f} us a boundary)")  # fmt: skip
-                if k <= most:
+                for barrier in barriers if k <= most and blocks <= MAX_BLOCKS else ():
                     for early in (False, True):
-                        ms = bench.persistent(words, args.phases, blocks, early)
-                        line += (f"; persistent, next bytes {'before' if early else 'after'} the barrier {ms:.3f} ms "
-                                 f"({1e3 * (ms - one) / args.phases:.2f} us a barrier)")  # fmt: skip
+                        ms = bench.persistent(words, args.phases, blocks, early, barrier)
+                        line += (f"; persistent ({barrier}), next bytes {'before' if early else 'after'} the barrier "
+                                 f"{ms:.3f} ms ({1e3 * (ms - one) / args.phases:.2f} us a barrier)")  # fmt: skip
                 print(line, flush=True)
     return 0
 

@@ -22,4 +22,5 @@ def test_gpu_floor_and_boundaries_report_a_time_for_each_chain(capsys) -> None: 
     floor = [line for line in lines if line.startswith("  floor")]
     assert len(floor) == len(bench.floor_plans()) and all(float(x.split("GB/s")[0].split(", ")[-1]) > 0 for x in floor)
     (barrier,) = [line for line in lines if line.startswith("  boundaries")]
-    assert "us a boundary" in barrier and barrier.count("us a barrier") == 2
+    assert "us a boundary" in barrier and barrier.count("us a barrier") == 2 * len(bench.BARRIERS)
+    assert all(f"persistent ({name})" in barrier for name in bench.BARRIERS)

@@ -36,6 +36,7 @@ def test_bad_arguments_are_named_and_no_gpu_is_refused(bench, capsys, monkeypatc
     for argv, says in ((["--parts", "floor,lm_head"], "lm_head not one of"),
                        (["--blocks-per-sm", "2,x"], "comma-separated numbers"),
                        (["--phase-mb", "0"], "must be positive"),
+                       (["--barriers", "one,tree"], "tree not one of"),
                        (["--phases", "1000", "--phase-mb", "28"], "more than the floor's buffer")):  # fmt: skip
         with pytest.raises(SystemExit) as stop:
             bench.main(argv)
