@@ -14,9 +14,10 @@ what a kernel boundary costs against a grid barrier inside one persistent kernel
   (``--barriers``): ``one``, a release add on one counter, then each block polling it with acquire
   loads (the thirty-ninth session's); ``spread``, the adds spread over 32 counters that a warp of
   each block polls at once; ``flags``, a flag a block stored with release semantics, all of them
-  polled by a warp of each block at once (no atomics).
+  polled by a warp of each block at once (no atomics); ``relaxed``, ``one`` without any ordering of
+  memory (no barrier for data: the round trips' own latency).
 
-    python examples/bench_gpu_floor.py [--parts floor,boundaries] [--blocks-per-sm 1,2,4] [--barriers one,spread,flags]
+    python examples/bench_gpu_floor.py [--parts floor,boundaries] [--blocks-per-sm 1,2,4] [--barriers one,spread,...]
 
 Needs an NVIDIA GPU (sm_90 or newer: programmatic dependent launches) and nvcc. Times are medians,
 milliseconds.
@@ -31,7 +32,7 @@ import sys
 
 PARTS = ("floor", "boundaries")
 # The persistent kernel's grid barriers (floor_phases' mode, in this order; SOURCE's grid_barrier says how).
-BARRIERS = ("one", "spread", "flags")
+BARRIERS = ("one", "spread", "flags", "relaxed")
 MAX_BLOCKS = 1024  # the persistent kernel's blocks at most ("flags": 32 lanes x kMaxFlags)
 LINE_WORDS = 32  # 4-byte words a 128-byte line (kLine)
 LAYERS = 32
@@ -104,7 +105,9 @@ __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
 // mode 1 ("spread"): block b adds to counter b % 32 (a line each), lane i of warp 0 polls counter i
 //   with relaxed loads, then one acquire fence;
 // mode 2 ("flags"): block b stores the phase into its own line with release semantics, the lanes of
-//   warp 0 poll all the blocks' lines (up to 32 loads in flight a lane), then one acquire fence.
+//   warp 0 poll all the blocks' lines (up to 32 loads in flight a lane), then one acquire fence;
+// mode 3 ("relaxed"): as "one" with a relaxed add and relaxed polls, no ordering of memory at all:
+//   not a barrier a kernel could use for data, only the latency of the round trips themselves.
 __device__ __forceinline__ void grid_barrier(unsigned* sync, unsigned phase, int mode) {
   __syncthreads();
   const unsigned lane = threadIdx.x;
@@ -124,6 +127,12 @@ __device__ __forceinline__ void grid_barrier(unsigned* sync, unsigned phase, int
       while (!__all_sync(0xFFFFFFFFu, ld_relaxed(sync + lane * kLine) >= phase * mine)) {
       }
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+  } else if (mode == 3) {
+    if (lane == 0) {
+      asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
+      while (ld_relaxed(sync) < phase * gridDim.x) {
+      }
     }
   } else {
     if (lane == 0)
