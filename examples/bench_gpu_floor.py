@@ -15,7 +15,8 @@ what a kernel boundary costs against a grid barrier inside one persistent kernel
   loads (the thirty-ninth session's); ``spread``, the adds spread over 32 counters that a warp of
   each block polls at once; ``flags``, a flag a block stored with release semantics, all of them
   polled by a warp of each block at once (no atomics); ``relaxed``, ``one`` without any ordering of
-  memory (no barrier for data: the round trips' own latency).
+  memory (no barrier for data: the round trips' own latency); ``split``, ``one`` with the release add
+  before the next phase's first bytes are asked for and the polls after.
 
     python examples/bench_gpu_floor.py [--parts floor,boundaries] [--blocks-per-sm 1,2,4] [--barriers one,spread,...]
 
@@ -32,7 +33,7 @@ import sys
 
 PARTS = ("floor", "boundaries")
 # The persistent kernel's grid barriers (floor_phases' mode, in this order; SOURCE's grid_barrier says how).
-BARRIERS = ("one", "spread", "flags", "relaxed")
+BARRIERS = ("one", "spread", "flags", "relaxed", "split")
 MAX_BLOCKS = 1024  # the persistent kernel's blocks at most ("flags": 32 lanes x kMaxFlags)
 LINE_WORDS = 32  # 4-byte words a 128-byte line (kLine)
 LAYERS = 32
@@ -107,7 +108,9 @@ __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
 // mode 2 ("flags"): block b stores the phase into its own line with release semantics, the lanes of
 //   warp 0 poll all the blocks' lines (up to 32 loads in flight a lane), then one acquire fence;
 // mode 3 ("relaxed"): as "one" with a relaxed add and relaxed polls, no ordering of memory at all:
-//   not a barrier a kernel could use for data, only the latency of the round trips themselves.
+//   not a barrier a kernel could use for data, only the latency of the round trips themselves;
+// mode 4 ("split"): as "one", but the block arrives (its release add) before it asks for the next
+//   phase's first bytes and waits after, so the release does not wait for those loads (floor_phases).
 __device__ __forceinline__ void grid_barrier(unsigned* sync, unsigned phase, int mode) {
   __syncthreads();
   const unsigned lane = threadIdx.x;
@@ -167,8 +170,21 @@ extern "C" __global__ void __launch_bounds__(256) floor_phases(const uint4* src,
     total ^= stream_from(first, src, lo, hi);
     const bool more = p + 1 < phases;
     if (more) share(words, p + 1, lo, hi);
-    if (more && early) load_batch(first, src, lo + threadIdx.x, hi);
-    grid_barrier(sync, static_cast<unsigned>(p + 1), mode);
+    if (mode == 4) {  // "split": arrive, ask, wait
+      __syncthreads();
+      if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
+      if (more && early) load_batch(first, src, lo + threadIdx.x, hi);
+      if (threadIdx.x == 0) {
+        unsigned seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
+        } while (seen < static_cast<unsigned>(p + 1) * gridDim.x);
+      }
+      __syncthreads();
+    } else {
+      if (more && early) load_batch(first, src, lo + threadIdx.x, hi);
+      grid_barrier(sync, static_cast<unsigned>(p + 1), mode);
+    }
     if (more && !early) load_batch(first, src, lo + threadIdx.x, hi);
   }
   if (total == 0x9E3779B9u) sink[blockIdx.x] = total;
