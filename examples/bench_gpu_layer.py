@@ -123,6 +123,9 @@ class Chain:
         # Stands in for gate/up and down where set: called with gate/up's record (bench_gpu_mlp.py's
         # fused MLP); the next layer's norm then reads the stand-in for down's output.
         self.mlp: Callable[[object], None] | None = None
+        # Projections left out of every chain (their stand-in outputs instead): what the rest takes
+        # without them (bench_gpu_mlp.py's leave_out part).
+        self.leave_out: set[str] = set()
 
     def tiles_of(self, block_n: int) -> None:
         """Decode attention on tiles of ``block_n`` tokens, the context cut into pieces as the backend cuts
@@ -165,7 +168,7 @@ class Chain:
         from mgx.kernels.triton.attention import DecodeRope, paged_attention_decode
 
         gemvs, norms = part in ("all", "gemvs", "no_norms"), part in ("all", "others", "norms")
-        runs = {p: gemvs or part == p for p in PROJECTIONS}
+        runs = {p: (gemvs or part == p) and p not in self.leave_out for p in PROJECTIONS}
         attend = part in ("all", "others", "attention", "no_norms")
         res = self.x["res"]
         x, rec = self.x["d"], None

@@ -15,7 +15,10 @@ default.
   GEMVs alone both ways, the fused kernel with each phase alone (timing only), and the whole decode
   layer (``bench_gpu_layer.py``'s chain staged by the norms) both ways;
 - ``timeline``: one replay of the MLP chain with per-block timestamps: when each block finished phase 1
-  (gate/up) and phase 2 (down), and the gap to the next layer's first block.
+  (gate/up) and phase 2 (down), and the gap to the next layer's first block;
+- ``leave_out``: the whole decode layer with the fused MLP again, twice over, with o_proj, QKV or both
+  left out (their stand-in outputs read instead): what each launch costs in the step, an upper bound
+  on what folding it into a neighbour could save.
 
     python examples/bench_gpu_mlp.py [--entries w16_u4_d4_b1,w32_u2_d2_b0] [--parts check,chains,timeline]
 
@@ -26,6 +29,7 @@ flight (d) and whether those are double-buffered (b). Needs an NVIDIA GPU of sm_
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "mlp_fused.cu"
 # MGX_MLP_ENTRY's in mlp_fused.cu; "_x": the row in 64-bit fixed point (the same bits every run)
 ENTRIES = ("w32_u2_d2_b0", "w16_u4_d4_b1", "w16_u2_d4_b1", "w32_u2_d2_b0_x", "w16_u2_d4_b1_x")
-PARTS = ("check", "chains", "timeline")
+PARTS = ("check", "chains", "timeline", "leave_out")
+LEAVE_OUT = ((), ("o",), ("qkv",), ("qkv", "o"))  # the leave_out part's chains: projections left out
 FLAGS = ("-DMGX_IMMA_TILE16=1", "-DMGX_IMMA_HALF_SCALES=1")  # the layout and scales the kernel reads
 MODES = {"phase 1 only": 1, "phase 2 only": 2, "stores, no reductions": 4}  # mlp_fused.cu's timing knobs
 
@@ -195,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    def layer(entry: str):  # noqa: ANN202
+    def layer(entry: str, leave_out: tuple[str, ...] = ()):  # noqa: ANN202
         def run() -> None:  # bench_gpu_layer's decode layer with the MLP fused (its next norm reads a stand-in)
             rows[entry].zero_()
+            chain.leave_out = set(leave_out)
             for i, w in enumerate(layers):
                 chain.mlp = lambda rec, w=w, i=i: fused.launch(entry, rec, w["gate_up"], w["down"], rows[entry][i])
                 chain.layer(w, fused.kernels, kinds, "all")
-            chain.mlp = None
+            chain.mlp, chain.leave_out = None, set()
 
         return run
 
@@ -219,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             for what, fn in times.items():
                 ms = graph_ms(fn, args.replays)
                 print(f"  {what}: {ms:.3f} ms ({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)
+        if "leave_out" in parts:
+            for rnd, left in itertools.product((1, 2), LEAVE_OUT):
+                ms = graph_ms(layer(entry, left), args.replays)
+                print(f"  decode layer, fused, without {' and '.join(left) or 'nothing'} (round {rnd}): {ms:.3f} ms "
+                      f"({1e3 * ms / LAYERS:.2f} us a layer)", flush=True)  # fmt: skip
         if "timeline" in parts:
             blocks = fused_mlp_blocks(layers[0]["gate_up"])
             stamps = torch.zeros(LAYERS, blocks, 4, dtype=torch.int64, device="cuda")

@@ -45,6 +45,13 @@ def test_gpu_chains_and_timeline_report(bench, capsys) -> None:  # noqa: ANN001
     assert sum(line.strip().startswith("layer ") for line in out) == 3 and any("gap to layer" in line for line in out)
 
 
+def test_gpu_leave_out_times_the_layer_without_each_projection(bench, capsys) -> None:  # noqa: ANN001
+    assert bench.main(["--entries", "w16_u2_d4_b1_x", "--parts", "leave_out", "--replays", "2"]) == 0
+    times = [line for line in capsys.readouterr().out.splitlines() if "decode layer, fused, without" in line]
+    assert len(times) == 2 * len(bench.LEAVE_OUT) and all(float(line.split(": ")[-1].split(" ms")[0]) > 0 for line in times)
+    assert sum("without o and qkv" in line or "without qkv and o" in line for line in times) == 2
+
+
 def test_gpu_product_fused_mlp_is_deterministic_and_norm_stage_fx_reads_its_row(bench) -> None:  # noqa: ANN001
     """gemv.fused_mlp (the product's entry, fixed point): within bf16 rounding of the two GEMVs, the same
     bits on a second run; norm_stage_fx on its row gives norm_stage's output and record on the row
