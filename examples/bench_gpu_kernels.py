@@ -102,6 +102,41 @@ def _bench_graph(fn: Callable[[], object], rep: float) -> float:
     return statistics.median(run(max(10, min(1000, int(rep / max(estimate, 1e-3))))))
 
 
+def kernel_ms(fn: Callable[[], object], rep: int = 20) -> float | None:
+    """Median milliseconds a call of ``fn`` spends in its own kernels on the GPU, by the profiler's
+    kernel records (CUPTI): the kernels' durations alone, where ``bench`` times a graph replay between
+    two events (the launch, the gaps around the kernels and their ramp all count there). Each call on
+    a cold L2 as in ``bench``; the flush's kernels are known by name from a profile of it alone. None
+    on the CPU, under --warm, or where the calls do not launch the same number of kernels."""
+    if DEVICE != "cuda" or WARM:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    def device_events(prof) -> list:  # noqa: ANN001
+        return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device=DEVICE))
+    flush = _FLUSH[0]
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as alone:
+        flush.zero_()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in device_events(alone)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rep):
+            flush.zero_()
+            fn()
+            torch.cuda.synchronize()
+    own = sorted((e for e in device_events(prof) if e.name not in flush_names), key=lambda e: e.time_range.start)
+    per = len(own) // rep
+    if per == 0 or len(own) % rep:
+        return None
+    calls = [own[i * per:(i + 1) * per] for i in range(rep)]
+    return statistics.median(sum(e.time_range.end - e.time_range.start for e in c) for c in calls) / 1e3
+
+
 def record(section: str, case: str, variant: str, ms: float, nbytes: float = 0.0, flops: float = 0.0, **extra) -> dict:
     row = {"section": section, "case": case, "variant": variant, "ms": ms, "us": ms * 1e3,
            "GB/s": nbytes / ms / 1e6 if nbytes else None, "TFLOP/s": flops / ms / 1e9 if flops else None, **extra}  # fmt: skip
@@ -146,7 +181,12 @@ def _copy_bandwidth() -> float:
         ms = float(triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median"))
     else:
         ms = bench(lambda: dst.copy_(src))
-    return record("ceiling", f"copy {src.nbytes / 2**30:.0f} GiB", "torch copy_ (read+write)", ms, 2 * src.nbytes)["GB/s"]
+    row = record("ceiling", f"copy {src.nbytes / 2**30:.0f} GiB", "torch copy_ (read+write)", ms, 2 * src.nbytes)
+    own = kernel_ms(lambda: dst.copy_(src), rep=5)
+    if own is not None:  # at this size the launch is a rounding error: the two should agree
+        row["own_GB/s"] = 2 * src.nbytes / own / 1e6
+        print(f"      its kernel's own duration (profiler) {own * 1e3:.1f} us: {row['own_GB/s']:.0f} GB/s", flush=True)
+    return row["GB/s"]
 
 
 def _matmul_rate() -> float:
@@ -197,32 +237,53 @@ def _rmsnorm_case(rows: int, cols: int, copy_gbps: float, cuda_kernels) -> None:
     eager = record("rmsnorm", case, "HF eager (LlamaRMSNorm)", bench(lambda: hf_rms_norm(x, w, eps)), nbytes)
     record("rmsnorm", case, "torch.nn.functional.rms_norm",
            bench(lambda: torch.nn.functional.rms_norm(x, (cols,), w, eps)), nbytes)  # fmt: skip
+    same_own = own_duration(same, lambda: y.copy_(x), 2 * x.nbytes, copy_gbps)
 
-    def speed(row: dict, baseline: dict) -> None:
+    def speed(row: dict, baseline: dict, fn: Callable[[], object] | None = None, moved: int = nbytes) -> None:
         row["x_eager"] = baseline["ms"] / row["ms"]
         row["frac_copy_bw"] = row["GB/s"] / copy_gbps
         row["frac_same_size_copy"] = row["GB/s"] / same["GB/s"]
         print(f"      -> {row['x_eager']:.2f}x eager, {100 * row['frac_copy_bw']:.1f}% of copy bandwidth "
               f"({100 * row['frac_same_size_copy']:.0f}% of a copy of the same size)", flush=True)  # fmt: skip
+        if fn is not None:
+            own_duration(row, fn, moved, copy_gbps, same_own)
 
     check(trms.rms_norm(x, w, eps), "triton")
-    speed(record("rmsnorm", case, "MGX Triton (default config)", bench(lambda: trms.rms_norm(x, w, eps)), nbytes), eager)
+    speed(record("rmsnorm", case, "MGX Triton (default config)", bench(lambda: trms.rms_norm(x, w, eps)), nbytes), eager,
+          lambda: trms.rms_norm(x, w, eps))  # fmt: skip
     configs = [c for c in trms.CONFIGS if c.block_m <= max(1, rows) and c.block_m * cols <= 16384 and c.num_warps >= 2]
     ms, cfg = best_of(configs, lambda c: lambda: trms.rms_norm(x, w, eps, config=c))
     if cfg is not None:
-        speed(record("rmsnorm", case, f"MGX Triton (best: m{cfg.block_m} w{cfg.num_warps})", ms, nbytes), eager)
+        speed(record("rmsnorm", case, f"MGX Triton (best: m{cfg.block_m} w{cfg.num_warps})", ms, nbytes), eager,
+              lambda: trms.rms_norm(x, w, eps, config=cfg))  # fmt: skip
     if cuda_kernels is not None:
         check(crms.rms_norm(x, w, eps, kernels=cuda_kernels), "cuda")
         ms, vpt = best_of([4, 2, 1], lambda v: lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=v))
-        speed(record("rmsnorm", case, f"MGX CUDA (best: {vpt} vec/thread)", ms, nbytes), eager)
+        speed(record("rmsnorm", case, f"MGX CUDA (best: {vpt} vec/thread)", ms, nbytes), eager,
+              lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=vpt))  # fmt: skip
     # The fused residual form moves twice the bytes: read x and residual, write out and the sum.
     nb2 = 4 * x.nbytes + w.nbytes
     eager_res = record("rmsnorm", case, "HF eager add + RMSNorm", bench(lambda: hf_rms_norm(x + r, w, eps)), nb2)
     speed(record("rmsnorm", case, "MGX Triton + residual", bench(lambda: trms.rms_norm(x, w, eps, residual=r)), nb2),
-          eager_res)  # fmt: skip
+          eager_res, lambda: trms.rms_norm(x, w, eps, residual=r), nb2)  # fmt: skip
     if cuda_kernels is not None:
         speed(record("rmsnorm", case, "MGX CUDA + residual",
-                     bench(lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, residual=r)), nb2), eager_res)  # fmt: skip
+                     bench(lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, residual=r)), nb2), eager_res,
+              lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, residual=r), nb2)  # fmt: skip
+
+
+def own_duration(row: dict, fn: Callable[[], object], moved: int, copy_gbps: float,
+                 same: float | None = None) -> float | None:  # fmt: skip
+    """``kernel_ms`` of ``fn`` into ``row`` (``own_us``, ``own_frac_copy_bw``) and printed beside it, with
+    the fraction of the same-size copy's own rate where ``same`` (its ``own_frac_copy_bw``) is given."""
+    ms = kernel_ms(fn)
+    if ms is None:
+        return None
+    row["own_us"], row["own_frac_copy_bw"] = ms * 1e3, moved / ms / 1e6 / copy_gbps
+    than = f" ({100 * row['own_frac_copy_bw'] / same:.0f}% of the same-size copy's)" if same else ""
+    print(f"      kernels' own duration (profiler) {ms * 1e3:.1f} us: {100 * row['own_frac_copy_bw']:.1f}% of copy "
+          f"bandwidth{than}", flush=True)  # fmt: skip
+    return row["own_frac_copy_bw"]
 
 
 # --- GEMV -------------------------------------------------------------------------------------------
