@@ -251,11 +251,14 @@ def _rmsnorm_case(rows: int, cols: int, copy_gbps: float, cuda_kernels) -> None:
     check(trms.rms_norm(x, w, eps), "triton")
     speed(record("rmsnorm", case, "MGX Triton (default config)", bench(lambda: trms.rms_norm(x, w, eps)), nbytes), eager,
           lambda: trms.rms_norm(x, w, eps))  # fmt: skip
-    configs = [c for c in trms.CONFIGS if c.block_m <= max(1, rows) and c.block_m * cols <= 16384 and c.num_warps >= 2]
-    ms, cfg = best_of(configs, lambda c: lambda: trms.rms_norm(x, w, eps, config=c))
-    if cfg is not None:
-        speed(record("rmsnorm", case, f"MGX Triton (best: m{cfg.block_m} w{cfg.num_warps})", ms, nbytes), eager,
-              lambda: trms.rms_norm(x, w, eps, config=cfg))  # fmt: skip
+    configs = [c for c in trms.CONFIGS + trms.LOOP_CONFIGS
+               if c.block_m <= max(1, rows) and c.block_m * cols <= 16384 and c.num_warps >= 2]  # fmt: skip
+    for looping in (False, True):  # a program a block of rows; programs looping over the blocks
+        ms, cfg = best_of([c for c in configs if (c.per_sm > 0) == looping], lambda c: lambda: trms.rms_norm(x, w, eps, config=c))
+        if cfg is not None:
+            name = f"m{cfg.block_m} w{cfg.num_warps}" + (f" loop {cfg.per_sm}/SM" if looping else "")
+            speed(record("rmsnorm", case, f"MGX Triton (best: {name})", ms, nbytes), eager,
+                  lambda cfg=cfg: trms.rms_norm(x, w, eps, config=cfg))  # fmt: skip
     if cuda_kernels is not None:
         check(crms.rms_norm(x, w, eps, kernels=cuda_kernels), "cuda")
         ms, vpt = best_of([4, 2, 1], lambda v: lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=v))

@@ -17,9 +17,27 @@ import triton.language as tl
 
 from ._common import cast_as, cdiv, check_float, next_pow2, round_as, rows_of
 
-__all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS"]
+__all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS", "LOOP_CONFIGS"]
 
 MAX_COLS = 65536  # one program holds a whole row in registers
+
+
+@triton.jit
+def _norm_rows(x, res, r64, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps,
+               HAS_RES: tl.constexpr, HAS_W: tl.constexpr):  # fmt: skip
+    """Normalize the loaded rows ``x`` (plus ``res``) and store them (and the sum)."""
+    if HAS_RES:
+        # Round the sum to the IO dtype first: the next layer reads that rounded residual.
+        x = cast_as(x.to(tl.float32) + res.to(tl.float32), res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + r64 * stride_ro + c[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / cols + eps)  # [BLOCK_M]
+    y = xf * rstd[:, None]
+    if HAS_W:
+        # As transformers' RMSNorm: the normalized row is rounded to the IO dtype before the weight
+        # multiplies it (nothing to round in fp32).
+        y = round_as(y, out_ptr.dtype.element_ty) * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + r64 * stride_o + c[None, :], cast_as(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -34,19 +52,44 @@ def _rms_norm_kernel(
     cmask = c < cols
     mask = (r < rows)[:, None] & cmask[None, :]
     x = tl.load(x_ptr + r64 * stride_x + c[None, :], mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
+    res = x
     if HAS_RES:
         res = tl.load(res_ptr + r64 * stride_r + c[None, :], mask=mask, other=0.0)
-        # Round the sum to the IO dtype first: the next layer reads that rounded residual.
-        x = cast_as(x.to(tl.float32) + res.to(tl.float32), res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + r64 * stride_ro + c[None, :], x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / cols + eps)  # [BLOCK_M]
-    y = xf * rstd[:, None]
-    if HAS_W:
-        # As transformers' RMSNorm: the normalized row is rounded to the IO dtype before the weight
-        # multiplies it (nothing to round in fp32).
-        y = round_as(y, out_ptr.dtype.element_ty) * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + r64 * stride_o + c[None, :], cast_as(y, out_ptr.dtype.element_ty), mask=mask)
+    _norm_rows(x, res, r64, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps, HAS_RES, HAS_W)
+
+
+@triton.jit
+def _rms_norm_loop_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    rows, cols, stride_x, stride_r, stride_o, stride_ro, eps,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The same rows on fewer programs: program p takes row blocks p, p + programs, ..., and asks for
+    the next block's rows before it normalizes the current one, so a program's loads stay in flight
+    across its blocks instead of each block's program starting cold."""
+    p = tl.program_id(0)
+    step = tl.num_programs(0)
+    blocks = tl.cdiv(rows, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    cmask = c < cols
+    r = p * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (r < rows)[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    res = x
+    if HAS_RES:
+        res = tl.load(res_ptr + r.to(tl.int64)[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
+    for b in range(p, blocks, step):
+        r_next = (b + step) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_next = (r_next < rows)[:, None] & cmask[None, :]
+        x_next = tl.load(x_ptr + r_next.to(tl.int64)[:, None] * stride_x + c[None, :], mask=mask_next, other=0.0)
+        res_next = x_next
+        if HAS_RES:
+            res_next = tl.load(res_ptr + r_next.to(tl.int64)[:, None] * stride_r + c[None, :], mask=mask_next, other=0.0)
+        r = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (r < rows)[:, None] & cmask[None, :]
+        _norm_rows(x, res, r.to(tl.int64)[:, None], c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o,
+                   stride_ro, eps, HAS_RES, HAS_W)  # fmt: skip
+        x, res = x_next, res_next
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +98,15 @@ class RMSNormConfig:
 
     block_m: int  # rows per program
     num_warps: int
+    # 0: a program per block of rows; else at most this many programs a streaming multiprocessor,
+    # each looping over blocks of rows with the next block's loads in flight (_rms_norm_loop_kernel)
+    per_sm: int = 0
 
 
 # Candidates the autotune pass and the benchmark sweep.
 CONFIGS = [RMSNormConfig(m, w) for m in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)]
+# Looping candidates, for many rows (the benchmark sweeps them beside CONFIGS).
+LOOP_CONFIGS = [RMSNormConfig(m, w, k) for m in (1, 2) for w in (2, 4, 8) for k in (4, 8, 16)]
 
 
 def default_config(rows: int, cols: int) -> RMSNormConfig:
@@ -110,13 +158,24 @@ def rms_norm(
     rows = xs.shape[0]
     cfg = config or default_config(rows, group)
     grid = (cdiv(rows, cfg.block_m),)
-    _rms_norm_kernel[grid](
+    kernel = _rms_norm_kernel
+    if cfg.per_sm > 0:
+        kernel = _rms_norm_loop_kernel
+        grid = (max(1, min(grid[0], cfg.per_sm * _sm_count(x.device))),)
+    kernel[grid](
         xs, rs, weight if weight is not None else xs, os_, ros,
         rows, group, xs.stride(0), rs.stride(0), os_.stride(0), ros.stride(0), float(eps),
         HAS_RES=residual is not None, HAS_W=weight is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=next_pow2(group), num_warps=cfg.num_warps,
     )  # fmt: skip
     return out if residual is None else (out, res_out)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (one where there are none: the interpreter on a CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _as_groups(t: torch.Tensor, group: int, *, copy: bool = False) -> torch.Tensor:

@@ -51,6 +51,27 @@ def test_rms_norm_matches_torch_and_numpy(dtype: torch.dtype, rows: int, cols: i
     np.testing.assert_allclose(got.float().cpu().numpy(), oracle, atol=atol * 3, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [rmsnorm.RMSNormConfig(1, 2, 2), rmsnorm.RMSNormConfig(2, 4, 3), rmsnorm.RMSNormConfig(4, 2, 64)])
+def test_looping_programs_give_the_one_program_a_block_bits(dtype: torch.dtype, cfg) -> None:  # noqa: ANN001
+    """``per_sm`` > 0: fewer programs looping over the row blocks (``per_sm`` an SM; the interpreter
+    counts one SM), each block's rows loaded a block ahead: the same bits as a program a block, plain
+    and with the residual add, on three blocks a program and then some (a ragged last block at block_m
+    > 1), and with more programs than blocks."""
+    g = gen(7)
+    rows = 3 * cfg.per_sm * cfg.block_m * rmsnorm._sm_count(torch.device(DEVICE)) + 5 if cfg.per_sm < 64 else 11
+    x, r, w = rand(g, rows, 96, dtype=dtype) * 2, rand(g, rows, 96, dtype=dtype), rand(g, 96, dtype=dtype)
+    plain = rmsnorm.RMSNormConfig(cfg.block_m, cfg.num_warps)
+    out = torch.full_like(x, float("nan"))
+    got = rmsnorm.rms_norm(x, w, 1e-5, out=out, config=cfg)
+    assert torch.equal(got, rmsnorm.rms_norm(x, w, 1e-5, config=plain))
+    got_out, got_sum = rmsnorm.rms_norm(x, w, 1e-5, residual=r, config=cfg)
+    want_out, want_sum = rmsnorm.rms_norm(x, w, 1e-5, residual=r, config=plain)
+    assert torch.equal(got_out, want_out) and torch.equal(got_sum, want_sum)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), rmsnorm.rms_norm_ref(x, w, 1e-5).float(), atol=atol * 3, rtol=rtol)
+
+
 def test_grouped_rms_norm_of_rows_split_off_a_wider_tensor() -> None:
     """Per-head RMSNorm (qk-norm) of q split off a fused QKV output, whose rows are not back to back:
     the same as of a contiguous copy (the CUDA backend's fallback when no native kernel loads)."""
