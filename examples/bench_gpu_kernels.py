@@ -264,10 +264,6 @@ def _rmsnorm_case(rows: int, cols: int, copy_gbps: float, cuda_kernels) -> None:
         ms, vpt = best_of([4, 2, 1], lambda v: lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=v))
         speed(record("rmsnorm", case, f"MGX CUDA (best: {vpt} vec/thread)", ms, nbytes), eager,
               lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=vpt))  # fmt: skip
-        ms, per_sm = best_of([2, 4, 8, 16], lambda k: lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels,
-                                                                          vecs_per_thread=vpt, per_sm=k))  # fmt: skip
-        speed(record("rmsnorm", case, f"MGX CUDA (best: {vpt} vec/thread, loop {per_sm}/SM)", ms, nbytes), eager,
-              lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=vpt, per_sm=per_sm))  # fmt: skip
     # The fused residual form moves twice the bytes: read x and residual, write out and the sum.
     nb2 = 4 * x.nbytes + w.nbytes
     eager_res = record("rmsnorm", case, "HF eager add + RMSNorm", bench(lambda: hf_rms_norm(x + r, w, eps)), nb2)

@@ -5,9 +5,7 @@
 // rounded to the IO type, written to `res_out`, and normalized (as the unfused add would leave it).
 //
 // Each row is handled by `blockDim.x` threads (a power of two, at least a warp); a block holds
-// `blockDim.y` rows (more than one only when a row fits in one warp), and on a grid smaller than the
-// rows takes every gridDim.x-th set of them, the next set's loads in flight while it finishes the
-// current one (the launcher's default grid covers the rows: one set a block). Every thread loads up to
+// `blockDim.y` rows (more than one only when a row fits in one warp). Every thread loads up to
 // kMaxVec 16-byte vectors of the row into registers before it uses any of them, so the row is read
 // once; sums of squares are fp32, reduced with warp shuffles and, across warps, shared memory.
 //
@@ -24,7 +22,6 @@ namespace {
 
 constexpr int kMaxVec = 4;        // 16-byte vectors one thread keeps in registers
 constexpr int kMaxThreads = 512;  // threads a block may have (the register budget is set for it)
-constexpr int kMaxLoopThreads = 256;  // the same for the looping entries
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -38,27 +35,45 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 
 template <typename T>
-union Pack {
-  uint4 raw;
-  T e[16 / sizeof(T)];
-};
-
-// One set of rows (a row a threadIdx.y) whose vectors are loaded: the add (with `res`), the sum of
-// squares, the reduction over the row's threads and the stores. `partial` holds the warps' sums.
-template <typename T>
-__device__ __forceinline__ void norm_set(Pack<T> (&a)[kMaxVec], const Pack<T> (&b)[kMaxVec], const Pack<T> (&g)[kMaxVec],
-                                         T* __restrict__ out, T* __restrict__ res_out, bool has_res, bool has_w,
-                                         int64_t row, bool live, int nvec, int cols, int64_t stride_o,
-                                         int64_t stride_ro, float eps, float* partial) {
+__device__ __forceinline__ void rms_norm_rows(T* __restrict__ out, T* __restrict__ res_out,
+                                              const T* __restrict__ x, const T* __restrict__ res,
+                                              const T* __restrict__ w, int rows, int cols, int64_t stride_x,
+                                              int64_t stride_r, int64_t stride_o, int64_t stride_ro, float eps) {
   constexpr int V = 16 / sizeof(T);  // elements per 16-byte vector
-  const int tpr = blockDim.x;
+  union Pack {
+    uint4 raw;
+    T e[V];
+  };
+  const int tpr = blockDim.x;  // threads per row
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool live = row < rows;
+  const int nvec = cols / V;
+
+  // Issue every load of the row before using any, so all of them are in flight at once. The weight
+  // (shared by all rows, so cached) is requested first: it is no other kernel's output, so it may be
+  // read before the kernel this one overlaps (mgx_abi.cuh) has finished.
+  Pack a[kMaxVec], b[kMaxVec], g[kMaxVec];
+#pragma unroll
+  for (int i = 0; i < kMaxVec; ++i) {
+    const int j = threadIdx.x + i * tpr;
+    if (live && j < nvec && w != nullptr) g[i].raw = reinterpret_cast<const uint4*>(w)[j];
+  }
+  mgx_pdl_wait();
+#pragma unroll
+  for (int i = 0; i < kMaxVec; ++i) {
+    const int j = threadIdx.x + i * tpr;
+    if (live && j < nvec) {
+      a[i].raw = reinterpret_cast<const uint4*>(x + row * stride_x)[j];
+      if (res != nullptr) b[i].raw = reinterpret_cast<const uint4*>(res + row * stride_r)[j];
+    }
+  }
   float vals[kMaxVec][V];
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxVec; ++i) {
     const int j = threadIdx.x + i * tpr;
     if (live && j < nvec) {
-      if (has_res) {
+      if (res != nullptr) {
 #pragma unroll
         for (int v = 0; v < V; ++v) a[i].e[v] = from_float<T>(to_float(a[i].e[v]) + to_float(b[i].e[v]));
         reinterpret_cast<uint4*>(res_out + row * stride_ro)[j] = a[i].raw;
@@ -78,6 +93,7 @@ __device__ __forceinline__ void norm_set(Pack<T> (&a)[kMaxVec], const Pack<T> (&
     if (off < width) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   }
   if (tpr > 32) {  // then blockDim.y == 1
+    __shared__ float partial[32];
     const int warp = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) partial[warp] = ss;
     __syncthreads();
@@ -90,8 +106,8 @@ __device__ __forceinline__ void norm_set(Pack<T> (&a)[kMaxVec], const Pack<T> (&
   for (int i = 0; i < kMaxVec; ++i) {
     const int j = threadIdx.x + i * tpr;
     if (live && j < nvec) {
-      Pack<T> o;
-      if (has_w) {
+      Pack o;
+      if (w != nullptr) {
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           // As transformers' RMSNorm: the normalized value is rounded to T before the weight multiplies it.
@@ -106,80 +122,20 @@ __device__ __forceinline__ void norm_set(Pack<T> (&a)[kMaxVec], const Pack<T> (&
   }
 }
 
-// kLoop: the block takes the row sets blockIdx.x, blockIdx.x + gridDim.x, ... and issues the next
-// set's loads before it finishes the current one (a grid smaller than the rows; the launcher's
-// per_sm); else the one set blockIdx.x (a grid that covers the rows, the default).
-template <typename T, bool kLoop>
-__device__ __forceinline__ void rms_norm_rows(T* __restrict__ out, T* __restrict__ res_out,
-                                              const T* __restrict__ x, const T* __restrict__ res,
-                                              const T* __restrict__ w, int rows, int cols, int64_t stride_x,
-                                              int64_t stride_r, int64_t stride_o, int64_t stride_ro, float eps) {
-  const int tpr = blockDim.x;  // threads per row
-  const int nvec = cols / (16 / static_cast<int>(sizeof(T)));
-  int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y;
-  const auto load_row = [&](int64_t row, Pack<T> (&xa)[kMaxVec], Pack<T> (&rb)[kMaxVec]) {
-#pragma unroll
-    for (int i = 0; i < kMaxVec; ++i) {
-      const int j = threadIdx.x + i * tpr;
-      if (row < rows && j < nvec) {
-        // __ldg: the read-only path that the __restrict__ parameters gave these loads before the lambda
-        xa[i].raw = __ldg(reinterpret_cast<const uint4*>(x + row * stride_x) + j);
-        if (res != nullptr) rb[i].raw = __ldg(reinterpret_cast<const uint4*>(res + row * stride_r) + j);
-      }
-    }
-  };
-
-  // Issue every load of the row before using any, so all of them are in flight at once. The weight
-  // (shared by all rows, so cached) is requested first: it is no other kernel's output, so it may be
-  // read before the kernel this one overlaps (mgx_abi.cuh) has finished.
-  Pack<T> a[kMaxVec], b[kMaxVec], g[kMaxVec];
-#pragma unroll
-  for (int i = 0; i < kMaxVec; ++i) {
-    const int j = threadIdx.x + i * tpr;
-    if (base + threadIdx.y < rows && j < nvec && w != nullptr) g[i].raw = reinterpret_cast<const uint4*>(w)[j];
-  }
-  mgx_pdl_wait();
-  load_row(base + threadIdx.y, a, b);
-  if constexpr (!kLoop) {
-    __shared__ float partial[32];
-    norm_set<T>(a, b, g, out, res_out, res != nullptr, w != nullptr, base + threadIdx.y, base + threadIdx.y < rows,
-                nvec, cols, stride_o, stride_ro, eps, partial);
-  } else {
-    // Every thread of a block runs the same sets (rows past the end are masked, not skipped), as the
-    // reductions need; the warps' sums alternate between two rows of `partial`, so a set's writes
-    // never meet the reads of the set before (one barrier a set).
-    __shared__ float partial[2][32];
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
-    for (int turn = 0; base < rows; base += stride, turn ^= 1) {
-      Pack<T> na[kMaxVec], nb[kMaxVec];
-      if (base + stride < rows) load_row(base + stride + threadIdx.y, na, nb);  // the next set, in flight
-      norm_set<T>(a, b, g, out, res_out, res != nullptr, w != nullptr, base + threadIdx.y, base + threadIdx.y < rows,
-                  nvec, cols, stride_o, stride_ro, eps, partial[turn]);
-#pragma unroll
-      for (int i = 0; i < kMaxVec; ++i) a[i] = na[i], b[i] = nb[i];
-    }
-  }
-}
-
 }  // namespace
 
 // One entry point per IO type; names are what the Python launcher looks up in the module, with the
 // version suffix of mgx_abi.cuh.
-#define MGX_RMS_NORM_ENTRY(NAME, T, LOOP, BOUND)                                                 \
-  extern "C" __global__ void __launch_bounds__(BOUND)                                                      \
+#define MGX_RMS_NORM_ENTRY(NAME, T)                                                                   \
+  extern "C" __global__ void __launch_bounds__(kMaxThreads)                                                 \
       MGX_ENTRY(NAME)(T* out, T* res_out, const T* x, const T* res, const T* w, int rows, int cols,              \
            long long stride_x, long long stride_r, long long stride_o, long long stride_ro, float eps) { \
-    rms_norm_rows<T, LOOP>(out, res_out, x, res, w, rows, cols, stride_x, stride_r, stride_o, stride_ro, eps); \
+    rms_norm_rows<T>(out, res_out, x, res, w, rows, cols, stride_x, stride_r, stride_o, stride_ro, eps); \
   }
 
-MGX_RMS_NORM_ENTRY(mgx_rms_norm_f32, float, false, kMaxThreads)
-MGX_RMS_NORM_ENTRY(mgx_rms_norm_f16, __half, false, kMaxThreads)
-MGX_RMS_NORM_ENTRY(mgx_rms_norm_bf16, __nv_bfloat16, false, kMaxThreads)
-// The looping blocks hold two sets' loads: at most kMaxLoopThreads threads, so that they keep them in
-// registers (the launcher takes the one-set entries for wider rows).
-MGX_RMS_NORM_ENTRY(mgx_rms_norm_loop_f32, float, true, kMaxLoopThreads)
-MGX_RMS_NORM_ENTRY(mgx_rms_norm_loop_f16, __half, true, kMaxLoopThreads)
-MGX_RMS_NORM_ENTRY(mgx_rms_norm_loop_bf16, __nv_bfloat16, true, kMaxLoopThreads)
+MGX_RMS_NORM_ENTRY(mgx_rms_norm_f32, float)
+MGX_RMS_NORM_ENTRY(mgx_rms_norm_f16, __half)
+MGX_RMS_NORM_ENTRY(mgx_rms_norm_bf16, __nv_bfloat16)
 
 // Present in code whose every entry point waits as mgx_abi.cuh says: only then does the runtime
 // launch them overlapped (an older image's kernels would read their input too early).

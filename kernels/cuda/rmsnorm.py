@@ -20,15 +20,12 @@ __all__ = ["KERNEL_ABI", "OVERLAP_MARKER", "CudaKernels", "arch_runs_on", "load_
 
 MAX_VEC = 4  # kMaxVec in rmsnorm.cu
 MAX_THREADS = 512  # kMaxThreads in rmsnorm.cu
-MAX_LOOP_THREADS = 256  # kMaxLoopThreads in rmsnorm.cu: the looping entries' widest block
 KERNEL_ABI = 1  # MGX_KERNEL_ABI in rmsnorm.cu: the suffix of every entry point's name
 OVERLAP_MARKER = f"mgx_overlap_aware_v{KERNEL_ABI}"  # in images whose kernels may be launched overlapped
 _ENTRY = {
     dtype: f"mgx_rms_norm_{name}_v{KERNEL_ABI}"
     for dtype, name in ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16"))
 }
-# The looping entries (``per_sm``): optional, an artifact built before them has none.
-_LOOP_ENTRY = {dtype: name.replace("mgx_rms_norm_", "mgx_rms_norm_loop_") for dtype, name in _ENTRY.items()}
 
 _warned = False
 
@@ -152,13 +149,8 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     vecs_per_thread: int = 4,
-    per_sm: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm as ``mgx.kernels.triton.rmsnorm.rms_norm``, on the native kernel when it can run.
-
-    ``per_sm`` > 0 launches at most that many blocks an SM, each looping over sets of rows with the next
-    set's loads in flight (0: a block a set of rows, the default), where the looping entries run: blocks
-    of at most ``MAX_LOOP_THREADS`` threads, code that holds them; else the default launch."""
+    """RMSNorm as ``mgx.kernels.triton.rmsnorm.rms_norm``, on the native kernel when it can run."""
     from mgx.kernels.triton.rmsnorm import rms_norm as triton_rms_norm
 
     t, f = x.shape
@@ -200,9 +192,5 @@ def rms_norm(
         ctypes.c_longlong(so), ctypes.c_longlong(sro), ctypes.c_float(eps),
     ]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    blocks, entry = (rows + rpb - 1) // rpb, _ENTRY[x.dtype]
-    if per_sm > 0 and tpr * rpb <= MAX_LOOP_THREADS and kernels.has(_LOOP_ENTRY[x.dtype]):
-        blocks = min(blocks, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
-        entry = _LOOP_ENTRY[x.dtype]
-    kernels.module.launch(entry, (blocks,), (tpr, rpb), args, stream, overlap=kernels.overlap)
+    kernels.module.launch(_ENTRY[x.dtype], ((rows + rpb - 1) // rpb,), (tpr, rpb), args, stream, overlap=kernels.overlap)
     return out if residual is None else (out, res_out)

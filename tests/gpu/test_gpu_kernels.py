@@ -97,30 +97,6 @@ def test_native_gemv_matches_the_reference(native, scheme: str, kw: dict, kind: 
 
 
 @pytest.mark.parametrize(("scheme", "kw", "kind"), GEMV_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cols", [64, 4096, 16384])
-def test_native_rmsnorm_looping_blocks_give_the_one_set_bits(native, dtype: torch.dtype, cols: int) -> None:
-    """``per_sm`` > 0 (the looping entries: fewer blocks, each taking every gridDim.x-th set of rows with
-    the next set's loads in flight): the default launch's bits, plain, with the residual add and without a
-    weight, on row counts that leave a ragged last set and several sets a block; rows too wide for the
-    looping entries' 256 threads (16384 fp32 / 16-bit elements) take the default launch."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device="cuda").manual_seed(cols)
-    for per_sm in (1, 3):
-        rows = 4 * per_sm * sms * 3 + 5  # three sets a block and some (4 rows a set at 64 columns)
-        x = (2 * torch.randn(rows, cols, device="cuda", generator=gen)).to(dtype)
-        r = torch.randn(rows, cols, device="cuda", generator=gen).to(dtype)
-        w = (1 + 0.2 * torch.randn(cols, device="cuda", generator=gen)).to(dtype)
-        for weight in (w, None):
-            want = crms.rms_norm(x, weight, 1e-5, kernels=native)
-            got = crms.rms_norm(x, weight, 1e-5, kernels=native, per_sm=per_sm)
-            assert torch.equal(got, want), (per_sm, weight is None)
-            want_out, want_sum = crms.rms_norm(x, weight, 1e-5, residual=r, kernels=native)
-            got_out, got_sum = crms.rms_norm(x, weight, 1e-5, residual=r, kernels=native, per_sm=per_sm)
-            assert torch.equal(got_out, want_out) and torch.equal(got_sum, want_sum)
-        assert rel_err(got_out, trms.rms_norm_ref(x, None, 1e-5, residual=r)[0]) < 1e-2
-
-
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4098, 2176), (6, 256)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_native_gemv_with_the_rmsnorm_prologue(native, scheme: str, kw: dict, kind: str, n: int, k: int, silu: bool) -> None:
