@@ -23,9 +23,11 @@ MAX_COLS = 65536  # one program holds a whole row in registers
 
 
 @triton.jit
-def _norm_rows(x, res, r64, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps,
+def _norm_rows(x, res, r, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps,
                HAS_RES: tl.constexpr, HAS_W: tl.constexpr):  # fmt: skip
-    """Normalize the loaded rows ``x`` (plus ``res``) and store them (and the sum)."""
+    """Normalize the loaded rows ``r`` (``x`` plus ``res``; ``mask``: their elements) and store them (and
+    the sum)."""
+    r64 = r.to(tl.int64)[:, None]
     if HAS_RES:
         # Round the sum to the IO dtype first: the next layer reads that rounded residual.
         x = cast_as(x.to(tl.float32) + res.to(tl.float32), res_out_ptr.dtype.element_ty)
@@ -41,55 +43,44 @@ def _norm_rows(x, res, r64, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, s
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    rows, cols, stride_x, stride_r, stride_o, stride_ro, eps,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tl.arange(0, BLOCK_N)
+def _load_rows(x_ptr, res_ptr, r, c, rows, cmask, stride_x, stride_r, HAS_RES: tl.constexpr):
+    """Rows ``r`` of x and of the residual (x again without one), [BLOCK_M, BLOCK_N], and their mask."""
     r64 = r.to(tl.int64)[:, None]
-    cmask = c < cols
     mask = (r < rows)[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + r64 * stride_x + c[None, :], mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
+    x = tl.load(x_ptr + r64 * stride_x + c[None, :], mask=mask, other=0.0)
     res = x
     if HAS_RES:
         res = tl.load(res_ptr + r64 * stride_r + c[None, :], mask=mask, other=0.0)
-    _norm_rows(x, res, r64, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps, HAS_RES, HAS_W)
+    return x, res, mask
 
 
 @triton.jit
-def _rms_norm_loop_kernel(
+def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     rows, cols, stride_x, stride_r, stride_o, stride_ro, eps,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
 ):  # fmt: skip
-    """The same rows on fewer programs: program p takes row blocks p, p + programs, ..., and asks for
-    the next block's rows before it normalizes the current one, so a program's loads stay in flight
-    across its blocks instead of each block's program starting cold."""
+    """Program p normalizes row block p; with LOOP, on fewer programs than blocks, it takes blocks p,
+    p + programs, ... and asks for the next block's rows before it normalizes the current one, so its
+    loads stay in flight across its blocks instead of each block's program starting cold."""
     p = tl.program_id(0)
-    step = tl.num_programs(0)
-    blocks = tl.cdiv(rows, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
     cmask = c < cols
     r = p * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (r < rows)[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-    res = x
-    if HAS_RES:
-        res = tl.load(res_ptr + r.to(tl.int64)[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
-    for b in range(p, blocks, step):
-        r_next = (b + step) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_next = (r_next < rows)[:, None] & cmask[None, :]
-        x_next = tl.load(x_ptr + r_next.to(tl.int64)[:, None] * stride_x + c[None, :], mask=mask_next, other=0.0)
-        res_next = x_next
-        if HAS_RES:
-            res_next = tl.load(res_ptr + r_next.to(tl.int64)[:, None] * stride_r + c[None, :], mask=mask_next, other=0.0)
-        r = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (r < rows)[:, None] & cmask[None, :]
-        _norm_rows(x, res, r.to(tl.int64)[:, None], c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o,
-                   stride_ro, eps, HAS_RES, HAS_W)  # fmt: skip
-        x, res = x_next, res_next
+    x, res, mask = _load_rows(x_ptr, res_ptr, r, c, rows, cmask, stride_x, stride_r, HAS_RES)
+    if LOOP:
+        step = tl.num_programs(0)
+        for b in range(p, tl.cdiv(rows, BLOCK_M), step):
+            x_next, res_next, _ = _load_rows(x_ptr, res_ptr, (b + step) * BLOCK_M + tl.arange(0, BLOCK_M), c, rows,
+                                             cmask, stride_x, stride_r, HAS_RES)  # fmt: skip
+            r = b * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask = (r < rows)[:, None] & cmask[None, :]
+            _norm_rows(x, res, r, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps,
+                       HAS_RES, HAS_W)  # fmt: skip
+            x, res = x_next, res_next
+    else:
+        _norm_rows(x, res, r, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps, HAS_RES,
+                   HAS_W)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +90,7 @@ class RMSNormConfig:
     block_m: int  # rows per program
     num_warps: int
     # 0: a program per block of rows; else at most this many programs a streaming multiprocessor,
-    # each looping over blocks of rows with the next block's loads in flight (_rms_norm_loop_kernel)
+    # each looping over blocks of rows with the next block's loads in flight (_rms_norm_kernel's LOOP)
     per_sm: int = 0
 
 
@@ -158,15 +149,13 @@ def rms_norm(
     rows = xs.shape[0]
     cfg = config or default_config(rows, group)
     grid = (cdiv(rows, cfg.block_m),)
-    kernel = _rms_norm_kernel
     if cfg.per_sm > 0:
-        kernel = _rms_norm_loop_kernel
         grid = (max(1, min(grid[0], cfg.per_sm * _sm_count(x.device))),)
-    kernel[grid](
+    _rms_norm_kernel[grid](
         xs, rs, weight if weight is not None else xs, os_, ros,
         rows, group, xs.stride(0), rs.stride(0), os_.stride(0), ros.stride(0), float(eps),
         HAS_RES=residual is not None, HAS_W=weight is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=next_pow2(group), num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=next_pow2(group), LOOP=cfg.per_sm > 0, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out if residual is None else (out, res_out)
 
