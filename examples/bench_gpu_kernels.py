@@ -73,10 +73,15 @@ def bench(fn: Callable[[], object], rep: int = 100) -> float:
 _FLUSH: list[torch.Tensor] = []
 
 
-def _bench_graph(fn: Callable[[], object], rep: float) -> float:
+def _flush_buffer() -> torch.Tensor:
+    """The 256 MiB buffer whose writing flushes the L2 before a timed call (made once)."""
     if not _FLUSH:
         _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device=DEVICE))
-    flush = _FLUSH[0]
+    return _FLUSH[0]
+
+
+def _bench_graph(fn: Callable[[], object], rep: float) -> float:
+    flush = _flush_buffer()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -115,9 +120,7 @@ def kernel_ms(fn: Callable[[], object], rep: int = 20) -> float | None:
     def device_events(prof) -> list:  # noqa: ANN001
         return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device=DEVICE))
-    flush = _FLUSH[0]
+    flush = _flush_buffer()
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as alone:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_as, cdiv, check_float, next_pow2, round_as, rows_of
+from ._common import cast_as, cdiv, check_float, next_pow2, num_sms, round_as, rows_of
 
 __all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS", "LOOP_CONFIGS"]
 
@@ -150,7 +150,7 @@ def rms_norm(
     cfg = config or default_config(rows, group)
     grid = (cdiv(rows, cfg.block_m),)
     if cfg.per_sm > 0:
-        grid = (max(1, min(grid[0], cfg.per_sm * _sm_count(x.device))),)
+        grid = (max(1, min(grid[0], cfg.per_sm * num_sms(x.device))),)
     _rms_norm_kernel[grid](
         xs, rs, weight if weight is not None else xs, os_, ros,
         rows, group, xs.stride(0), rs.stride(0), os_.stride(0), ros.stride(0), float(eps),
@@ -158,13 +158,6 @@ def rms_norm(
         BLOCK_M=cfg.block_m, BLOCK_N=next_pow2(group), LOOP=cfg.per_sm > 0, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out if residual is None else (out, res_out)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (one where there are none: the interpreter on a CPU)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _as_groups(t: torch.Tensor, group: int, *, copy: bool = False) -> torch.Tensor:

@@ -22,6 +22,7 @@ from mgx.kernels.cuda import build, driver  # noqa: E402
 from mgx.kernels.cuda import gemv as cuda_gemv  # noqa: E402
 from mgx.kernels.cuda import rmsnorm as cuda_rmsnorm  # noqa: E402
 from mgx.kernels.triton import rmsnorm  # noqa: E402
+from mgx.kernels.triton._common import num_sms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # dtype -> (atol, rtol) for outputs of about unit size
@@ -54,12 +55,12 @@ def test_rms_norm_matches_torch_and_numpy(dtype: torch.dtype, rows: int, cols: i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", [rmsnorm.RMSNormConfig(1, 2, 2), rmsnorm.RMSNormConfig(2, 4, 3), rmsnorm.RMSNormConfig(4, 2, 64)])
 def test_looping_programs_give_the_one_program_a_block_bits(dtype: torch.dtype, cfg) -> None:  # noqa: ANN001
-    """``per_sm`` > 0: fewer programs looping over the row blocks (``per_sm`` an SM; the interpreter
-    counts one SM), each block's rows loaded a block ahead: the same bits as a program a block, plain
+    """``per_sm`` > 0: fewer programs looping over the row blocks (``per_sm`` an SM; on the CPU,
+    ``num_sms``' stand-in), each block's rows loaded a block ahead: the same bits as a program a block, plain
     and with the residual add, on three blocks a program and then some (a ragged last block at block_m
     > 1), and with more programs than blocks."""
     g = gen(7)
-    rows = 3 * cfg.per_sm * cfg.block_m * rmsnorm._sm_count(torch.device(DEVICE)) + 5 if cfg.per_sm < 64 else 11
+    rows = 3 * cfg.per_sm * cfg.block_m * num_sms(torch.device(DEVICE)) + 5 if cfg.per_sm < 64 else 11
     x, r, w = rand(g, rows, 96, dtype=dtype) * 2, rand(g, rows, 96, dtype=dtype), rand(g, 96, dtype=dtype)
     plain = rmsnorm.RMSNormConfig(cfg.block_m, cfg.num_warps)
     out = torch.full_like(x, float("nan"))
