@@ -111,16 +111,24 @@ __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
 //   not a barrier a kernel could use for data, only the latency of the round trips themselves;
 // mode 4 ("split"): as "one", but the block arrives (its release add) before it asks for the next
 //   phase's first bytes and waits after, so the release does not wait for those loads (floor_phases).
+// "one"'s two halves, thread 0 of the block: its release add, and its acquire polls until every block
+// of the grid has added for this phase ("split" sends the next phase's first loads between them).
+__device__ __forceinline__ void arrive_one(unsigned* sync) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
+}
+__device__ __forceinline__ void wait_one(const unsigned* sync, unsigned phase) {
+  unsigned seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
+  } while (seen < phase * gridDim.x);
+}
 __device__ __forceinline__ void grid_barrier(unsigned* sync, unsigned phase, int mode) {
   __syncthreads();
   const unsigned lane = threadIdx.x;
   if (mode == 0) {
     if (lane == 0) {
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
-      unsigned seen;
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
-      } while (seen < phase * gridDim.x);
+      arrive_one(sync);
+      wait_one(sync, phase);
     }
   } else if (mode == 1) {
     if (lane == 0)
@@ -172,14 +180,9 @@ extern "C" __global__ void __launch_bounds__(256) floor_phases(const uint4* src,
     if (more) share(words, p + 1, lo, hi);
     if (mode == 4) {  // "split": arrive, ask, wait
       __syncthreads();
-      if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
+      if (threadIdx.x == 0) arrive_one(sync);
       if (more && early) load_batch(first, src, lo + threadIdx.x, hi);
-      if (threadIdx.x == 0) {
-        unsigned seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
-        } while (seen < static_cast<unsigned>(p + 1) * gridDim.x);
-      }
+      if (threadIdx.x == 0) wait_one(sync, static_cast<unsigned>(p + 1));
       __syncthreads();
     } else {
       if (more && early) load_batch(first, src, lo + threadIdx.x, hi);

@@ -71,13 +71,12 @@ def _rms_norm_kernel(
     if LOOP:
         step = tl.num_programs(0)
         for b in range(p, tl.cdiv(rows, BLOCK_M), step):
-            x_next, res_next, _ = _load_rows(x_ptr, res_ptr, (b + step) * BLOCK_M + tl.arange(0, BLOCK_M), c, rows,
-                                             cmask, stride_x, stride_r, HAS_RES)  # fmt: skip
-            r = b * BLOCK_M + tl.arange(0, BLOCK_M)
-            mask = (r < rows)[:, None] & cmask[None, :]
+            r_next = (b + step) * BLOCK_M + tl.arange(0, BLOCK_M)
+            x_next, res_next, mask_next = _load_rows(x_ptr, res_ptr, r_next, c, rows, cmask, stride_x, stride_r,
+                                                     HAS_RES)  # fmt: skip
             _norm_rows(x, res, r, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps,
                        HAS_RES, HAS_W)  # fmt: skip
-            x, res = x_next, res_next
+            x, res, r, mask = x_next, res_next, r_next, mask_next
     else:
         _norm_rows(x, res, r, c, cols, mask, cmask, w_ptr, out_ptr, res_out_ptr, stride_o, stride_ro, eps, HAS_RES,
                    HAS_W)  # fmt: skip
