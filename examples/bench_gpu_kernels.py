@@ -1,6 +1,7 @@
 """Benchmark MGX's GPU kernels against the GPU's measured ceilings and against PyTorch, in one run.
 
     python examples/bench_gpu_kernels.py [--only rmsnorm,gemv,native,embedding,decode,prefill,lm_head] [--json out.json]
+        [--own-sweep]
 
 Measures first the copy bandwidth (a large device-to-device copy, bytes read plus bytes written)
 and the bf16 matrix rate, then times each kernel with ``triton.testing.do_bench`` (median; it
@@ -35,6 +36,7 @@ from collections.abc import Callable
 
 SMOKE = "--smoke" in sys.argv
 WARM = "--warm" in sys.argv  # only compile every kernel and configuration (fills Triton's disk cache)
+OWN_SWEEP = "--own-sweep" in sys.argv  # every Triton RMSNorm configuration's own duration (own_sweep)
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -262,6 +264,8 @@ def _rmsnorm_case(rows: int, cols: int, copy_gbps: float, cuda_kernels) -> None:
             name = f"m{cfg.block_m} w{cfg.num_warps}" + (f" loop {cfg.per_sm}/SM" if looping else "")
             speed(record("rmsnorm", case, f"MGX Triton (best: {name})", ms, nbytes), eager,
                   lambda cfg=cfg: trms.rms_norm(x, w, eps, config=cfg))  # fmt: skip
+    if OWN_SWEEP and (rows >= 4096 or SMOKE):  # in --smoke only the code path: no own durations on the CPU
+        own_sweep(case, configs, lambda c: lambda: trms.rms_norm(x, w, eps, config=c), nbytes, copy_gbps)
     if cuda_kernels is not None:
         check(crms.rms_norm(x, w, eps, kernels=cuda_kernels), "cuda")
         ms, vpt = best_of([4, 2, 1], lambda v: lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, vecs_per_thread=v))
@@ -290,6 +294,24 @@ def own_duration(row: dict, fn: Callable[[], object], moved: int, copy_gbps: flo
     print(f"      kernels' own duration (profiler) {ms * 1e3:.1f} us: {100 * row['own_frac_copy_bw']:.1f}% of copy "
           f"bandwidth{than}", flush=True)  # fmt: skip
     return row["own_frac_copy_bw"]
+
+
+def own_sweep(case: str, configs: list, run: Callable[[object], Callable[[], object]], moved: int,
+              copy_gbps: float, rounds: int = 3) -> None:  # fmt: skip
+    """Every configuration's own duration (``kernel_ms``), fastest first, ``rounds`` times: the best
+    by replay time (``best_of``) need not be the best by the kernels' own duration, and the spread
+    between rounds says which differences are real. Rows ``own sweep <config>``: ``ms`` the median of
+    the rounds' own durations, ``pct_copy_bw`` each round's percentage of copy bandwidth."""
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for c in configs:
+            ms = kernel_ms(run(c))
+            if ms is not None:
+                name = f"m{c.block_m} w{c.num_warps}" + (f" loop {c.per_sm}/SM" if c.per_sm else "")
+                times.setdefault(name, []).append(ms)
+    for name, ms in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
+        record("rmsnorm", case, f"own sweep {name}", statistics.median(ms), moved,
+               pct_copy_bw=[round(100 * moved / t / 1e6 / copy_gbps, 1) for t in ms])  # fmt: skip
 
 
 # --- GEMV -------------------------------------------------------------------------------------------
@@ -696,6 +718,8 @@ def main() -> None:
     parser.add_argument("--cubin", default=None, help="a prebuilt cubin for the CUDA RMSNorm (default: build now)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     parser.add_argument("--warm", action="store_true", help="compile everything, time nothing")
+    parser.add_argument("--own-sweep", action="store_true",
+                        help="also every Triton RMSNorm configuration's own duration at the large shapes, three rounds")  # fmt: skip
     parser.add_argument("--nvcc-flag", action="append", default=[],
                         help="an extra nvcc flag for the native kernels, e.g. -DMGX_IMMA_UNROLL=2 (repeatable; a "
                              "flag that changes a launch's shape needs gemv.py's constant to match)")  # fmt: skip
