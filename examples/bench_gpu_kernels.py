@@ -654,7 +654,7 @@ def _prefill_case(batch: int, t: int, tflops: float) -> None:
     flops = batch * 4 * hq * d * t * (t + 1) / 2  # causal: QK^T and PV over the visible half
     case = f"B={batch} T={t}"
     scale = d**-0.5
-    configs = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
+    configs = [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in att.PREFILL_CONFIGS]  # autotune's candidates
     configs = configs if DEVICE == "cuda" else [(16, 16, 4, 1)]
 
     def run(c):  # noqa: ANN001, ANN202

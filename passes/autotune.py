@@ -1,4 +1,4 @@
-"""autotune: time the Triton linear kernels on the build GPU for this model's shapes; store the winners.
+"""autotune: time the Triton kernels on the build GPU for this model's shapes; store the winners.
 
 For target ``cuda`` only, on a machine with a CUDA GPU (the build GPU: choices are stored per GPU
 architecture, ``sm_90`` for an H200, and a runtime on another architecture ignores them). For every
@@ -17,6 +17,14 @@ launch, weight GB/s, the best Triton configuration's us and blocks, each native 
 (``native_us``), and with ``fused`` how it was timed: "add", "norm", "after_norm" (option
 ``after_norm``: the time of the norm and the projection) or ""}), for build logs and benchmarks: a
 slow build GPU or a shape that lost shows there before any model runs.
+
+The paged attention kernels too (``_tune_attention``): prefill for each chunk length in ``rows`` of
+16 and more, and, with ``decode_attention`` (off by default: ``AutotuneOptions`` says why), decode for
+each batch bucket; a candidate must first give the default configuration's output. Their winners'
+times go to ``stats["attention_timings"]`` ({"<kernel> <shape key>": chosen configuration, us,
+the default configuration's us}). The other Triton kernels are not tuned: RoPE, the K/V write, the
+embedding lookup and the merges launch one fixed configuration each (no candidate lists), and the
+Triton RMSNorm runs only where the native one cannot (its fallback).
 """
 
 from __future__ import annotations
@@ -60,6 +68,17 @@ class AutotuneOptions:
     # + RMSNorm kernel (``_after_norm_launch`` says why). False: each alone, as before the forty-seventh
     # session. ``fused`` takes the dense projections it times.
     after_norm: bool = True
+    # Also tune the paged attention kernels for the model's heads. Prefill (tiles, warps, stages) for
+    # each row count from PREFILL_MIN_M: one chunk of that many fresh tokens. Decode (tile width and
+    # warps) for each row count up to GRAPH_MAX_M: sequences of a batch bucket over ``decode_context``
+    # cached tokens (capped by the model's context); off by default, because a decode attention timed
+    # alone is a poor guide to the step: the kernel benchmark's best at batch 1 (32-token tiles) gained
+    # nothing in the 8B bf16 graph and lost 1% in the 1B ones, and 8 warps lost in the 8B INT4 layer
+    # chain (49th session); ``mgx-run tune`` chooses the tile width in the whole step instead. Every
+    # candidate must give the default configuration's result (ATTENTION_TOLERANCE) before it is timed.
+    prefill_attention: bool = True
+    decode_attention: bool = False
+    decode_context: int = 1024
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -68,6 +87,8 @@ class AutotuneOptions:
             raise PassError(f"autotune: dtype must be bf16, f16 or f32, got {self.dtype!r}")
         if self.repeats < 1:
             raise PassError(f"autotune: repeats must be >= 1, got {self.repeats}")
+        if self.decode_context < 1:
+            raise PassError(f"autotune: decode_context must be >= 1 token, got {self.decode_context}")
 
 
 def _device() -> Any:
@@ -115,6 +136,9 @@ def _overlap(arch: str, kernels: Any, on: bool) -> bool:
     return on
 
 
+PREFILL_MIN_M = 16  # the smallest prefill chunk the attention tuning times
+ATTENTION_TOLERANCE = 2e-2  # a candidate's relative (Frobenius) distance from the default's output
+KV_BLOCK = 16  # tokens a KV-cache block of the timed attention batches (the engine's default)
 GRAPH_LAUNCHES = 8  # launches per captured graph when timing the decode regime
 GRAPH_MAX_M = 256  # rows up to which decode steps run as CUDA graphs (the CUDA backend's largest bucket)
 
@@ -370,6 +394,108 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
 
 
+def _attention_shapes(graph: ir.Graph) -> tuple[dict[str, tuple[int, int, int]], str]:
+    """The model's distinct attention shapes, signature -> (query heads, kv heads, head dim), in graph
+    order, and the decode one: the first layer with the most kv heads, as the CUDA backend looks its
+    decode entries up (``_decode_signature``)."""
+    from mgx.kernels.triton.tuning import attention_signature
+
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for op in graph.ops:
+        if op.kind == "attention":
+            hq, hk, d = (int(op.attrs[k]) for k in ("num_heads", "num_kv_heads", "head_dim"))
+            shapes.setdefault(attention_signature(hq, hk, d), (hq, hk, d))
+    return shapes, max(shapes, key=lambda s: shapes[s][1], default="")
+
+
+def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, entries: dict,
+                    measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time the paged attention kernels' candidates (``AutotuneOptions.prefill_attention`` and
+    ``decode_attention``) and add the winners to ``entries``, their times to ``measured``; returns how
+    many candidates were timed."""
+    import torch
+
+    from mgx.kernels.triton._common import num_sms
+    from mgx.kernels.triton.attention import (
+        DECODE_CONFIGS,
+        PREFILL_CONFIGS,
+        SELF_MERGE_MAX_SPLITS,
+        decode_splits,
+        new_decode_counters,
+        paged_attention_decode,
+        paged_attention_prefill,
+    )
+    from mgx.kernels.triton.testing import paged_batch
+    from mgx.kernels.triton.tuning import ATTENTION_DECODE, ATTENTION_PREFILL
+
+    shapes, decode_sig = _attention_shapes(graph)
+    rows = sorted({int(r) for r in opts.rows})
+    context = max(1, min(opts.decode_context, int(graph.arch.max_position)))
+    timed = 0
+    for sig, (hq, hk, d) in shapes.items():
+        heads = {"num_heads": hq, "num_kv_heads": hk, "head_dim": d, "block_size": KV_BLOCK, "dtype": dtype, "device": device}
+        scale = d**-0.5
+        for m in (r for r in rows if opts.decode_attention and r <= GRAPH_MAX_M and sig == decode_sig):
+            b = paged_batch([context] * m, [1] * m, **heads, spare_blocks=0)
+            counters = new_decode_counters(device, m, hk)
+
+            def decode(c: Any, b: Any = b, m: int = m, hk: int = hk, scale: float = scale, counters: Any = counters) -> Any:
+                splits = decode_splits(m, hk, context, num_sms(device), c.block_n, 1)  # the backend's one-tile pieces
+                return paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=scale,
+                                              num_splits=splits, max_context_len=context, block_n=c.block_n,
+                                              num_warps=c.num_warps,
+                                              counters=counters if splits <= SELF_MERGE_MAX_SPLITS else None)  # fmt: skip
+
+            timed += _tune_attention_shape(ATTENTION_DECODE, f"{sig},M={m}", DECODE_CONFIGS, decode, opts, entries,
+                                           measured, failed)  # fmt: skip
+        for m in (r for r in rows if opts.prefill_attention and r >= PREFILL_MIN_M):
+            b = paged_batch([m], [m], **heads, spare_blocks=0)
+
+            def prefill(c: Any, b: Any = b, m: int = m, scale: float = scale) -> Any:
+                return paged_attention_prefill(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
+                                               b.query_start_loc, b.positions, scale=scale, max_query_len=m,
+                                               block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps,
+                                               num_stages=c.num_stages)  # fmt: skip
+
+            timed += _tune_attention_shape(ATTENTION_PREFILL, f"{sig},M={m}", PREFILL_CONFIGS, prefill, opts, entries,
+                                           measured, failed)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the batches of this shape
+    return timed
+
+
+def _tune_attention_shape(kernel: str, key: str, configs: list[Any], launch: Callable[[Any], Any],
+                          opts: AutotuneOptions, entries: dict, measured: dict[str, dict[str, Any]],
+                          failed: list[str]) -> int:  # fmt: skip
+    """Time ``configs`` (the default first) of one attention shape; a candidate whose output is not
+    within ATTENTION_TOLERANCE of the default's, or that cannot launch, goes to ``failed`` instead.
+    The fastest becomes the entry ``(kernel, key)``. Returns how many were timed."""
+    from mgx.formats.artifact import AutotuneEntry
+
+    want = launch(configs[0]).float()
+    best, default_s, timed = None, None, 0
+    for c in configs:
+        try:
+            got = want if c == configs[0] else launch(c).float()
+            err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            if not err <= ATTENTION_TOLERANCE:  # NaN too
+                failed.append(f"{kernel} {c} gave other results (relative error {err:.1e})")
+                continue
+            seconds = _time(lambda c=c, f=launch: f(c), opts.repeats)
+        except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
+            failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+            continue
+        timed += 1
+        default_s = seconds if c == configs[0] else default_s
+        if best is None or seconds < best[0]:
+            best = (seconds, c)
+    if best is not None:
+        entries[(kernel, key)] = AutotuneEntry(kernel, key, dataclasses.asdict(best[1]))
+        measured[f"{kernel} {key}"] = {"chosen": dataclasses.asdict(best[1]), "us": best[0] * 1e6,
+                                       "default_us": None if default_s is None else default_s * 1e6}  # fmt: skip
+    return timed
+
+
 def _kernel_of(graph: ir.Graph, op: ir.Op) -> str:
     if op.kind == "lm_head":
         return "lm_head_argmax"
@@ -415,7 +541,10 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     timed = 0
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
+    attention: dict[str, dict[str, Any]] = {}  # the attention winners' times (stats["attention_timings"])
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
+        if opts.prefill_attention or opts.decode_attention:
+            timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
         for op in graph.ops:
             if op.kind not in ("linear", "lm_head"):
                 continue
@@ -491,7 +620,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": how, "native_us": natives_us}
             copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
-    chosen = [f"{e.config['native']} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]
+    chosen = [f"{e.config.get('native')} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]
     natives = f"native GEMV chosen for {len(chosen)}" + (f" ({', '.join(chosen)})" if chosen else "")
     if kernels is None:
         natives = "native GEMV not timed (no nvcc or image)"
@@ -502,6 +631,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         natives += f"; {len(failed)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
-        {"autotune": {arch: found}, "timings": measured},
+        {"autotune": {arch: found}, "timings": measured, "attention_timings": attention},
         options_dict(opts),
     )

@@ -119,6 +119,8 @@ from mgx.kernels.cuda.gemv import LABELS as GEMV_LABELS
 from mgx.kernels.cuda.rmsnorm import CudaKernels, arch_runs_on, load_cuda_kernels, rms_norm
 from mgx.kernels.triton._common import num_sms, overlapped_launches
 from mgx.kernels.triton.attention import (
+    SELF_MERGE_MAX_SPLITS,
+    DecodeConfig,
     DecodeRope,
     decode_splits,
     new_decode_counters,
@@ -146,7 +148,7 @@ from mgx.kernels.triton.linear import (
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
 from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
-from mgx.kernels.triton.tuning import Tunings
+from mgx.kernels.triton.tuning import ATTENTION_DECODE, ATTENTION_PREFILL, Tunings, attention_signature
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
 from .backend import GRAPH_KINDS, Array, AttentionAttrs, Backend, StepResult, picked
@@ -157,12 +159,6 @@ from .kv_cache import KVCache
 __all__ = ["CUDABackend", "CudaKVCache", "UploadStats", "GRAPH_BUCKETS", "graph_table_width"]
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-# Decode splits merge themselves (the last to finish merges all) up to this many; past it the merge
-# kernel runs. On the H200 (8B heads, batch 1) the self-merge won at 10 splits (640 tokens: 14.0 vs
-# 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us), when it loaded
-# all splits at once (255 registers and a stack on sm_90a). It now loads 16 at a time and only the
-# pieces that hold keys (attention.MERGE_SPLITS): to be measured again before this limit moves.
-SELF_MERGE_MAX_SPLITS = 16
 # Weight schemes whose Triton one-row GEMV takes an RMSNorm in its loads for ``norm_across`` by
 # default; W8A16 and dense readers lost on the H200 (module docstring).
 NORM_IN_SCHEMES = frozenset({"int4"})
@@ -461,9 +457,10 @@ class CUDABackend(Backend):
         # bench's best at a 640-token context on the H200, but no gain in the 8B bf16 graph and 1%
         # slower in all three 1B ones (README), so off by default; in the 8B W8A16 graph it took 0.04-0.14
         # ms off a 2.7-2.8 ms step in three measurements (nineteenth session). A stored tuning (``mgx-run tune``) sets it where
-        # MGX_CUDA_DECODE_NARROW does not (use_tunings).
+        # MGX_CUDA_DECODE_NARROW does not (use_tunings). None: neither chose, so each batch bucket takes
+        # the width the autotune pass stored for it, or 64 (``_decode_config``).
         self.decode_tiles_pinned = os.environ.get("MGX_CUDA_DECODE_NARROW", "") in ("0", "1")
-        self.narrow_decode_tiles = os.environ.get("MGX_CUDA_DECODE_NARROW", "0") == "1"
+        self.narrow_decode_tiles: bool | None = {"1": True, "0": False}.get(os.environ.get("MGX_CUDA_DECODE_NARROW", ""))
         # Decode attention cut into pieces of one tile each (up to twice the splits, one pass of the
         # tile loop per program) instead of two (MGX_CUDA_DECODE_ONE_TILE=0).
         self.one_tile_pieces = os.environ.get("MGX_CUDA_DECODE_ONE_TILE", "1") != "0"
@@ -496,6 +493,7 @@ class CUDABackend(Backend):
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
         self.tunings = Tunings()  # stored autotune choices for this GPU (use_tunings); empty: defaults
+        self._decode_sig: str | None = None  # _decode_signature, found once the attention ops are prepared
         self.cuda_kernels: CudaKernels | None = None  # native RMSNorm, GEMV (use_cuda_kernels); None: Triton
 
     # -- setup ----------------------------------------------------------------------------------
@@ -1102,7 +1100,8 @@ class CUDABackend(Backend):
             sample_rows=torch.arange(bucket, dtype=torch.int64, device=self.device),
             max_query_len=1,
             max_context_len=max_context,
-            decode_splits=decode_splits(bucket, hk, max_context, sms, self._decode_block_n, self._decode_min_tiles),
+            decode_splits=decode_splits(bucket, hk, max_context, sms, self._decode_config(bucket).block_n,
+                                        self._decode_min_tiles),  # fmt: skip
         )
 
     def _fill(self, st: _Step, batch: StepBatch | None, pinned: torch.Tensor) -> None:
@@ -1442,17 +1441,21 @@ class CUDABackend(Backend):
                 return out
         if decode:
             return self._decode(q, kc, vc, a, None)
+        tuned = self.tunings.attention(ATTENTION_PREFILL, attention_signature(a.num_heads, a.num_kv_heads, a.head_dim),
+                                       st.max_query_len)  # fmt: skip
         return paged_attention_prefill(
             q, kc, vc, st.block_tables, st.context_lens, st.query_start_loc, st.positions,
             scale=a.scale, sliding_window=a.window, max_query_len=st.max_query_len,
+            **(dataclasses.asdict(tuned) if tuned is not None else {}),
         )  # fmt: skip
 
     def _decode(self, q: Array, kc: Array, vc: Array, a: AttentionAttrs, rope: DecodeRope | None) -> Array:
         """Decode attention of the step's one row per sequence (``rope``: q, k unrotated, K/V unwritten)."""
         st = self._cur
+        config = self._decode_config(q.shape[0])
         splits = st.decode_splits
         if splits is None:  # as the kernel would choose them
-            splits = decode_splits(q.shape[0], a.num_kv_heads, st.max_context_len, num_sms(q.device), self._decode_block_n,
+            splits = decode_splits(q.shape[0], a.num_kv_heads, st.max_context_len, num_sms(q.device), config.block_n,
                                    self._decode_min_tiles)  # fmt: skip
         counters = self._decode_counters
         if counters is not None and (q.shape[0] * a.num_kv_heads > counters.numel() or splits > SELF_MERGE_MAX_SPLITS):
@@ -1460,12 +1463,28 @@ class CUDABackend(Backend):
         return paged_attention_decode(
             q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
             num_splits=splits, max_context_len=st.max_context_len, counters=counters, rope=rope,
-            block_n=self._decode_block_n,
+            block_n=config.block_n, num_warps=config.num_warps,
         )  # fmt: skip
 
+    def _decode_config(self, rows: int) -> DecodeConfig:
+        """The decode attention's launch configuration at ``rows`` sequences, one for every layer (the
+        graphs' splits are computed for its tile width): the autotune pass's entry for that bucket
+        and the model's attention shape (``_decode_signature``), its width replaced where the
+        environment or ``mgx-run tune``'s switch chose one (``narrow_decode_tiles``); else the
+        kernel's defaults."""
+        config = self.tunings.attention(ATTENTION_DECODE, self._decode_signature, rows) or DecodeConfig()
+        if self.narrow_decode_tiles is not None:
+            config = dataclasses.replace(config, block_n=32 if self.narrow_decode_tiles else 64)
+        return config
+
     @property
-    def _decode_block_n(self) -> int:
-        return 32 if self.narrow_decode_tiles else 64
+    def _decode_signature(self) -> str:
+        """The attention shape decode entries are looked up by: the layer with the most kv heads (whose
+        count the graphs' splits are computed for), the first of them."""
+        if self._decode_sig is None and self._attn:
+            a = max(self._attn.values(), key=lambda a: a.num_kv_heads)
+            self._decode_sig = attention_signature(a.num_heads, a.num_kv_heads, a.head_dim)
+        return self._decode_sig or ""
 
     @property
     def _decode_min_tiles(self) -> int:

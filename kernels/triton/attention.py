@@ -45,6 +45,10 @@ __all__ = [
     "decode_splits",
     "new_decode_counters",
     "DecodeRope",
+    "DecodeConfig",
+    "PrefillConfig",
+    "DECODE_CONFIGS",
+    "PREFILL_CONFIGS",
 ]
 
 LOG2E = 1.4426950408889634
@@ -56,6 +60,12 @@ LOG2E = 1.4426950408889634
 # 768-token context), and 1B heads nothing measurable; a tile of 8 up to 8 splits is what those ran.
 MERGE_SPLITS = 16
 SMALL_MERGE_SPLITS = 8
+# Decode splits merge themselves (the last to finish merges all) up to this many in the CUDA backend;
+# past it the merge kernel runs. On the H200 (8B heads, batch 1) the self-merge won at 10 splits (640
+# tokens: 14.0 vs 17.4 us with three launches) and lost at 32-33 (8,192-131,072 tokens: by 2.1-2.7 us),
+# when it loaded all splits at once (255 registers and a stack on sm_90a). It now loads 16 at a time
+# and only the pieces that hold keys (MERGE_SPLITS): to be measured again before this limit moves.
+SELF_MERGE_MAX_SPLITS = 16
 
 
 @triton.jit
@@ -335,6 +345,34 @@ class DecodeRope:
     inv_freq: torch.Tensor
     rotary_dim: int | None = None
     attention_scaling: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """A decode launch configuration (what the autotune pass stores per batch bucket): the context's
+    tile width in tokens and the warps of a program."""
+
+    block_n: int = 64
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """A prefill launch configuration (what the autotune pass stores per chunk length): query rows and
+    key tokens of a tile, warps, pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# The autotune pass's candidates, the default first. Decode: the tile widths the CUDA backend's splits
+# are computed for (``tuning.DECODE_BLOCK_NS``), on 4 or 8 warps (both run on the H200, 49th session).
+DECODE_CONFIGS = [DecodeConfig(n, w) for n in (64, 32) for w in (4, 8)]
+# Prefill: the configurations examples/bench_gpu_kernels.py sweeps on the H200.
+PREFILL_CONFIGS = [PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 4, 3),
+                   PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 128, 4, 3)]  # fmt: skip
 
 
 def new_decode_counters(device: torch.device | str, num_seqs: int, num_kv_heads: int) -> torch.Tensor:

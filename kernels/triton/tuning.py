@@ -6,6 +6,11 @@ step with M rows takes the entry tuned for the smallest tuned M >= M (the larges
 a shape that was never tuned gets the kernel's default configuration, and a one-row (GEMV) entry never
 serves several rows nor the reverse.
 
+Attention entries (``paged_attention_decode``: a ``DecodeConfig`` per batch bucket, M the number of
+sequences; ``paged_attention_prefill``: a ``PrefillConfig`` per chunk, M its query rows) are keyed by
+the attention's heads (``attention_signature``); a step takes the entry of the smallest tuned M >= its
+rows (the largest beyond them), and an untuned shape the kernel's defaults.
+
 Entries of four other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of
 the whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
 attention's tile width), ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .attention import DecodeConfig, PrefillConfig
 from .linear import (
     GEMM_CONFIGS,
     GEMV_CONFIGS,
@@ -33,7 +39,7 @@ from .linear import (
     swap_applies,
 )
 
-__all__ = ["DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "attention_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -41,6 +47,30 @@ STAGED_X = "staged_x"  # the entry of the switch of norms staging x for the imma
 FUSED_MLP = "fused_mlp"  # the entry of the switch of the batch-1 int4 MLP in one launch
 _ON_OFF = (NORM_PROLOGUE, STAGED_X, FUSED_MLP)  # switch entries of the form {"on": bool}
 DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
+ATTENTION_DECODE = "paged_attention_decode"  # entries of DecodeConfig per batch bucket
+ATTENTION_PREFILL = "paged_attention_prefill"  # entries of PrefillConfig per chunk length
+_ATTENTION = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig}
+
+
+def attention_signature(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """An attention shape as attention entries' shape keys name it (``...,M=<rows>`` after it)."""
+    return f"Hq={num_heads},Hk={num_kv_heads},D={head_dim}"
+
+
+def _attention_config(kernel: str, config: dict[str, Any]) -> DecodeConfig | PrefillConfig:
+    """A stored attention configuration, checked; ValueError naming what is wrong."""
+    try:
+        c = _ATTENTION[kernel](**config)
+    except TypeError as e:
+        raise ValueError(f"autotune entry {kernel!r}: {e}") from None
+    values = [getattr(c, f) for f in c.__slots__]
+    if not all(isinstance(v, int) and v > 0 for v in values):
+        raise ValueError(f"autotune entry {kernel!r}: sizes must be positive integers, got {config}")
+    if kernel == ATTENTION_DECODE and c.block_n not in DECODE_BLOCK_NS:
+        raise ValueError(f"autotune entry {kernel!r}: block_n {c.block_n} is not one of {DECODE_BLOCK_NS}")
+    if any(getattr(c, f) & (getattr(c, f) - 1) for f in c.__slots__ if f != "num_stages"):
+        raise ValueError(f"autotune entry {kernel!r}: tile sizes and warps must be powers of two, got {config}")
+    return c
 
 
 def weight_signature(w: GpuWeight) -> str:
@@ -74,7 +104,9 @@ class Tunings:
         self.norm_prologue: bool | None = None  # norms in native GEMV prologues, where stored
         self.staged_x: bool | None = None  # norms staging x for the staged twins, where stored
         self.fused_mlp: bool | None = None  # the int4 MLP in one launch, where stored
+        self._attn: dict[tuple[str, str], tuple[list[int], list[DecodeConfig | PrefillConfig]]] = {}
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
+        attn_rows: dict[tuple[str, str], dict[int, DecodeConfig | PrefillConfig]] = {}
         for e in entries:
             if e.kernel == DECODE_ATTENTION:
                 block_n = e.config.get("block_n")
@@ -91,14 +123,30 @@ class Tunings:
             signature, _, m = e.shape_key.rpartition(",M=")
             if not signature or not m.isdigit():
                 raise ValueError(f"autotune entry {e.kernel!r}: shape key {e.shape_key!r} has no M")
+            if e.kernel in _ATTENTION:
+                attn_rows.setdefault((e.kernel, signature), {})[int(m)] = _attention_config(e.kernel, e.config)
+                continue
             rows.setdefault((e.kernel, signature), {})[int(m)] = LinearConfig(**e.config)
         for key, by_m in rows.items():
             ms = sorted(by_m)
             self._by[key] = (ms, [by_m[m] for m in ms])
+        for key, by_m in attn_rows.items():
+            ms = sorted(by_m)
+            self._attn[key] = (ms, [by_m[m] for m in ms])
 
     def __len__(self) -> int:
         switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x, self.fused_mlp))
-        return sum(len(ms) for ms, _ in self._by.values()) + switches
+        return sum(len(ms) for ms, _ in (*self._by.values(), *self._attn.values())) + switches
+
+    def attention(self, kernel: str, signature: str, m: int) -> DecodeConfig | PrefillConfig | None:
+        """The stored ``kernel`` configuration (``ATTENTION_DECODE`` or ``ATTENTION_PREFILL``) for the
+        attention ``signature`` at ``m`` rows: the smallest tuned M >= m, the largest beyond them; None
+        where that shape was not tuned (the kernel's defaults)."""
+        found = self._attn.get((kernel, signature))
+        if found is None:
+            return None
+        ms, configs = found
+        return configs[min(bisect.bisect_left(ms, m), len(ms) - 1)]
 
     def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:
         """The stored configuration for ``kernel`` on ``w`` at ``m`` rows, or None (use the default)."""

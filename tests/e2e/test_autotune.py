@@ -9,11 +9,14 @@ under TRITON_INTERPRET=1) launching the stored configurations with the tokens un
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from mgx.formats import ir
 from mgx.formats.artifact import load_artifact, write_artifact
+from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, DecodeConfig, PrefillConfig
 from mgx.kernels.triton.linear import LinearConfig
 from mgx.kernels.triton.tuning import candidates
 from mgx.passes import PASSES, PassContext, PassError
@@ -35,8 +38,14 @@ class _StandIn:
         return False
 
 
-def fake_seconds(config: LinearConfig) -> float:
-    """The fake timer's ranking: narrowest N tile, then the deepest K tile, wins."""
+def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig) -> float:
+    """The fake timer's ranking. Linear: narrowest N tile, then the deepest K tile, wins. Attention:
+    not the default: decode the narrow tiles on 8 warps, prefill the tallest query tiles, then the
+    most stages (the first of equals wins, as in the pass)."""
+    if isinstance(config, DecodeConfig):
+        return 1e3 - config.num_warps - 1 / config.block_n
+    if isinstance(config, PrefillConfig):
+        return 1e3 - config.block_m - config.num_stages / 10
     return config.block_n - config.block_k / 1e4
 
 
@@ -82,11 +91,19 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     graph = contents.graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
         PASSES[name](graph, {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32", "decode_attention": True, "decode_context": 40}, PassContext(target="cuda"))
     (arch,) = result.stats["autotune"]
-    entries = result.stats["autotune"][arch]
+    every = result.stats["autotune"][arch]
     assert arch == "interpreter" and no_gpu_needed
-    assert {e.kernel for e in entries} == {"linear", "linear_silu_mul", "lm_head_argmax"}
+    assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode"}
+    # Decode attention for each row count (no prefill chunk of 16+ rows among them), the fake timer's pick.
+    attention = [e for e in every if e.kernel == "paged_attention_decode"]
+    a = next(o for o in graph.ops if o.kind == "attention").attrs
+    sig = f"Hq={a['num_heads']},Hk={a['num_kv_heads']},D={a['head_dim']}"
+    assert sorted(e.shape_key for e in attention) == [f"{sig},M=1", f"{sig},M=4"]
+    assert all(DecodeConfig(**e.config) == DecodeConfig(32, 8) == min(DECODE_CONFIGS, key=fake_seconds) for e in attention)
+    assert sorted(result.stats["attention_timings"]) == sorted(f"{e.kernel} {e.shape_key}" for e in attention)
+    entries = [e for e in every if e not in attention]
     for e in entries:  # the fastest of the candidates for its row count
         m = int(e.shape_key.rsplit("M=", 1)[1])
         assert m in (1, 4)
@@ -110,12 +127,15 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     write_artifact(path, contents)
     stored = load_artifact(path).contents
     assert {a: [(e.kernel, e.shape_key, e.config) for e in es] for a, es in stored.autotune.items()} == {
-        arch: [(e.kernel, e.shape_key, e.config) for e in entries]
+        arch: [(e.kernel, e.shape_key, e.config) for e in every]
     }
 
     backend = CUDABackend(stored.graph, device="cpu", dtype="f32")
-    assert backend.use_tunings(stored.autotune) == f"{len(entries)} stored launch configurations for interpreter"
+    assert backend.use_tunings(stored.autotune) == f"{len(every)} stored launch configurations for interpreter"
     used = []
+    real_decode = backend_cuda.paged_attention_decode
+    monkeypatch.setattr(backend_cuda, "paged_attention_decode", lambda *a, **k: used.append(
+        ("decode", (k["block_n"], k["num_warps"]))) or real_decode(*a, **k))  # fmt: skip
     for name in ("linear", "linear_silu_mul", "lm_head_argmax"):
         real = getattr(backend_cuda, name)
         monkeypatch.setattr(
@@ -130,7 +150,8 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
         want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
     assert [int(i) for i in got_ids] == want_ids
-    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax"}
+    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode"}
+    assert {c for n, c in used if n == "decode"} == {(32, 8)}  # the stored decode attention configuration
     assert all(c is not None for _, c in used)  # every launch took a stored configuration
     assert {c.block_m for n, c in used if n == "linear"} == {1, 16}  # GEMV for decode, tiles for 5 rows
 
@@ -163,6 +184,96 @@ def test_tunings_pick_the_nearest_row_count_of_the_same_regime() -> None:
     assert t.config("linear", make_weight("none", 64, 48), 1) is None
 
 
+def test_tunings_take_attention_entries_checked_and_by_the_nearest_row_count() -> None:
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.tuning import Tunings
+
+    sig = "Hq=4,Hk=2,D=16"
+    t = Tunings([AutotuneEntry("paged_attention_decode", f"{sig},M=1", {"block_n": 32, "num_warps": 8}),
+                 AutotuneEntry("paged_attention_decode", f"{sig},M=8", {"block_n": 64, "num_warps": 4}),
+                 AutotuneEntry("paged_attention_prefill", f"{sig},M=2048",
+                               {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3})])  # fmt: skip
+    assert len(t) == 3
+    assert t.attention("paged_attention_decode", sig, 1) == DecodeConfig(32, 8)
+    assert t.attention("paged_attention_decode", sig, 2) == DecodeConfig(64, 4) == t.attention("paged_attention_decode", sig, 300)
+    assert t.attention("paged_attention_prefill", sig, 17) == PrefillConfig(128, 64, 8, 3)
+    assert t.attention("paged_attention_decode", "Hq=4,Hk=4,D=16", 1) is None
+    for config, says in (({"block_n": 48, "num_warps": 4}, "block_n 48 is not one of"),
+                         ({"block_n": 64, "warps": 4}, "unexpected keyword"),
+                         ({"block_n": 64, "num_warps": 6}, "powers of two"),
+                         ({"block_n": 64, "num_warps": "4"}, "positive integers")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            Tunings([AutotuneEntry("paged_attention_decode", f"{sig},M=1", config)])
+
+
+@pytest.mark.interpreted
+def test_autotune_tunes_prefill_attention_and_the_backend_runs_a_continued_prompt_with_it(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """By default chunks of 16+ rows get a prefill entry, decode none; the backend's paged prefill (a prompt continued after
+    its first chunk: cached tokens before the new ones) launches the entry of the nearest tuned row
+    count at or above the chunk's, and the tokens are the reference's."""
+    contents = tiny_contents()
+    result = PASSES["autotune"](contents.graph, {"rows": [1, 16, 32], "dtype": "f32"},
+                                PassContext(target="cuda"))  # fmt: skip
+    entries = result.stats["autotune"]["interpreter"]
+    prefill = {e.shape_key.rsplit(",M=", 1)[1]: PrefillConfig(**e.config) for e in entries if e.kernel == "paged_attention_prefill"}
+    best = min(PREFILL_CONFIGS, key=fake_seconds)
+    assert prefill == {"16": best, "32": best} and best != PREFILL_CONFIGS[0]
+    assert not [e for e in entries if e.kernel == "paged_attention_decode"]  # decode_attention is off by default
+    timings = result.stats["attention_timings"]
+    assert all(t["chosen"] == dataclasses.asdict(best) and t["us"] < t["default_us"]
+               for k, t in timings.items() if k.startswith("paged_attention_prefill"))  # fmt: skip
+
+    backend = CUDABackend(contents.graph, device="cpu", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    backend._sdpa_modes = []  # fresh prompts through the paged kernel too, as where SDPA refuses them
+    used = []
+    real = backend_cuda.paged_attention_prefill
+    monkeypatch.setattr(backend_cuda, "paged_attention_prefill", lambda *a, **k: used.append(
+        (k["max_query_len"], k.get("block_m"), k.get("num_stages"))) or real(*a, **k))  # fmt: skip
+    runner, want = ModelRunner(contents.graph, backend), ModelRunner(contents.graph, "reference")
+    prompt = np.arange(5, 45)
+    got = [runner.step_greedy([SeqChunk(0, prompt[:20])])[0][0][-1], runner.step_greedy([SeqChunk(0, prompt[20:])])[0][0][-1]]
+    logits = [want.step([SeqChunk(0, prompt[:20])])[0][-1], want.step([SeqChunk(0, prompt[20:])])[0][-1]]
+    assert [int(i) for i in got] == [int(np.argmax(x)) for x in logits]
+    assert used and {(bm, st) for _, bm, st in used} == {(best.block_m, best.num_stages)}
+    assert {m for m, _, _ in used} == {20}  # both chunks' 20 rows: the M=32 entry
+
+
+@pytest.mark.interpreted
+def test_autotune_never_stores_an_attention_configuration_that_gives_other_results(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    from mgx.kernels.triton import attention
+
+    real = attention.paged_attention_decode
+
+    def wrong_on_8_warps(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **k)
+        return out * 0 if k.get("num_warps") == 8 else out
+
+    monkeypatch.setattr(attention, "paged_attention_decode", wrong_on_8_warps)
+    result = PASSES["autotune"](tiny_contents().graph, {"rows": [1], "dtype": "f32", "decode_attention": True, "decode_context": 24},
+                                PassContext(target="cuda"))  # fmt: skip
+    (decode,) = [e for e in result.stats["autotune"]["interpreter"] if e.kernel == "paged_attention_decode"]
+    assert DecodeConfig(**decode.config) == DecodeConfig(32, 4)  # the fake timer's best of those that agree
+    assert "2 configurations could not run" in result.summary
+    for n in (64, 32):
+        assert f"paged_attention_decode DecodeConfig(block_n={n}, num_warps=8) gave other results" in result.summary
+
+
+def test_decode_tile_width_pinned_by_the_environment_overrides_a_stored_one(monkeypatch) -> None:  # noqa: ANN001
+    from mgx.formats.artifact import AutotuneEntry
+
+    graph = tiny_contents().graph
+    a = next(o for o in graph.ops if o.kind == "attention").attrs
+    sig = f"Hq={a['num_heads']},Hk={a['num_kv_heads']},D={a['head_dim']}"
+    stored = {"interpreter": [AutotuneEntry("paged_attention_decode", f"{sig},M=4", {"block_n": 32, "num_warps": 8})]}
+    for env, want in (("", DecodeConfig(32, 8)), ("0", DecodeConfig(64, 8)), ("1", DecodeConfig(32, 8))):
+        monkeypatch.setenv("MGX_CUDA_DECODE_NARROW", env)
+        backend = CUDABackend(graph, device="cpu", dtype="f32")
+        assert backend._decode_config(4) == DecodeConfig(32 if env == "1" else 64, 4)  # untuned: the defaults but a pin
+        backend.use_tunings(stored)
+        assert backend._decode_config(2) == want and backend._decode_config(64) == want, env
+
+
 @pytest.mark.interpreted
 def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
     """With native kernels at hand the pass also times the native GEMV at one row and marks the entry
@@ -191,7 +302,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     graph = contents.graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
         PASSES[name](graph, {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
     natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
     assert natives == {("linear", "1", "gemv")}
@@ -262,7 +373,7 @@ def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_
     graph = tiny_contents().graph
     for name in ("fuse_qkv", "fuse_gate_up"):
         PASSES[name](graph, {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1, 4], "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
     natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
     assert natives == (set() if wrong else {("lm_head_argmax", "1", "imma_w4")})
@@ -323,7 +434,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     graph = tiny_contents().graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
         PASSES[name](graph, {"group_size": 32} if name == "quantize_int4" else {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
     assert not any(e.config["native"] for e in entries)
     assert "native GEMV chosen for 0; native GEMV rejected (wrong results) for " in result.summary
@@ -373,7 +484,7 @@ def test_autotune_says_how_many_candidates_could_not_run_and_why(no_gpu_needed, 
 
     monkeypatch.setattr(autotune_pass, "_time", some_fail)
     graph = tiny_contents().graph
-    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "native": False}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32", "native": False}, PassContext(target="cuda"))
     assert "configurations could not run (" in result.summary
     assert "x RuntimeError: out of shared memory)" in result.summary and "more detail" not in result.summary
 
@@ -424,7 +535,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     qkv = graph.tensor(next(op for op in graph.ops if op.kind == "linear").weights["weight"]).shape[0]
     assert by_kernel == {("linear", qkv): "norm", ("linear", hidden): "add",
                          ("linear_silu_mul", 2 * graph.arch.intermediate_size): "norm"}  # fmt: skip
-    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "fused": True}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32", "fused": True}, PassContext(target="cuda"))
     timings = result.stats["timings"]
     fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in timings.items()}
     assert fused == {"linear": "norm", "linear/o": "add", "linear_silu_mul": "norm", "lm_head_argmax": ""}
@@ -435,7 +546,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     assert adds  # o_proj and down with a residual
     total, squares = ran_add[0]
     assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
-    plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32"}, PassContext(target="cuda"))
+    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
     fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in plain.stats["timings"].items()}
     assert fused == {"linear": "after_norm", "linear/o": "", "linear_silu_mul": "after_norm", "lm_head_argmax": ""}
 
@@ -513,7 +624,7 @@ def test_after_norm_timing_times_the_norm_fed_projections_after_their_norm(monke
     assert set(readers) == {("linear", qkv, 128), ("linear_silu_mul", 2 * inter, 128)}
     assert all(n.kind == "rms_norm" for n in readers.values())
 
-    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "bf16"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "bf16"}, PassContext(target="cuda"))
     timings = result.stats["timings"]
     how = {key.split(",N=")[1].split(",")[0]: (t["fused"], t["chosen"]) for key, t in timings.items()
            if not key.startswith("lm_head")}  # fmt: skip
@@ -528,7 +639,7 @@ def test_after_norm_timing_times_the_norm_fed_projections_after_their_norm(monke
 
     seen.clear()
     called.clear()
-    plain = PASSES["autotune"](graph, {"rows": [1], "dtype": "bf16", "after_norm": False}, PassContext(target="cuda"))
+    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "bf16", "after_norm": False}, PassContext(target="cuda"))
     assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
     assert not [c for _, _, run in seen for c in run]
 
@@ -573,6 +684,6 @@ def test_autotune_times_candidates_launched_as_the_backend_launches_them(monkeyp
     monkeypatch.setattr(_common, "overlapped_launches", overlapped)
     monkeypatch.setattr(cg, "gemv_applies", lambda *a, **k: False)
     graph = tiny_contents().graph
-    PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "overlapped": option}, PassContext(target="cuda"))
+    PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32", "overlapped": option}, PassContext(target="cuda"))
     assert during and set(during) == {(want, want)}
     assert not inside[0]  # and back to plain launches after the pass
