@@ -394,18 +394,19 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
 
 
-def _attention_shapes(graph: ir.Graph) -> tuple[dict[str, tuple[int, int, int]], str]:
-    """The model's distinct attention shapes, signature -> (query heads, kv heads, head dim), in graph
-    order, and the decode one: the first layer with the most kv heads, as the CUDA backend looks its
-    decode entries up (``_decode_signature``)."""
+def _attention_shapes(graph: ir.Graph) -> tuple[dict[str, tuple[int, int, int, tuple[int, ...]]], str]:
+    """The model's distinct attention shapes, signature -> (query heads, kv heads, head dim, the
+    sliding windows of its layers, 0 for none), in graph order, and the decode one: the first layer
+    with the most kv heads, as the CUDA backend looks its decode entries up (``_decode_signature``)."""
     from mgx.kernels.triton.tuning import attention_signature
 
-    shapes: dict[str, tuple[int, int, int]] = {}
+    shapes: dict[str, tuple[int, int, int, set[int]]] = {}
     for op in graph.ops:
         if op.kind == "attention":
-            hq, hk, d = (int(op.attrs[k]) for k in ("num_heads", "num_kv_heads", "head_dim"))
-            shapes.setdefault(attention_signature(hq, hk, d), (hq, hk, d))
-    return shapes, max(shapes, key=lambda s: shapes[s][1], default="")
+            hq, hk, d, w = (int(op.attrs[k]) for k in ("num_heads", "num_kv_heads", "head_dim", "sliding_window"))
+            shapes.setdefault(attention_signature(hq, hk, d), (hq, hk, d, set()))[3].add(w)
+    found = {sig: (hq, hk, d, tuple(sorted(ws))) for sig, (hq, hk, d, ws) in shapes.items()}
+    return found, max(found, key=lambda s: found[s][1], default="")
 
 
 def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, entries: dict,
@@ -432,7 +433,7 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
     rows = sorted({int(r) for r in opts.rows})
     context = max(1, min(opts.decode_context, int(graph.arch.max_position)))
     timed = 0
-    for sig, (hq, hk, d) in shapes.items():
+    for sig, (hq, hk, d, windows) in shapes.items():
         heads = {"num_heads": hq, "num_kv_heads": hk, "head_dim": d, "block_size": KV_BLOCK, "dtype": dtype, "device": device}
         scale = d**-0.5
         for m in (r for r in rows if opts.decode_attention and r <= GRAPH_MAX_M and sig == decode_sig):
@@ -451,11 +452,14 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
         for m in (r for r in rows if opts.prefill_attention and r >= PREFILL_MIN_M):
             b = paged_batch([m], [m], **heads, spare_blocks=0)
 
-            def prefill(c: Any, b: Any = b, m: int = m, scale: float = scale) -> Any:
-                return paged_attention_prefill(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens,
-                                               b.query_start_loc, b.positions, scale=scale, max_query_len=m,
-                                               block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps,
-                                               num_stages=c.num_stages)  # fmt: skip
+            def prefill(c: Any, b: Any = b, m: int = m, scale: float = scale, windows: tuple = windows) -> Any:
+                # One launch for each window the signature's layers have (a stored configuration serves
+                # them all, so each must give the default's output; a tile size once computed wrong with
+                # a window only, attention.py's paged_attention_prefill says).
+                return torch.cat([paged_attention_prefill(
+                    b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, b.query_start_loc, b.positions,
+                    scale=scale, sliding_window=w, max_query_len=m, block_m=c.block_m, block_n=c.block_n,
+                    num_warps=c.num_warps, num_stages=c.num_stages).flatten() for w in windows])  # fmt: skip
 
             timed += _tune_attention_shape(ATTENTION_PREFILL, f"{sig},M={m}", PREFILL_CONFIGS, prefill, opts, entries,
                                            measured, failed)  # fmt: skip

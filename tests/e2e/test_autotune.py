@@ -259,6 +259,28 @@ def test_autotune_never_stores_an_attention_configuration_that_gives_other_resul
         assert f"paged_attention_decode DecodeConfig(block_n={n}, num_warps=8) gave other results" in result.summary
 
 
+@pytest.mark.interpreted
+def test_autotune_checks_prefill_candidates_with_the_layers_sliding_window(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """A prefill configuration that computes wrong only with a sliding window (as 32-row tiles once did
+    on the H200) is rejected for a model whose layers have one."""
+    from mgx.kernels.triton import attention
+
+    real = attention.paged_attention_prefill
+
+    def wrong_with_a_window(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **k)
+        return out * 0 if k.get("sliding_window") and k.get("block_m") == 128 else out
+
+    monkeypatch.setattr(attention, "paged_attention_prefill", wrong_with_a_window)
+    for window, rejected in ((0, 0), (8, 3)):  # three of PREFILL_CONFIGS have 128-row tiles
+        result = PASSES["autotune"](tiny_contents(sliding_window=window).graph, {"rows": [16], "dtype": "f32"},
+                                    PassContext(target="cuda"))  # fmt: skip
+        (prefill,) = [e for e in result.stats["autotune"]["interpreter"] if e.kernel == "paged_attention_prefill"]
+        got = PrefillConfig(**prefill.config)
+        assert got == min((c for c in PREFILL_CONFIGS if window == 0 or c.block_m != 128), key=fake_seconds), window
+        assert result.summary.count("gave other results") == rejected
+
+
 def test_decode_tile_width_pinned_by_the_environment_overrides_a_stored_one(monkeypatch) -> None:  # noqa: ANN001
     from mgx.formats.artifact import AutotuneEntry
 
