@@ -413,6 +413,46 @@ def test_gpu_autotune_times_the_norm_fed_projections_after_their_norm() -> None:
     assert timed[True][f"{qkv}/256"]["triton_us"] > timed[False][f"{qkv}/256"]["triton_us"]
 
 
+@pytest.mark.gpu
+def test_gpu_autotune_tunes_attention_and_the_backend_decodes_the_reference_tokens_with_it() -> None:
+    """On a real GPU: autotune times every prefill and decode attention candidate (decode_attention on)
+    for a 4-head model, stores one entry per row count with a real time, and a backend taking those
+    entries greedy-decodes a prompt continued in a second chunk (the paged prefill) as the reference
+    does."""
+    from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS
+    from mgx.runtime.backend_cuda import CUDABackend
+    from mgx.runtime.batch import SeqChunk
+    from mgx.runtime.model_runner import ModelRunner
+
+    contents = tiny_contents(num_heads=4, head_dim=64, num_kv_heads=2, hidden_size=256, max_position=512)
+    result = PASSES["autotune"](contents.graph, {"rows": [1, 4, 16, 64], "dtype": "f32", "decode_attention": True,
+                                                 "decode_context": 300, "native": False, "repeats": 5},
+                                PassContext(target="cuda"))  # fmt: skip
+    (arch,) = result.stats["autotune"]
+    entries = {(e.kernel, e.shape_key.rsplit(",M=", 1)[1]): e.config for e in result.stats["autotune"][arch]
+               if e.kernel.startswith("paged_attention")}  # fmt: skip
+    assert sorted(entries) == [("paged_attention_decode", m) for m in ("1", "16", "4", "64")] + [
+        ("paged_attention_prefill", m) for m in ("16", "64")]
+    timings = result.stats["attention_timings"]
+    assert all(t["us"] > 0 and t["us"] <= t["default_us"] for t in timings.values())
+    assert "could not run" not in result.summary, result.summary
+    assert {tuple(c.values()) for k, c in entries.items() if k[0].endswith("decode")} <= {
+        (c.block_n, c.num_warps) for c in DECODE_CONFIGS}
+    assert {tuple(c.values()) for k, c in entries.items() if k[0].endswith("prefill")} <= {
+        (c.block_m, c.block_n, c.num_warps, c.num_stages) for c in PREFILL_CONFIGS}
+    backend = CUDABackend(contents.graph, device="cuda", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    backend._sdpa_modes = []  # the first chunk through the paged kernel too
+    runner, want = ModelRunner(contents.graph, backend), ModelRunner(contents.graph, "reference")
+    prompt = np.arange(5, 85)
+    got = [runner.step_greedy([SeqChunk(0, prompt[:40])])[0][0][-1], runner.step_greedy([SeqChunk(0, prompt[40:])])[0][0][-1]]
+    ref = [int(np.argmax(want.step([SeqChunk(0, prompt[:40])])[0][-1])), int(np.argmax(want.step([SeqChunk(0, prompt[40:])])[0][-1]))]
+    for _ in range(4):
+        got.append(runner.step_greedy([SeqChunk(0, got[-1:])])[0][0][-1])
+        ref.append(int(np.argmax(want.step([SeqChunk(0, ref[-1:])])[0][-1])))
+    assert [int(i) for i in got] == ref
+
+
 def test_kernel_flags_ask_for_the_layouts_the_weights_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kernel_flags``: nothing for row-major weights; MGX_IMMA_TILE16 once reorder_weights tiled them;
     with it MGX_IMMA_HALF_SCALES where every int4 weight has groups of 128 and fp16 scales (quantize_int4's
