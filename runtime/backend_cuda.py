@@ -715,7 +715,9 @@ class CUDABackend(Backend):
             self.set_staged_x(self.tunings.staged_x)
         if self.tunings.fused_mlp is not None and not self._fused_mlp_env:
             self.fused_mlp = self.tunings.fused_mlp
-        return f"{len(self.tunings)} stored launch configurations for {arch}"
+        skipped = Counter(self.tunings.unknown)
+        unknown = f"; {sum(skipped.values())} entries of kernels this runtime does not know skipped ({', '.join(sorted(skipped))})"
+        return f"{len(self.tunings)} stored launch configurations for {arch}" + (unknown if skipped else "")
 
     def use_cuda_kernels(self, images: dict[str, bytes]) -> str:
         """Load the artifact's native kernels (the RMSNorm) from the image whose code runs on this GPU.

@@ -46,6 +46,7 @@ NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GE
 STAGED_X = "staged_x"  # the entry of the switch of norms staging x for the imma GEMVs' staged twins
 FUSED_MLP = "fused_mlp"  # the entry of the switch of the batch-1 int4 MLP in one launch
 _ON_OFF = (NORM_PROLOGUE, STAGED_X, FUSED_MLP)  # switch entries of the form {"on": bool}
+LINEAR_KERNELS = ("linear", "linear_silu_mul", "lm_head_argmax")  # entries of LinearConfig
 DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
 ATTENTION_DECODE = "paged_attention_decode"  # entries of DecodeConfig per batch bucket
 ATTENTION_PREFILL = "paged_attention_prefill"  # entries of PrefillConfig per chunk length
@@ -104,6 +105,7 @@ class Tunings:
         self.norm_prologue: bool | None = None  # norms in native GEMV prologues, where stored
         self.staged_x: bool | None = None  # norms staging x for the staged twins, where stored
         self.fused_mlp: bool | None = None  # the int4 MLP in one launch, where stored
+        self.unknown: list[str] = []  # kernels of entries this runtime does not know (skipped)
         self._attn: dict[tuple[str, str], tuple[list[int], list[DecodeConfig | PrefillConfig]]] = {}
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
         attn_rows: dict[tuple[str, str], dict[int, DecodeConfig | PrefillConfig]] = {}
@@ -120,13 +122,19 @@ class Tunings:
                     raise ValueError(f"autotune entry {e.kernel!r}: 'on' must be true or false, got {on!r}")
                 setattr(self, e.kernel, on)
                 continue
+            if e.kernel not in LINEAR_KERNELS and e.kernel not in _ATTENTION:  # from a newer compiler:
+                self.unknown.append(e.kernel)  # this runtime launches that kernel untuned
+                continue
             signature, _, m = e.shape_key.rpartition(",M=")
             if not signature or not m.isdigit():
                 raise ValueError(f"autotune entry {e.kernel!r}: shape key {e.shape_key!r} has no M")
             if e.kernel in _ATTENTION:
                 attn_rows.setdefault((e.kernel, signature), {})[int(m)] = _attention_config(e.kernel, e.config)
                 continue
-            rows.setdefault((e.kernel, signature), {})[int(m)] = LinearConfig(**e.config)
+            try:
+                rows.setdefault((e.kernel, signature), {})[int(m)] = LinearConfig(**e.config)
+            except TypeError as err:
+                raise ValueError(f"autotune entry {e.kernel!r} {e.shape_key!r}: {err}") from None
         for key, by_m in rows.items():
             ms = sorted(by_m)
             self._by[key] = (ms, [by_m[m] for m in ms])

@@ -198,6 +198,11 @@ def test_tunings_take_attention_entries_checked_and_by_the_nearest_row_count() -
     assert t.attention("paged_attention_decode", sig, 2) == DecodeConfig(64, 4) == t.attention("paged_attention_decode", sig, 300)
     assert t.attention("paged_attention_prefill", sig, 17) == PrefillConfig(128, 64, 8, 3)
     assert t.attention("paged_attention_decode", "Hq=4,Hk=4,D=16", 1) is None
+    with pytest.raises(ValueError, match="'linear' 'N=4,M=1': .*unexpected keyword"):
+        Tunings([AutotuneEntry("linear", "N=4,M=1", {"block_m": 1, "tile": 8})])
+    newer = Tunings([AutotuneEntry("some_future_kernel", f"{sig},M=1", {"x": 1}),
+                     AutotuneEntry("paged_attention_decode", f"{sig},M=1", {"block_n": 32, "num_warps": 8})])  # fmt: skip
+    assert newer.unknown == ["some_future_kernel"] and len(newer) == 1
     for config, says in (({"block_n": 48, "num_warps": 4}, "block_n 48 is not one of"),
                          ({"block_n": 64, "warps": 4}, "unexpected keyword"),
                          ({"block_n": 64, "num_warps": 6}, "powers of two"),
@@ -294,6 +299,10 @@ def test_decode_tile_width_pinned_by_the_environment_overrides_a_stored_one(monk
         assert backend._decode_config(4) == DecodeConfig(32 if env == "1" else 64, 4)  # untuned: the defaults but a pin
         backend.use_tunings(stored)
         assert backend._decode_config(2) == want and backend._decode_config(64) == want, env
+    newer = {"interpreter": [*stored["interpreter"], AutotuneEntry("some_future_kernel", "M=1", {})]}
+    assert CUDABackend(graph, device="cpu", dtype="f32").use_tunings(newer) == (
+        "1 stored launch configurations for interpreter; 1 entries of kernels this runtime does not know skipped "
+        "(some_future_kernel)")
 
 
 @pytest.mark.interpreted
