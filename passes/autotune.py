@@ -477,7 +477,11 @@ def _tune_attention_shape(kernel: str, key: str, configs: list[Any], launch: Cal
     The fastest becomes the entry ``(kernel, key)``. Returns how many were timed."""
     from mgx.formats.artifact import AutotuneEntry
 
-    want = launch(configs[0]).float()
+    try:
+        want = launch(configs[0]).float()
+    except Exception as e:  # noqa: BLE001 - the default cannot run here: nothing to compare with, no entry
+        failed.append(f"{kernel} default {configs[0]}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        return 0
     best, default_s, timed = None, None, 0
     for c in configs:
         try:

@@ -286,6 +286,20 @@ def test_autotune_checks_prefill_candidates_with_the_layers_sliding_window(no_gp
         assert result.summary.count("gave other results") == rejected
 
 
+@pytest.mark.interpreted
+def test_autotune_stores_no_attention_entry_where_the_default_configuration_cannot_run(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    from mgx.kernels.triton import attention
+
+    def out_of_memory(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("out of resource: shared memory\nmore detail")
+
+    monkeypatch.setattr(attention, "paged_attention_prefill", out_of_memory)
+    result = PASSES["autotune"](tiny_contents().graph, {"rows": [16], "dtype": "f32"}, PassContext(target="cuda"))
+    assert not [e for e in result.stats["autotune"]["interpreter"] if e.kernel.startswith("paged_attention")]
+    assert "paged_attention_prefill default PrefillConfig(block_m=64" in result.summary
+    assert "RuntimeError: out of resource: shared memory)" in result.summary and "more detail" not in result.summary
+
+
 def test_decode_tile_width_pinned_by_the_environment_overrides_a_stored_one(monkeypatch) -> None:  # noqa: ANN001
     from mgx.formats.artifact import AutotuneEntry
 
