@@ -389,6 +389,11 @@ def _after_norm_launch(norm: ir.Op, launch: Callable[..., Any], silu: bool, w: A
     return _AfterNorm(triton, native)
 
 
+def _why(e: Exception) -> str:
+    """A failed candidate's reason as the summary counts it: the exception's type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """How many copies of an ``nbytes`` weight span 4x an L2 of ``l2_bytes``: 2 to 16."""
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
@@ -480,7 +485,7 @@ def _tune_attention_shape(kernel: str, key: str, configs: list[Any], launch: Cal
     try:
         want = launch(configs[0]).float()
     except Exception as e:  # noqa: BLE001 - the default cannot run here: nothing to compare with, no entry
-        failed.append(f"{kernel} default {configs[0]}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        failed.append(f"{kernel} default {configs[0]}: {_why(e)}")
         return 0
     best, default_s, timed = None, None, 0
     for c in configs:
@@ -492,7 +497,7 @@ def _tune_attention_shape(kernel: str, key: str, configs: list[Any], launch: Cal
                 continue
             seconds = _time(lambda c=c, f=launch: f(c), opts.repeats)
         except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
-            failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+            failed.append(_why(e))
             continue
         timed += 1
         default_s = seconds if c == configs[0] else default_s
@@ -594,7 +599,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                         else:
                             seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
                     except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
-                        failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                        failed.append(_why(e))
                         continue
                     timed += 1
                     if best is None or seconds < best[0]:
