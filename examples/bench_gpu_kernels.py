@@ -261,8 +261,7 @@ def _rmsnorm_case(rows: int, cols: int, copy_gbps: float, cuda_kernels) -> None:
     for looping in (False, True):  # a program a block of rows; programs looping over the blocks
         ms, cfg = best_of([c for c in configs if (c.per_sm > 0) == looping], lambda c: lambda: trms.rms_norm(x, w, eps, config=c))
         if cfg is not None:
-            name = f"m{cfg.block_m} w{cfg.num_warps}" + (f" loop {cfg.per_sm}/SM" if looping else "")
-            speed(record("rmsnorm", case, f"MGX Triton (best: {name})", ms, nbytes), eager,
+            speed(record("rmsnorm", case, f"MGX Triton (best: {_rms_config_name(cfg)})", ms, nbytes), eager,
                   lambda cfg=cfg: trms.rms_norm(x, w, eps, config=cfg))  # fmt: skip
     if OWN_SWEEP and (rows >= 4096 or SMOKE):  # in --smoke only the code path: no own durations on the CPU
         own_sweep(case, configs, lambda c: lambda: trms.rms_norm(x, w, eps, config=c), nbytes, copy_gbps)
@@ -280,6 +279,11 @@ def _rmsnorm_case(rows: int, cols: int, copy_gbps: float, cuda_kernels) -> None:
         speed(record("rmsnorm", case, "MGX CUDA + residual",
                      bench(lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, residual=r)), nb2), eager_res,
               lambda: crms.rms_norm(x, w, eps, kernels=cuda_kernels, residual=r), nb2)  # fmt: skip
+
+
+def _rms_config_name(c) -> str:  # noqa: ANN001 - an RMSNormConfig
+    """How the rows name a Triton RMSNorm configuration: rows and warps of a program, and its loop."""
+    return f"m{c.block_m} w{c.num_warps}" + (f" loop {c.per_sm}/SM" if c.per_sm else "")
 
 
 def own_duration(row: dict, fn: Callable[[], object], moved: int, copy_gbps: float,
@@ -307,8 +311,7 @@ def own_sweep(case: str, configs: list, run: Callable[[object], Callable[[], obj
         for c in configs:
             ms = kernel_ms(run(c))
             if ms is not None:
-                name = f"m{c.block_m} w{c.num_warps}" + (f" loop {c.per_sm}/SM" if c.per_sm else "")
-                times.setdefault(name, []).append(ms)
+                times.setdefault(_rms_config_name(c), []).append(ms)
     for name, ms in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
         record("rmsnorm", case, f"own sweep {name}", statistics.median(ms), moved,
                pct_copy_bw=[round(100 * moved / t / 1e6 / copy_gbps, 1) for t in ms])  # fmt: skip

@@ -576,10 +576,9 @@ def ab_flips(engine, row: dict, args, prompt: list[int]) -> None:  # noqa: ANN00
                                (backend, "fused_mlp", "mlp_apart", "mlp_fused")):  # fmt: skip
         if args.flip_only and attr.lstrip("_") not in args.flip_only.split(","):
             continue
-        state = switch_state(obj, attr)
         flipped = graph_ms_flipped(engine, obj, attr, prompt)
         if flipped is not None:
-            row[f"graph_b1_ms_{on if state else off}"] = flipped
+            row[f"graph_b1_ms_{on if getattr(obj, attr) else off}"] = flipped
     # The native kernels built with each --nvcc-flip flag instead of the stored ones (same weights, recaptured).
     for flag in args.nvcc_flip:
         flipped = graph_ms_other_kernels(engine, flag, prompt)
@@ -683,15 +682,6 @@ def replay_ms(engine, bucket: int, replays: int = 50) -> float | None:  # noqa: 
     return backend.replay_ms(bucket, replays) if DEVICE == "cuda" and hasattr(backend, "replay_ms") else None
 
 
-def switch_state(obj, attr: str) -> bool:  # noqa: ANN001
-    """A backend switch's state at batch 1: ``narrow_decode_tiles`` is None where neither the
-    environment nor ``mgx-run tune`` chose, and then the width autotune stored for batch 1 decides."""
-    was = getattr(obj, attr, False)
-    if was is None and attr == "narrow_decode_tiles":
-        return obj._decode_config(1).block_n == 32
-    return bool(was)
-
-
 def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:  # noqa: ANN001
     """``replay_ms`` of the batch-1 graph captured with the backend's switch ``obj.attr`` the other way
     (None without one, or where it cannot be flipped here); the graph is dropped after, to be captured
@@ -699,10 +689,9 @@ def graph_ms_flipped(engine, obj, attr: str, prompt: list[int]) -> float | None:
     backend = engine.runner.backend
     if not hasattr(obj, attr) or DEVICE != "cuda":
         return None
-    was, state = getattr(obj, attr), switch_state(obj, attr)
-    setattr(obj, attr, not state)
-    if switch_state(obj, attr) == state:  # e.g. overlapped launches below sm_90
-        setattr(obj, attr, was)
+    was = getattr(obj, attr)
+    setattr(obj, attr, not was)
+    if getattr(obj, attr) == was:  # e.g. overlapped launches below sm_90
         return None
     try:
         return graph_ms_recaptured(engine, prompt)

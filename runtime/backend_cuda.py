@@ -415,9 +415,13 @@ class CUDABackend(Backend):
         self._bias: dict[int, torch.Tensor | None] = {}
         self._norm: dict[int, tuple[torch.Tensor | None, float, int]] = {}
         self._attn: dict[int, AttentionAttrs] = {}
+        self._attn_sig: dict[int, str] = {}  # id(attention op) -> its shape as tunings key it
         self._inv_freq: dict[int, tuple[torch.Tensor, int, int, float]] = {}
         for op in graph.ops:
             self._prepare(op)
+        # The shape decode attention entries are looked up by, one for every layer: the first layer
+        # with the most kv heads, whose count the graphs' splits are computed for.
+        self._decode_sig = self._attn_sig[max(self._attn, key=lambda i: self._attn[i].num_kv_heads)] if self._attn else ""
         # The split-K workspace of every linear launch, zeroed now: a graph captured later must
         # find it zeroed on its first replay (zeros written during a capture come only then).
         widest = max((self._weights[id(op)].n for op in graph.ops if op.kind == "linear"), default=1)
@@ -458,9 +462,9 @@ class CUDABackend(Backend):
         # slower in all three 1B ones (README), so off by default; in the 8B W8A16 graph it took 0.04-0.14
         # ms off a 2.7-2.8 ms step in three measurements (nineteenth session). A stored tuning (``mgx-run tune``) sets it where
         # MGX_CUDA_DECODE_NARROW does not (use_tunings). None: neither chose, so each batch bucket takes
-        # the width the autotune pass stored for it, or 64 (``_decode_config``).
+        # the width the autotune pass stored for it, or 64 (``_decode_config``; ``narrow_decode_tiles``).
         self.decode_tiles_pinned = os.environ.get("MGX_CUDA_DECODE_NARROW", "") in ("0", "1")
-        self.narrow_decode_tiles: bool | None = {"1": True, "0": False}.get(os.environ.get("MGX_CUDA_DECODE_NARROW", ""))
+        self._decode_width: int | None = {"1": 32, "0": 64}.get(os.environ.get("MGX_CUDA_DECODE_NARROW", ""))
         # Decode attention cut into pieces of one tile each (up to twice the splits, one pass of the
         # tile loop per program) instead of two (MGX_CUDA_DECODE_ONE_TILE=0).
         self.one_tile_pieces = os.environ.get("MGX_CUDA_DECODE_ONE_TILE", "1") != "0"
@@ -493,7 +497,6 @@ class CUDABackend(Backend):
         self._kv: CudaKVCache | None = None
         self._max_blocks = 0
         self.tunings = Tunings()  # stored autotune choices for this GPU (use_tunings); empty: defaults
-        self._decode_sig: str | None = None  # _decode_signature, found once the attention ops are prepared
         self.cuda_kernels: CudaKernels | None = None  # native RMSNorm, GEMV (use_cuda_kernels); None: Triton
 
     # -- setup ----------------------------------------------------------------------------------
@@ -584,7 +587,8 @@ class CUDABackend(Backend):
                 float(a["attention_scaling"]),
             )
         elif op.kind == "attention":
-            self._attn[id(op)] = AttentionAttrs.of(op)
+            a = self._attn[id(op)] = AttentionAttrs.of(op)
+            self._attn_sig[id(op)] = attention_signature(a.num_heads, a.num_kv_heads, a.head_dim)
 
     def _gpu_weight(self, op: Op) -> GpuWeight:
         tensors = self.graph.tensors
@@ -1443,8 +1447,7 @@ class CUDABackend(Backend):
                 return out
         if decode:
             return self._decode(q, kc, vc, a, None)
-        tuned = self.tunings.attention(ATTENTION_PREFILL, attention_signature(a.num_heads, a.num_kv_heads, a.head_dim),
-                                       st.max_query_len)  # fmt: skip
+        tuned = self.tunings.attention(ATTENTION_PREFILL, self._attn_sig[id(op)], st.max_query_len)
         return paged_attention_prefill(
             q, kc, vc, st.block_tables, st.context_lens, st.query_start_loc, st.positions,
             scale=a.scale, sliding_window=a.window, max_query_len=st.max_query_len,
@@ -1471,22 +1474,22 @@ class CUDABackend(Backend):
     def _decode_config(self, rows: int) -> DecodeConfig:
         """The decode attention's launch configuration at ``rows`` sequences, one for every layer (the
         graphs' splits are computed for its tile width): the autotune pass's entry for that bucket
-        and the model's attention shape (``_decode_signature``), its width replaced where the
-        environment or ``mgx-run tune``'s switch chose one (``narrow_decode_tiles``); else the
-        kernel's defaults."""
-        config = self.tunings.attention(ATTENTION_DECODE, self._decode_signature, rows) or DecodeConfig()
-        if self.narrow_decode_tiles is not None:
-            config = dataclasses.replace(config, block_n=32 if self.narrow_decode_tiles else 64)
+        and the model's decode shape (``_decode_sig``), its width replaced where the environment or
+        ``mgx-run tune``'s switch pinned one (``narrow_decode_tiles``); else the kernel's defaults."""
+        config = self.tunings.attention(ATTENTION_DECODE, self._decode_sig, rows) or DecodeConfig()
+        if self._decode_width is not None:
+            config = dataclasses.replace(config, block_n=self._decode_width)
         return config
 
     @property
-    def _decode_signature(self) -> str:
-        """The attention shape decode entries are looked up by: the layer with the most kv heads (whose
-        count the graphs' splits are computed for), the first of them."""
-        if self._decode_sig is None and self._attn:
-            a = max(self._attn.values(), key=lambda a: a.num_kv_heads)
-            self._decode_sig = attention_signature(a.num_heads, a.num_kv_heads, a.head_dim)
-        return self._decode_sig or ""
+    def narrow_decode_tiles(self) -> bool:
+        """Whether batch 1's decode attention runs on 32-token tiles. Setting it pins the width for
+        every batch (the environment, tune's switch and A/Bs do), over what autotune stored."""
+        return self._decode_config(1).block_n == 32
+
+    @narrow_decode_tiles.setter
+    def narrow_decode_tiles(self, on: bool) -> None:
+        self._decode_width = 32 if on else 64
 
     @property
     def _decode_min_tiles(self) -> int:

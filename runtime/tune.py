@@ -139,7 +139,7 @@ class _Switch:
 
 SWITCHES = (
     _Switch(DECODE_ATTENTION, "block_n", tuple(str(n) for n in reversed(DECODE_BLOCK_NS)), "decode_tiles_pinned",
-            lambda b: str(b._decode_config(1).block_n), lambda b, o: setattr(b, "narrow_decode_tiles", o == "32"),
+            lambda b: "32" if b.narrow_decode_tiles else "64", lambda b, o: setattr(b, "narrow_decode_tiles", o == "32"),
             int),
     _Switch(NORM_PROLOGUE, "on", ("off", "on"), "norm_gemv_pinned",
             lambda b: "on" if b._norm_gemv else "off", lambda b, o: setattr(b, "_norm_gemv", o == "on"),

@@ -47,6 +47,7 @@ __all__ = [
     "DecodeRope",
     "DecodeConfig",
     "PrefillConfig",
+    "DECODE_BLOCK_NS",
     "DECODE_CONFIGS",
     "PREFILL_CONFIGS",
 ]
@@ -367,9 +368,10 @@ class PrefillConfig:
     num_stages: int = 2
 
 
-# The autotune pass's candidates, the default first. Decode: the tile widths the CUDA backend's splits
-# are computed for (``tuning.DECODE_BLOCK_NS``), on 4 or 8 warps (both run on the H200, 49th session).
-DECODE_CONFIGS = [DecodeConfig(n, w) for n in (64, 32) for w in (4, 8)]
+DECODE_BLOCK_NS = (32, 64)  # the tile widths the CUDA backend's decode attention takes (its splits' unit)
+# The autotune pass's candidates, the default first. Decode: those widths on 4 or 8 warps (both run on
+# the H200, 49th session).
+DECODE_CONFIGS = [DecodeConfig(n, w) for n in reversed(DECODE_BLOCK_NS) for w in (4, 8)]
 # Prefill: the configurations examples/bench_gpu_kernels.py sweeps on the H200.
 PREFILL_CONFIGS = [PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 4, 3),
                    PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 128, 4, 3)]  # fmt: skip

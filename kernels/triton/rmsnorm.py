@@ -84,7 +84,7 @@ def _rms_norm_kernel(
 
 @dataclass(frozen=True, slots=True)
 class RMSNormConfig:
-    """Launch configuration (what the autotune pass stores per shape)."""
+    """Launch configuration (the benchmark sweeps ``CONFIGS`` and ``LOOP_CONFIGS``; wrappers take one)."""
 
     block_m: int  # rows per program
     num_warps: int

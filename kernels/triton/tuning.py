@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .attention import DecodeConfig, PrefillConfig
+from .attention import DECODE_BLOCK_NS, DecodeConfig, PrefillConfig
 from .linear import (
     GEMM_CONFIGS,
     GEMV_CONFIGS,
@@ -47,7 +47,6 @@ STAGED_X = "staged_x"  # the entry of the switch of norms staging x for the imma
 FUSED_MLP = "fused_mlp"  # the entry of the switch of the batch-1 int4 MLP in one launch
 _ON_OFF = (NORM_PROLOGUE, STAGED_X, FUSED_MLP)  # switch entries of the form {"on": bool}
 LINEAR_KERNELS = ("linear", "linear_silu_mul", "lm_head_argmax")  # entries of LinearConfig
-DECODE_BLOCK_NS = (32, 64)  # the widths the CUDA backend's decode attention takes
 ATTENTION_DECODE = "paged_attention_decode"  # entries of DecodeConfig per batch bucket
 ATTENTION_PREFILL = "paged_attention_prefill"  # entries of PrefillConfig per chunk length
 _ATTENTION = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig}
@@ -64,12 +63,12 @@ def _attention_config(kernel: str, config: dict[str, Any]) -> DecodeConfig | Pre
         c = _ATTENTION[kernel](**config)
     except TypeError as e:
         raise ValueError(f"autotune entry {kernel!r}: {e}") from None
-    values = [getattr(c, f) for f in c.__slots__]
-    if not all(isinstance(v, int) and v > 0 for v in values):
+    sizes = {f: getattr(c, f) for f in c.__slots__}
+    if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
         raise ValueError(f"autotune entry {kernel!r}: sizes must be positive integers, got {config}")
     if kernel == ATTENTION_DECODE and c.block_n not in DECODE_BLOCK_NS:
         raise ValueError(f"autotune entry {kernel!r}: block_n {c.block_n} is not one of {DECODE_BLOCK_NS}")
-    if any(getattr(c, f) & (getattr(c, f) - 1) for f in c.__slots__ if f != "num_stages"):
+    if any(v & (v - 1) for f, v in sizes.items() if f != "num_stages"):
         raise ValueError(f"autotune entry {kernel!r}: tile sizes and warps must be powers of two, got {config}")
     return c
 

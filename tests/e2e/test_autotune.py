@@ -49,6 +49,12 @@ def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig) -> float:
     return config.block_n - config.block_k / 1e4
 
 
+def attention_key(graph: ir.Graph) -> str:
+    """The shape key (before ``,M=``) of the graph's first attention op, written out here."""
+    a = next(o for o in graph.ops if o.kind == "attention").attrs
+    return f"Hq={a['num_heads']},Hk={a['num_kv_heads']},D={a['head_dim']}"
+
+
 def reference_gemv(scale: float = 1.0, calls: list | None = None):  # noqa: ANN201
     """A stand-in for the native GEMV without a GPU: the reference product (times ``scale``); each
     call's (scheme, kind) goes to ``calls``."""
@@ -98,8 +104,7 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode"}
     # Decode attention for each row count (no prefill chunk of 16+ rows among them), the fake timer's pick.
     attention = [e for e in every if e.kernel == "paged_attention_decode"]
-    a = next(o for o in graph.ops if o.kind == "attention").attrs
-    sig = f"Hq={a['num_heads']},Hk={a['num_kv_heads']},D={a['head_dim']}"
+    sig = attention_key(graph)
     assert sorted(e.shape_key for e in attention) == [f"{sig},M=1", f"{sig},M=4"]
     assert all(DecodeConfig(**e.config) == DecodeConfig(32, 8) == min(DECODE_CONFIGS, key=fake_seconds) for e in attention)
     assert sorted(result.stats["attention_timings"]) == sorted(f"{e.kernel} {e.shape_key}" for e in attention)
@@ -304,8 +309,7 @@ def test_decode_tile_width_pinned_by_the_environment_overrides_a_stored_one(monk
     from mgx.formats.artifact import AutotuneEntry
 
     graph = tiny_contents().graph
-    a = next(o for o in graph.ops if o.kind == "attention").attrs
-    sig = f"Hq={a['num_heads']},Hk={a['num_kv_heads']},D={a['head_dim']}"
+    sig = attention_key(graph)
     stored = {"interpreter": [AutotuneEntry("paged_attention_decode", f"{sig},M=4", {"block_n": 32, "num_warps": 8})]}
     for env, want in (("", DecodeConfig(32, 8)), ("0", DecodeConfig(64, 8)), ("1", DecodeConfig(32, 8))):
         monkeypatch.setenv("MGX_CUDA_DECODE_NARROW", env)
