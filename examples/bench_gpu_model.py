@@ -176,7 +176,8 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
     if DEVICE == "cuda" and find_nvcc() is not None:
         steps.append(("cuda_kernels", {}))  # the native RMSNorm and GEMVs, as `mgxc compile` builds them
     if autotune_rows:
-        steps.append(("autotune", {"rows": autotune_rows, **({"fused": True} if fused else {})}))
+        # The Triton RMSNorm is not tuned: the native one runs here (rms_norm: its fallback's tuning).
+        steps.append(("autotune", {"rows": autotune_rows, "rms_norm": False, **({"fused": True} if fused else {})}))
     for name, opts in steps:
         t1 = time.perf_counter()
         result = PASSES[name](graph, dict(opts), PassContext(target="cuda"))

@@ -257,10 +257,11 @@ OP_SPECS: dict[str, OpSpec] = {
 }
 
 
-def verify(graph: Graph) -> None:
+def verify(graph: Graph) -> dict[str, int | None]:
     """Check ops against ``OP_SPECS``, dataflow order, weight references and feature widths.
 
-    Raises ``IRError`` naming the first op (by index, kind and source) that breaks a rule.
+    Raises ``IRError`` naming the first op (by index, kind and source) that breaks a rule. Returns
+    each activation's feature width, by name (None where the graph leaves it open, as at its inputs).
     """
     widths: dict[str, int | None] = {name: None for name in graph.inputs}
     for index, op in enumerate(graph.ops):
@@ -300,6 +301,7 @@ def verify(graph: Graph) -> None:
     for op in graph.ops:
         if op.kind == "attention" and op.attrs["layer"] not in layers:
             raise IRError(f"attention from {op.source}: layer {op.attrs['layer']} declares no state")
+    return widths
 
 
 def _logical_in_out(graph: Graph, op: Op) -> tuple[int, int]:

@@ -20,11 +20,12 @@ slow build GPU or a shape that lost shows there before any model runs.
 
 The paged attention kernels too (``_tune_attention``): prefill for each chunk length in ``rows`` of
 16 and more, and, with ``decode_attention`` (off by default: ``AutotuneOptions`` says why), decode for
-each batch bucket; a candidate must first give the default configuration's output. Their winners'
-times go to ``stats["attention_timings"]`` ({"<kernel> <shape key>": chosen configuration, us,
-the default configuration's us}). The other Triton kernels are not tuned: RoPE, the K/V write, the
-embedding lookup and the merges launch one fixed configuration each (no candidate lists), and the
-Triton RMSNorm runs only where the native one cannot (its fallback).
+each batch bucket; and the Triton RMSNorm (``_tune_norms``, option ``rms_norm``), the native one's
+fallback, for each norm shape and row count. A candidate of these must first give the default
+configuration's output. Their winners' times go to ``stats["attention_timings"]`` and
+``stats["norm_timings"]`` ({"<kernel> <shape key>": chosen configuration, us, the default
+configuration's us}). The other Triton kernels are not tuned: RoPE, the K/V write, the embedding
+lookup and the merges launch one fixed configuration each (no candidate lists).
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ class AutotuneOptions:
     prefill_attention: bool = True
     decode_attention: bool = False
     decode_context: int = 1024
+    # Also tune the Triton RMSNorm for each norm shape (input width, group, residual added first) and
+    # row count: on a GPU it runs where the native RMSNorm cannot (a build host without nvcc stores no
+    # native code; a driver older than the build's nvcc refuses it). Every candidate must give the
+    # default configuration's result first. False: those runtimes launch its default configuration.
+    rms_norm: bool = True
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -452,7 +458,7 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
                                               num_warps=c.num_warps,
                                               counters=counters if splits <= SELF_MERGE_MAX_SPLITS else None)  # fmt: skip
 
-            timed += _tune_attention_shape(ATTENTION_DECODE, f"{sig},M={m}", DECODE_CONFIGS, decode, opts, entries,
+            timed += _tune_by_output(ATTENTION_DECODE, f"{sig},M={m}", DECODE_CONFIGS, decode, opts, entries,
                                            measured, failed)  # fmt: skip
         for m in (r for r in rows if opts.prefill_attention and r >= PREFILL_MIN_M):
             b = paged_batch([m], [m], **heads, spare_blocks=0)
@@ -467,30 +473,81 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
                     num_warps=c.num_warps, num_stages=c.num_stages).flatten() for w in windows]  # fmt: skip
                 return outs[0] if len(outs) == 1 else torch.cat(outs)  # one window: no copy in the timed call
 
-            timed += _tune_attention_shape(ATTENTION_PREFILL, f"{sig},M={m}", PREFILL_CONFIGS, prefill, opts, entries,
+            timed += _tune_by_output(ATTENTION_PREFILL, f"{sig},M={m}", PREFILL_CONFIGS, prefill, opts, entries,
                                            measured, failed)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the batches of this shape
     return timed
 
 
-def _tune_attention_shape(kernel: str, key: str, configs: list[Any], launch: Callable[[Any], Any],
-                          opts: AutotuneOptions, entries: dict, measured: dict[str, dict[str, Any]],
-                          failed: list[str]) -> int:  # fmt: skip
-    """Time ``configs`` (the default first) of one attention shape; a candidate whose output is not
-    within ATTENTION_TOLERANCE of the default's, or that cannot launch, goes to ``failed`` instead.
-    The fastest becomes the entry ``(kernel, key)``. Returns how many were timed."""
+def _norm_shapes(graph: ir.Graph) -> dict[str, tuple[int, int, bool, ir.Op]]:
+    """The model's distinct RMSNorm shapes as the CUDA backend launches them, signature -> (input
+    width, group, whether the add before it is fused in as a residual, its first op), in graph order.
+    A norm whose input width the graph leaves open is not among them."""
+    from mgx.kernels.triton.tuning import norm_signature
+
+    widths = ir.verify(graph)
+    shapes: dict[str, tuple[int, int, bool, ir.Op]] = {}
+    prev = None
+    for op in graph.ops:
+        width = widths.get(op.inputs[0]) if op.kind == "rms_norm" else None
+        if width is not None:
+            residual = prev is not None and prev.kind == "add" and op.inputs == prev.outputs  # backend_cuda's norm_after_add
+            group = int(op.attrs["group"])
+            shapes.setdefault(norm_signature(width, group, residual), (width, group, residual, op))
+        prev = op
+    return shapes
+
+
+def _tune_norms(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, entries: dict,
+                measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time the Triton RMSNorm's candidates (``rmsnorm.candidates``) for every norm shape and row
+    count; the winners go to ``entries``, their times to ``measured``. Returns how many were timed."""
+    import torch
+
+    from mgx.kernels.triton import rmsnorm
+    from mgx.kernels.triton._common import num_sms
+    from mgx.kernels.triton.tuning import RMS_NORM
+
+    timed = 0
+    for sig, (width, group, residual, op) in _norm_shapes(graph).items():
+        weight = _norm_weight(graph, op, device, dtype)
+        eps = float(op.attrs["eps"])
+        for m in sorted({int(r) for r in opts.rows}):
+            x = torch.randn(m, width, dtype=dtype, device=device)
+            res = torch.randn(m, width, dtype=dtype, device=device) if residual else None
+
+            def norm(c: Any, x: Any = x, res: Any = res, weight: Any = weight, eps: float = eps, group: int = group) -> Any:
+                return rmsnorm.rms_norm(x, weight, eps, group=group, residual=res, config=c)
+
+            configs = rmsnorm.candidates(m * (width // group), group, num_sms(device))
+            timed += _tune_by_output(RMS_NORM, f"{sig},M={m}", configs, norm, opts, entries, measured, failed)
+    return timed
+
+
+def _flat(out: Any) -> Any:
+    """A launch's output as one fp32 vector (a pair of outputs, both)."""
+    import torch
+
+    return torch.cat([t.float().flatten() for t in out]) if isinstance(out, tuple) else out.float()
+
+
+def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[[Any], Any], opts: AutotuneOptions,
+                    entries: dict, measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time ``configs`` (the default first) of one attention or RMSNorm shape; a candidate whose output
+    is not within ATTENTION_TOLERANCE of the default's, or that cannot launch, goes to ``failed``
+    instead. The fastest becomes the entry ``(kernel, key)``. Returns how many were timed."""
     from mgx.formats.artifact import AutotuneEntry
 
     try:
-        want = launch(configs[0]).float()
+        want = _flat(launch(configs[0]))
     except Exception as e:  # noqa: BLE001 - the default cannot run here: nothing to compare with, no entry
         failed.append(f"{kernel} default {configs[0]}: {_why(e)}")
         return 0
     best, default_s, timed = None, None, 0
     for c in configs:
         try:
-            got = want if c == configs[0] else launch(c).float()
+            got = want if c == configs[0] else _flat(launch(c))
             err = float((got - want).norm() / want.norm().clamp_min(1e-30))
             if not err <= ATTENTION_TOLERANCE:  # NaN too
                 failed.append(f"{kernel} {c} gave other results (relative error {err:.1e})")
@@ -520,7 +577,7 @@ def _kernel_of(graph: ir.Graph, op: ir.Op) -> str:
 
 
 def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassResult:
-    """Tune every linear kernel shape of ``graph``; see the module docstring."""
+    """Tune the Triton kernels' launch configurations for ``graph``'s shapes; see the module docstring."""
     opts = parse_options(AutotuneOptions, options, "autotune")
     if context.target != "cuda":
         raise PassError(f"autotune tunes the CUDA kernels; the build target is {context.target!r} (set target: cuda)")
@@ -556,9 +613,12 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
     attention: dict[str, dict[str, Any]] = {}  # the attention winners' times (stats["attention_timings"])
+    norm_times: dict[str, dict[str, Any]] = {}  # the RMSNorm winners' times (stats["norm_timings"])
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
         if opts.prefill_attention or opts.decode_attention:
             timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
+        if opts.rms_norm:
+            timed += _tune_norms(graph, opts, device, dtype, entries, norm_times, failed)
         for op in graph.ops:
             if op.kind not in ("linear", "lm_head"):
                 continue
@@ -645,6 +705,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         natives += f"; {len(failed)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
-        {"autotune": {arch: found}, "timings": measured, "attention_timings": attention},
+        {"autotune": {arch: found}, "timings": measured, "attention_timings": attention, "norm_timings": norm_times},
         options_dict(opts),
     )

@@ -1300,7 +1300,13 @@ class CUDABackend(Backend):
         weight, eps, group = self._norm[id(op)]
         if group != x.shape[1] and x.stride(0) != x.shape[1]:
             x = x.contiguous()  # q/k norm of a split view: groups need whole rows
-        return rms_norm(x, weight, eps, group=group, kernels=self.cuda_kernels)
+        return self._rms_norm(x, weight, eps, group)
+
+    def _rms_norm(self, x: Array, weight: Array | None, eps: float, group: int,
+                  residual: Array | None = None) -> Array | tuple[Array, Array]:  # fmt: skip
+        """``rms_norm`` on the native kernel, or on the Triton one with its stored configuration."""
+        config = self.tunings.rms_norm(x.shape[1], group, residual is not None, x.shape[0])
+        return rms_norm(x, weight, eps, group=group, residual=residual, kernels=self.cuda_kernels, config=config)
 
     def linear(self, op: Op, x: Array) -> Array:
         w, m = self._weights[id(op)], x.shape[0]
@@ -1412,7 +1418,7 @@ class CUDABackend(Backend):
             self._pending[id(norm_op)] = total  # the norm's value: a stand-in its one reader normalizes
             self._pending[id(held.reader)] = NormIn(squares, weight, eps)
         else:
-            self._pending[id(norm_op)] = rms_norm(total, weight, eps, group=group, kernels=self.cuda_kernels)
+            self._pending[id(norm_op)] = self._rms_norm(total, weight, eps, group)
         return total
 
     def split(self, op: Op, x: Array) -> list[Array]:
@@ -1551,7 +1557,7 @@ class CUDABackend(Backend):
             total = self._norm_stage_into_gemv(norm_op, a, b, weight, eps, group)
         if total is not None:
             return total
-        normed, total = rms_norm(a, weight, eps, group=group, residual=b, kernels=self.cuda_kernels)
+        normed, total = self._rms_norm(a, weight, eps, group, residual=b)
         self._pending[id(norm_op)] = normed
         return total
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import ctypes
 import re
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from .driver import CudaDriverError, CudaModule, cubin_sm, device_sm
+
+if TYPE_CHECKING:
+    from mgx.kernels.triton.rmsnorm import RMSNormConfig
 
 __all__ = ["KERNEL_ABI", "OVERLAP_MARKER", "CudaKernels", "arch_runs_on", "load_cuda_kernels", "rms_norm", "reset_fallback_warning"]
 
@@ -149,8 +153,10 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     vecs_per_thread: int = 4,
+    config: RMSNormConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm as ``mgx.kernels.triton.rmsnorm.rms_norm``, on the native kernel when it can run."""
+    """RMSNorm as ``mgx.kernels.triton.rmsnorm.rms_norm``, on the native kernel when it can run; else
+    on the Triton kernel, launched with ``config`` (default: its ``default_config``)."""
     from mgx.kernels.triton.rmsnorm import rms_norm as triton_rms_norm
 
     t, f = x.shape
@@ -172,7 +178,7 @@ def rms_norm(
         res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
         usable = _aligned(x, residual, out, res_out) and (weight is None or weight.data_ptr() % 16 == 0)
     if not usable:
-        return triton_rms_norm(x, weight, eps, group=group, residual=residual, out=out)
+        return triton_rms_norm(x, weight, eps, group=group, residual=residual, out=out, config=config)
     rows = t * (f // group)
     if rows == 0:
         return out if residual is None else (out, res_out)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ._common import cast_as, cdiv, check_float, next_pow2, num_sms, round_as, rows_of
 
-__all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "CONFIGS", "LOOP_CONFIGS"]
+__all__ = ["RMSNormConfig", "rms_norm", "rms_norm_ref", "default_config", "candidates", "CONFIGS", "LOOP_CONFIGS"]
 
 MAX_COLS = 65536  # one program holds a whole row in registers
 
@@ -84,7 +84,8 @@ def _rms_norm_kernel(
 
 @dataclass(frozen=True, slots=True)
 class RMSNormConfig:
-    """Launch configuration (the benchmark sweeps ``CONFIGS`` and ``LOOP_CONFIGS``; wrappers take one)."""
+    """Launch configuration (the benchmark sweeps ``CONFIGS`` and ``LOOP_CONFIGS``, the autotune pass
+    ``candidates``; wrappers take one)."""
 
     block_m: int  # rows per program
     num_warps: int
@@ -93,11 +94,11 @@ class RMSNormConfig:
     per_sm: int = 0
 
 
-# Candidates the benchmark sweeps (the autotune pass does not tune this kernel: on a GPU the native
-# RMSNorm runs, and this one is its fallback).
+# Candidates of the benchmark's sweep and of the autotune pass (``candidates``).
 CONFIGS = [RMSNormConfig(m, w) for m in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)]
-# Looping candidates, for many rows (the benchmark sweeps them beside CONFIGS).
+# Looping candidates, for many rows.
 LOOP_CONFIGS = [RMSNormConfig(m, w, k) for m in (1, 2) for w in (2, 4, 8) for k in (4, 8, 16)]
+MAX_PER_THREAD = 128  # elements a thread holds, at most, in a candidate the autotune pass times
 
 
 def default_config(rows: int, cols: int) -> RMSNormConfig:
@@ -106,6 +107,22 @@ def default_config(rows: int, cols: int) -> RMSNormConfig:
     block_m = max(1, min(16, 2048 // block_n, next_pow2(rows)))
     num_warps = max(1, min(16, block_m * block_n // 512))
     return RMSNormConfig(block_m, num_warps)
+
+
+def candidates(rows: int, cols: int, sms: int) -> list[RMSNormConfig]:
+    """The configurations the autotune pass times for ``rows`` rows of ``cols``, ``default_config``'s
+    first: of ``CONFIGS`` those with no more row tiles than the rows fill and 1 to ``MAX_PER_THREAD``
+    elements a thread (more spill registers), and of ``LOOP_CONFIGS`` those that leave some programs
+    more than one block on a GPU of ``sms`` multiprocessors (else they launch a program a block)."""
+    block_n = next_pow2(cols)
+    default = default_config(rows, cols)
+    found = [default]
+    for c in CONFIGS + LOOP_CONFIGS:
+        per_thread = c.block_m * block_n // (32 * c.num_warps)
+        fits = c.block_m <= next_pow2(rows) and 1 <= per_thread <= MAX_PER_THREAD
+        if fits and c != default and (c.per_sm == 0 or cdiv(rows, c.block_m) > c.per_sm * sms):
+            found.append(c)
+    return found
 
 
 def rms_norm(

@@ -11,6 +11,11 @@ sequences; ``paged_attention_prefill``: a ``PrefillConfig`` per chunk, M its que
 the attention's heads (``attention_signature``); a step takes the entry of the smallest tuned M >= its
 rows (the largest beyond them), and an untuned shape the kernel's defaults.
 
+RMSNorm entries (``rms_norm``: an ``RMSNormConfig`` of the Triton RMSNorm, which runs where the native
+one cannot) are keyed by the norm's input width, group and whether it adds a residual first
+(``norm_signature``), M its activation rows; a launch takes the entry of the smallest tuned M >= its
+rows (the largest beyond them), an untuned shape the kernel's default.
+
 Entries of four other kinds, switches of the decode step that ``mgx-run tune`` chose by the time of
 the whole step (shape key ``M=1``): ``decode_attention`` (``{"block_n": 32 or 64}``, the decode
 attention's tile width), ``norm_prologue`` (``{"on": bool}``, the add + RMSNorm in the prologue of
@@ -38,8 +43,9 @@ from .linear import (
     LinearConfig,
     swap_applies,
 )
+from .rmsnorm import RMSNormConfig
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "attention_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "attention_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -49,7 +55,10 @@ _ON_OFF = (NORM_PROLOGUE, STAGED_X, FUSED_MLP)  # switch entries of the form {"o
 LINEAR_KERNELS = ("linear", "linear_silu_mul", "lm_head_argmax")  # entries of LinearConfig
 ATTENTION_DECODE = "paged_attention_decode"  # entries of DecodeConfig per batch bucket
 ATTENTION_PREFILL = "paged_attention_prefill"  # entries of PrefillConfig per chunk length
-_ATTENTION = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig}
+RMS_NORM = "rms_norm"  # entries of RMSNormConfig per norm shape and row count
+# Entries keyed by a signature and M, looked up by M
+_SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig}
+_COUNTS = ("num_stages", "per_sm")  # fields of those configurations that need not be powers of two
 
 
 def attention_signature(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
@@ -57,18 +66,33 @@ def attention_signature(num_heads: int, num_kv_heads: int, head_dim: int) -> str
     return f"Hq={num_heads},Hk={num_kv_heads},D={head_dim}"
 
 
-def _attention_config(kernel: str, config: dict[str, Any]) -> DecodeConfig | PrefillConfig:
-    """A stored attention configuration, checked; ValueError naming what is wrong."""
+def norm_signature(width: int, group: int, residual: bool) -> str:
+    """An RMSNorm shape as its entries' shape keys name it: input width F, group, and whether a
+    residual is added first (``...,M=<rows>`` after it)."""
+    return f"F={width},group={group},residual={int(residual)}"
+
+
+def _norm_shape(signature: str) -> tuple[int, int, bool]:
+    """``norm_signature``'s fields back; ValueError naming the key where it is not one."""
+    fields = dict(part.partition("=")[::2] for part in signature.split(","))
+    values = [fields.get(f, "") for f in ("F", "group", "residual")]
+    if len(fields) != 3 or not all(v.isdigit() for v in values) or values[2] not in ("0", "1"):
+        raise ValueError(f"autotune entry {RMS_NORM!r}: shape key {signature!r} is not F=<width>,group=<group>,residual=<0|1>")
+    return int(values[0]), int(values[1]), values[2] == "1"
+
+
+def _shaped_config(kernel: str, config: dict[str, Any]) -> DecodeConfig | PrefillConfig | RMSNormConfig:
+    """A stored attention or RMSNorm configuration, checked; ValueError naming what is wrong."""
     try:
-        c = _ATTENTION[kernel](**config)
+        c = _SHAPED[kernel](**config)
     except TypeError as e:
         raise ValueError(f"autotune entry {kernel!r}: {e}") from None
     sizes = {f: getattr(c, f) for f in c.__slots__}
-    if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+    if not all(type(v) is int and (v > 0 or (f == "per_sm" and v == 0)) for f, v in sizes.items()):
         raise ValueError(f"autotune entry {kernel!r}: sizes must be positive integers, got {config}")
     if kernel == ATTENTION_DECODE and c.block_n not in DECODE_BLOCK_NS:
         raise ValueError(f"autotune entry {kernel!r}: block_n {c.block_n} is not one of {DECODE_BLOCK_NS}")
-    if any(v & (v - 1) for f, v in sizes.items() if f != "num_stages"):
+    if any(v & (v - 1) for f, v in sizes.items() if f not in _COUNTS):
         raise ValueError(f"autotune entry {kernel!r}: tile sizes and warps must be powers of two, got {config}")
     return c
 
@@ -105,9 +129,10 @@ class Tunings:
         self.staged_x: bool | None = None  # norms staging x for the staged twins, where stored
         self.fused_mlp: bool | None = None  # the int4 MLP in one launch, where stored
         self.unknown: list[str] = []  # kernels of entries this runtime does not know (skipped)
-        self._attn: dict[tuple[str, str], tuple[list[int], list[DecodeConfig | PrefillConfig]]] = {}
+        self._shaped: dict[tuple[str, str], tuple[list[int], list[Any]]] = {}  # attention and RMSNorm by M
+        self._norms: dict[tuple[int, int, bool], tuple[list[int], list[RMSNormConfig]]] = {}  # by norm_signature's fields
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
-        attn_rows: dict[tuple[str, str], dict[int, DecodeConfig | PrefillConfig]] = {}
+        shaped_rows: dict[tuple[str, str], dict[int, Any]] = {}
         for e in entries:
             if e.kernel == DECODE_ATTENTION:
                 block_n = e.config.get("block_n")
@@ -121,14 +146,14 @@ class Tunings:
                     raise ValueError(f"autotune entry {e.kernel!r}: 'on' must be true or false, got {on!r}")
                 setattr(self, e.kernel, on)
                 continue
-            if e.kernel not in LINEAR_KERNELS and e.kernel not in _ATTENTION:  # from a newer compiler:
+            if e.kernel not in LINEAR_KERNELS and e.kernel not in _SHAPED:  # from a newer compiler:
                 self.unknown.append(e.kernel)  # this runtime launches that kernel untuned
                 continue
             signature, _, m = e.shape_key.rpartition(",M=")
             if not signature or not m.isdigit():
                 raise ValueError(f"autotune entry {e.kernel!r}: shape key {e.shape_key!r} has no M")
-            if e.kernel in _ATTENTION:
-                attn_rows.setdefault((e.kernel, signature), {})[int(m)] = _attention_config(e.kernel, e.config)
+            if e.kernel in _SHAPED:
+                shaped_rows.setdefault((e.kernel, signature), {})[int(m)] = _shaped_config(e.kernel, e.config)
                 continue
             try:
                 rows.setdefault((e.kernel, signature), {})[int(m)] = LinearConfig(**e.config)
@@ -137,23 +162,27 @@ class Tunings:
         for key, by_m in rows.items():
             ms = sorted(by_m)
             self._by[key] = (ms, [by_m[m] for m in ms])
-        for key, by_m in attn_rows.items():
+        for key, by_m in shaped_rows.items():
             ms = sorted(by_m)
-            self._attn[key] = (ms, [by_m[m] for m in ms])
+            self._shaped[key] = (ms, [by_m[m] for m in ms])
+            if key[0] == RMS_NORM:
+                self._norms[_norm_shape(key[1])] = self._shaped[key]
 
     def __len__(self) -> int:
         switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x, self.fused_mlp))
-        return sum(len(ms) for ms, _ in (*self._by.values(), *self._attn.values())) + switches
+        return sum(len(ms) for ms, _ in (*self._by.values(), *self._shaped.values())) + switches
 
     def attention(self, kernel: str, signature: str, m: int) -> DecodeConfig | PrefillConfig | None:
         """The stored ``kernel`` configuration (``ATTENTION_DECODE`` or ``ATTENTION_PREFILL``) for the
         attention ``signature`` at ``m`` rows: the smallest tuned M >= m, the largest beyond them; None
         where that shape was not tuned (the kernel's defaults)."""
-        found = self._attn.get((kernel, signature))
-        if found is None:
-            return None
-        ms, configs = found
-        return configs[min(bisect.bisect_left(ms, m), len(ms) - 1)]
+        return _nearest(self._shaped.get((kernel, signature)), m)
+
+    def rms_norm(self, width: int, group: int, residual: bool, m: int) -> RMSNormConfig | None:
+        """The stored Triton RMSNorm configuration for ``m`` rows of ``width`` in groups of ``group``
+        (after adding a residual, with ``residual``): the smallest tuned M >= m, the largest beyond
+        them; None where that shape was not tuned (the kernel's default)."""
+        return _nearest(self._norms.get((width, group, residual)), m) if self._norms else None
 
     def config(self, kernel: str, w: GpuWeight, m: int) -> LinearConfig | None:
         """The stored configuration for ``kernel`` on ``w`` at ``m`` rows, or None (use the default)."""
@@ -168,3 +197,12 @@ class Tunings:
             return None
         i = bisect.bisect_left(ms, m, lo, hi)
         return configs[min(i, hi - 1)]
+
+
+def _nearest(found: tuple[list[int], list[Any]] | None, m: int) -> Any:
+    """Of configurations by ascending tuned M, the one of the smallest M >= m (the largest M's beyond
+    them); None without any."""
+    if found is None:
+        return None
+    ms, configs = found
+    return configs[min(bisect.bisect_left(ms, m), len(ms) - 1)]

@@ -16,8 +16,11 @@ import pytest
 
 from mgx.formats import ir
 from mgx.formats.artifact import load_artifact, write_artifact
+from mgx.kernels.triton import rmsnorm
 from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, DecodeConfig, PrefillConfig
 from mgx.kernels.triton.linear import LinearConfig
+from mgx.kernels.triton.rmsnorm import RMSNormConfig
+from mgx.kernels.triton.rmsnorm import candidates as candidates_of_norm
 from mgx.kernels.triton.tuning import candidates
 from mgx.passes import PASSES, PassContext, PassError
 from mgx.passes import autotune as autotune_pass
@@ -38,15 +41,24 @@ class _StandIn:
         return False
 
 
-def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig) -> float:
+def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig | RMSNormConfig) -> float:
     """The fake timer's ranking. Linear: narrowest N tile, then the deepest K tile, wins. Attention:
     not the default: decode the narrow tiles on 8 warps, prefill the tallest query tiles, then the
-    most stages (the first of equals wins, as in the pass)."""
+    most stages (the first of equals wins, as in the pass). RMSNorm: the most warps, then the tallest
+    row tiles."""
+    if isinstance(config, RMSNormConfig):
+        return 1e3 - config.num_warps - config.block_m / 100
     if isinstance(config, DecodeConfig):
         return 1e3 - config.num_warps - 1 / config.block_n
     if isinstance(config, PrefillConfig):
         return 1e3 - config.block_m - config.num_stages / 10
     return config.block_n - config.block_k / 1e4
+
+
+def torch_device_cpu():  # noqa: ANN201
+    import torch
+
+    return torch.device("cpu")
 
 
 def attention_key(graph: ir.Graph) -> str:
@@ -101,14 +113,21 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     (arch,) = result.stats["autotune"]
     every = result.stats["autotune"][arch]
     assert arch == "interpreter" and no_gpu_needed
-    assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode"}
+    assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode", "rms_norm"}
     # Decode attention for each row count (no prefill chunk of 16+ rows among them), the fake timer's pick.
     attention = [e for e in every if e.kernel == "paged_attention_decode"]
     sig = attention_key(graph)
     assert sorted(e.shape_key for e in attention) == [f"{sig},M=1", f"{sig},M=4"]
     assert all(DecodeConfig(**e.config) == DecodeConfig(32, 8) == min(DECODE_CONFIGS, key=fake_seconds) for e in attention)
     assert sorted(result.stats["attention_timings"]) == sorted(f"{e.kernel} {e.shape_key}" for e in attention)
-    entries = [e for e in every if e not in attention]
+    # The Triton RMSNorm for each norm shape (the first layer's after the embedding, the others with the
+    # add before them as a residual) and row count: the fake timer's pick of rmsnorm.candidates.
+    norms = {e.shape_key: RMSNormConfig(**e.config) for e in every if e.kernel == "rms_norm"}
+    assert norms == {f"F=40,group=40,residual={r},M={m}": min(candidates_of_norm(m, 40, 4), key=fake_seconds)
+                     for r in (0, 1) for m in (1, 4)}  # fmt: skip
+    assert norms["F=40,group=40,residual=1,M=4"] == RMSNormConfig(4, 8) != candidates_of_norm(4, 40, 4)[0]
+    assert sorted(result.stats["norm_timings"]) == sorted(f"rms_norm {k}" for k in norms)
+    entries = [e for e in every if e not in attention and e.kernel != "rms_norm"]
     for e in entries:  # the fastest of the candidates for its row count
         m = int(e.shape_key.rsplit("M=", 1)[1])
         assert m in (1, 4)
@@ -141,6 +160,9 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     real_decode = backend_cuda.paged_attention_decode
     monkeypatch.setattr(backend_cuda, "paged_attention_decode", lambda *a, **k: used.append(
         ("decode", (k["block_n"], k["num_warps"]))) or real_decode(*a, **k))  # fmt: skip
+    real_norm = rmsnorm.rms_norm  # where the native RMSNorm cannot run (none here), the tuned Triton one
+    monkeypatch.setattr(rmsnorm, "rms_norm", lambda x, *a, **k: used.append(
+        ("rms_norm", (x.shape[0], k.get("residual") is not None, k.get("config")))) or real_norm(x, *a, **k))  # fmt: skip
     for name in ("linear", "linear_silu_mul", "lm_head_argmax"):
         real = getattr(backend_cuda, name)
         monkeypatch.setattr(
@@ -155,8 +177,11 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
         want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
     assert [int(i) for i in got_ids] == want_ids
-    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode"}
+    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm"}
     assert {c for n, c in used if n == "decode"} == {(32, 8)}  # the stored decode attention configuration
+    # Each norm launch took its shape's entry of the nearest tuned row count (the prompt's 5 rows: M=4's).
+    assert {c for n, c in used if n == "rms_norm"} == {
+        (t, r, norms[f"F=40,group=40,residual={int(r)},M={min(t, 4)}"]) for t in (5, 1) for r in (False, True)}
     assert all(c is not None for _, c in used)  # every launch took a stored configuration
     assert {c.block_m for n, c in used if n == "linear"} == {1, 16}  # GEMV for decode, tiles for 5 rows
 
@@ -214,6 +239,65 @@ def test_tunings_take_attention_entries_checked_and_by_the_nearest_row_count() -
                          ({"block_n": 64, "num_warps": "4"}, "positive integers")):  # fmt: skip
         with pytest.raises(ValueError, match=says):
             Tunings([AutotuneEntry("paged_attention_decode", f"{sig},M=1", config)])
+
+
+def test_tunings_take_rms_norm_entries_checked_and_by_the_nearest_row_count() -> None:
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.tuning import Tunings
+
+    sig = "F=4096,group=4096,residual=1"
+    t = Tunings([AutotuneEntry("rms_norm", f"{sig},M=1", {"block_m": 1, "num_warps": 4, "per_sm": 0}),
+                 AutotuneEntry("rms_norm", f"{sig},M=2048", {"block_m": 2, "num_warps": 2, "per_sm": 4}),
+                 AutotuneEntry("rms_norm", "F=1024,group=128,residual=0,M=1", {"block_m": 8, "num_warps": 1})])  # fmt: skip
+    assert len(t) == 3
+    assert t.rms_norm(4096, 4096, True, 1) == RMSNormConfig(1, 4)
+    assert t.rms_norm(4096, 4096, True, 2) == RMSNormConfig(2, 2, 4) == t.rms_norm(4096, 4096, True, 9000)
+    assert t.rms_norm(1024, 128, False, 7) == RMSNormConfig(8, 1)
+    assert t.rms_norm(4096, 4096, False, 1) is None and t.rms_norm(1024, 1024, False, 1) is None
+    assert Tunings().rms_norm(4096, 4096, True, 1) is None
+    for key, config, says in (("F=4096,group=4096,M=1", {"block_m": 1, "num_warps": 4}, "is not F=<width>"),
+                              ("F=4096,group=4096,residual=2,M=1", {"block_m": 1, "num_warps": 4}, "is not F=<width>"),
+                              ("F=x,group=4096,residual=1,M=1", {"block_m": 1, "num_warps": 4}, "is not F=<width>"),
+                              (f"{sig},M=1", {"block_m": 3, "num_warps": 4}, "powers of two"),
+                              (f"{sig},M=1", {"block_m": 1, "num_warps": 4, "per_sm": -1}, "positive integers"),
+                              (f"{sig},M=1", {"block_m": 1, "num_warps": True}, "positive integers"),
+                              (f"{sig},M=1", {"block_m": 1, "warps": 4}, "unexpected keyword")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            Tunings([AutotuneEntry("rms_norm", key, config)])
+
+
+@pytest.mark.interpreted
+def test_autotune_tunes_grouped_norms_and_never_stores_a_norm_configuration_that_gives_other_results(
+        no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """q/k norms (groups of head_dim over the heads' width) are tuned at their own signature, with the
+    kernel rows of all their heads; a candidate whose output differs from the default's is reported and
+    never stored."""
+    from mgx.kernels.triton._common import num_sms
+
+    real = rmsnorm.rms_norm
+
+    def wrong_on_2_warps(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **k)
+        if k["config"] is None or k["config"].num_warps != 2:
+            return out
+        return (out[0] * 0, out[1]) if isinstance(out, tuple) else out * 0
+
+    monkeypatch.setattr(rmsnorm, "rms_norm", wrong_on_2_warps)
+    graph = tiny_contents(qk_norm=True).graph
+    result = PASSES["autotune"](graph, {"rows": [2], "dtype": "f32", "prefill_attention": False}, PassContext(target="cuda"))
+    norms = {e.shape_key: RMSNormConfig(**e.config) for e in result.stats["autotune"]["interpreter"] if e.kernel == "rms_norm"}
+    q, k = 6 * 8, 2 * 8  # the query and key widths: 6 and 2 heads of 8
+    assert sorted(norms) == sorted(f"F={f},group={g},residual={r},M=2" for f, g, r in
+                                   ((40, 40, 0), (40, 40, 1), (q, 8, 0), (k, 8, 0)))  # fmt: skip
+    rejected = 0
+    for f, g, r in ((40, 40, 0), (40, 40, 1), (q, 8, 0), (k, 8, 0)):
+        found = candidates_of_norm(2 * (f // g), g, num_sms(torch_device_cpu()))
+        assert found[0].num_warps != 2  # the default, which the others must agree with
+        agree = [c for c in found if c.num_warps != 2]
+        assert norms[f"F={f},group={g},residual={r},M=2"] == min(agree, key=fake_seconds)
+        rejected += len(found) - len(agree)
+    assert rejected and f"{rejected} configurations could not run" in result.summary
+    assert "rms_norm RMSNormConfig(block_m=" in result.summary and "num_warps=2, per_sm=0) gave other results" in result.summary
 
 
 @pytest.mark.interpreted
@@ -533,7 +617,8 @@ def test_autotune_says_how_many_candidates_could_not_run_and_why(no_gpu_needed, 
 
     monkeypatch.setattr(autotune_pass, "_time", some_fail)
     graph = tiny_contents().graph
-    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32", "native": False}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "rms_norm": False, "dtype": "f32", "native": False},
+                                PassContext(target="cuda"))  # fmt: skip
     assert "configurations could not run (" in result.summary
     assert "x RuntimeError: out of shared memory)" in result.summary and "more detail" not in result.summary
 

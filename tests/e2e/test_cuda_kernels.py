@@ -414,11 +414,14 @@ def test_gpu_autotune_times_the_norm_fed_projections_after_their_norm() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_autotune_tunes_attention_and_the_backend_decodes_the_reference_tokens_with_it() -> None:
+def test_gpu_autotune_tunes_attention_and_rms_norm_and_the_backend_decodes_the_reference_tokens_with_them() -> None:
     """On a real GPU: autotune times every prefill and decode attention candidate (decode_attention on)
-    for a 4-head model, stores one entry per row count with a real time, and a backend taking those
-    entries greedy-decodes a prompt continued in a second chunk (the paged prefill) as the reference
-    does."""
+    and every Triton RMSNorm candidate for a 4-head model, stores one entry per row count with a real
+    time, and a backend taking those entries (no native kernels loaded: the Triton RMSNorm runs)
+    greedy-decodes a prompt continued in a second chunk (the paged prefill) as the reference does."""
+    import torch
+
+    from mgx.kernels.triton import rmsnorm
     from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS
     from mgx.runtime.backend_cuda import CUDABackend
     from mgx.runtime.batch import SeqChunk
@@ -440,8 +443,16 @@ def test_gpu_autotune_tunes_attention_and_the_backend_decodes_the_reference_toke
         (c.block_n, c.num_warps) for c in DECODE_CONFIGS}
     assert {tuple(c.values()) for k, c in entries.items() if k[0].endswith("prefill")} <= {
         (c.block_m, c.block_n, c.num_warps, c.num_stages) for c in PREFILL_CONFIGS}
+    norms = {e.shape_key: rmsnorm.RMSNormConfig(**e.config) for e in result.stats["autotune"][arch] if e.kernel == "rms_norm"}
+    assert sorted(norms) == sorted(f"F=256,group=256,residual={r},M={m}" for r in (0, 1) for m in (1, 4, 16, 64))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert all(c in rmsnorm.candidates(int(k.rsplit("M=", 1)[1]), 256, sms) for k, c in norms.items())
+    norm_timings = result.stats["norm_timings"]
+    assert sorted(norm_timings) == sorted(f"rms_norm {k}" for k in norms)
+    assert all(0 < t["us"] <= t["default_us"] for t in norm_timings.values())
     backend = CUDABackend(contents.graph, device="cuda", dtype="f32")
     backend.use_tunings(result.stats["autotune"])
+    assert backend.cuda_kernels is None
     backend._sdpa_modes = []  # the first chunk through the paged kernel too
     runner, want = ModelRunner(contents.graph, backend), ModelRunner(contents.graph, "reference")
     prompt = np.arange(5, 85)

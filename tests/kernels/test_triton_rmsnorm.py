@@ -164,3 +164,37 @@ def test_without_native_kernels_falls_back_to_triton_and_warns_once() -> None:
     assert len([w_ for w_ in seen if "Triton RMSNorm" in str(w_.message)]) == 1
     got = cuda_rmsnorm.rms_norm(x, w, 1e-6, kernels=None)
     torch.testing.assert_close(got, rmsnorm.rms_norm(x, w, 1e-6))
+
+
+def test_the_fallback_launches_the_configuration_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without native kernels the wrapper hands its ``config`` (a stored tuning) to the Triton kernel,
+    and the result is the reference's."""
+    g = gen(4)
+    x, r, w = rand(g, 6, 64), rand(g, 6, 64), rand(g, 64)
+    seen = []
+    real = rmsnorm.rms_norm
+    monkeypatch.setattr(rmsnorm, "rms_norm", lambda *a, **k: seen.append(k.get("config")) or real(*a, **k))
+    cfg = rmsnorm.RMSNormConfig(2, 1)
+    got, total = cuda_rmsnorm.rms_norm(x, w, 1e-6, kernels=None, residual=r, config=cfg)
+    want, want_total = rmsnorm.rms_norm_ref(x, w, 1e-6, residual=r)
+    assert seen == [cfg]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(total, want_total)
+
+
+def test_autotune_candidates_start_with_the_default_and_fit_the_shape() -> None:
+    """The pass's candidates: the default first, once; no row tile beyond the rows (rounded up to a
+    power of two); 1 to MAX_PER_THREAD elements a thread; looping ones only where some program would
+    take more than one block."""
+    for rows, cols, sms in ((1, 4096, 132), (32, 4096, 132), (4096, 4096, 132), (2048, 128, 132), (3, 40, 4)):
+        found = rmsnorm.candidates(rows, cols, sms)
+        block_n = 1 << (cols - 1).bit_length()
+        assert found[0] == rmsnorm.default_config(rows, cols) and len(set(found)) == len(found)
+        for c in found[1:]:
+            assert c in rmsnorm.CONFIGS + rmsnorm.LOOP_CONFIGS
+            assert c.block_m <= 1 << (rows - 1).bit_length()
+            assert 1 <= c.block_m * block_n // (32 * c.num_warps) <= rmsnorm.MAX_PER_THREAD
+            assert c.per_sm == 0 or -(-rows // c.block_m) > c.per_sm * sms
+    assert [c.num_warps for c in rmsnorm.candidates(1, 4096, 132)] == [8, 1, 2, 4, 16]  # one row: every width
+    assert not [c for c in rmsnorm.candidates(512, 4096, 132) if c.per_sm]  # 512 blocks fill 132 SMs x 4 at once
+    assert {c.per_sm for c in rmsnorm.candidates(4096, 4096, 132)} == {0, 4, 8, 16}
