@@ -266,6 +266,23 @@ def test_tunings_take_rms_norm_entries_checked_and_by_the_nearest_row_count() ->
             Tunings([AutotuneEntry("rms_norm", key, config)])
 
 
+def test_a_norm_candidate_wrong_in_one_row_of_thousands_is_told_apart() -> None:
+    """The RMSNorm check compares element by element: one wrong row of 4,096 is within the attention
+    check's tolerance of the whole, not within the norm check's; bf16 rounding of the same values
+    (what another reduction order gives) is within both."""
+    import torch
+
+    want = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    wrong = want.clone()
+    wrong[-1] = 0
+    assert autotune_pass.relative_error(wrong, want) <= autotune_pass.ATTENTION_TOLERANCE
+    assert autotune_pass.elementwise_error(wrong, want) > autotune_pass.NORM_TOLERANCE
+    rounded = want.bfloat16().float()
+    assert autotune_pass.elementwise_error(rounded, want) <= autotune_pass.NORM_TOLERANCE
+    assert autotune_pass.relative_error(rounded, want) <= autotune_pass.ATTENTION_TOLERANCE
+    assert not autotune_pass.elementwise_error(want * float("nan"), want) <= autotune_pass.NORM_TOLERANCE  # NaN: refused
+
+
 @pytest.mark.interpreted
 def test_autotune_tunes_grouped_norms_and_never_stores_a_norm_configuration_that_gives_other_results(
         no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
