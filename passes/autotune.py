@@ -20,12 +20,14 @@ slow build GPU or a shape that lost shows there before any model runs.
 
 The paged attention kernels too (``_tune_attention``): prefill for each chunk length in ``rows`` of
 16 and more, and, with ``decode_attention`` (off by default: ``AutotuneOptions`` says why), decode for
-each batch bucket; and the Triton RMSNorm (``_tune_norms``, option ``rms_norm``), the native one's
-fallback, for each norm shape and row count. A candidate of these must first give the default
-configuration's output. Their winners' times go to ``stats["attention_timings"]`` and
-``stats["norm_timings"]`` ({"<kernel> <shape key>": chosen configuration, us, the default
-configuration's us}). The other Triton kernels are not tuned: RoPE, the K/V write, the embedding
-lookup and the merges launch one fixed configuration each (no candidate lists).
+each batch bucket; the RoPE + K/V write before them (``_tune_rope``, option ``rope``) and the Triton
+RMSNorm (``_tune_norms``, option ``rms_norm``), the native one's fallback, for each of their shapes
+and row counts. A candidate of these must first give the default configuration's output. Their
+winners' times go to ``stats["attention_timings"]`` (RoPE's too) and ``stats["norm_timings"]``
+({"<kernel> <shape key>": chosen configuration, us, the default configuration's us}). The other
+Triton kernels launch one fixed configuration each, untuned: the embedding lookup of quantized
+tables (``dequantize``), the merges of split decode attention and of the LM head's argmax tiles, and
+the SiLU product where it is not fused into gate/up.
 """
 
 from __future__ import annotations
@@ -80,10 +82,14 @@ class AutotuneOptions:
     prefill_attention: bool = True
     decode_attention: bool = False
     decode_context: int = 1024
+    # Also tune the warps of the RoPE + K/V write kernel (``rope_and_write_kv``, a program a token: what
+    # runs before the paged attention kernels in prefill and mixed steps; decode steps rotate in the
+    # decode kernel) for each attention shape whose RoPE feeds it and each row count.
+    rope: bool = True
     # Also tune the Triton RMSNorm for each norm shape (input width, group, residual added first) and
     # row count: on a GPU it runs where the native RMSNorm cannot (a build host without nvcc stores no
     # native code; a driver older than the build's nvcc refuses it). Every candidate must give the
-    # default configuration's result first, element by element (NORM_TOLERANCE). False: those runtimes
+    # default configuration's result first, element by element (ELEMENTWISE_TOLERANCE). False: those runtimes
     # launch its default configuration.
     rms_norm: bool = True
 
@@ -145,9 +151,9 @@ def _overlap(arch: str, kernels: Any, on: bool) -> bool:
 
 PREFILL_MIN_M = 16  # the smallest prefill chunk the attention tuning times
 ATTENTION_TOLERANCE = 2e-2  # an attention candidate's relative (Frobenius) distance from the default's output
-# An RMSNorm candidate's largest elementwise distance from the default's output over its largest |value|
-# (elementwise: one wrong row of 4,096 is 1.6e-2 of the whole's norm, within ATTENTION_TOLERANCE).
-NORM_TOLERANCE = 1e-2
+# An RMSNorm or RoPE candidate's largest elementwise distance from the default's output over its largest
+# |value| (elementwise: one wrong row of 4,096 is 1.6e-2 of the whole's norm, within ATTENTION_TOLERANCE).
+ELEMENTWISE_TOLERANCE = 1e-2
 KV_BLOCK = 16  # tokens a KV-cache block of the timed attention batches (the engine's default)
 GRAPH_LAUNCHES = 8  # launches per captured graph when timing the decode regime
 GRAPH_MAX_M = 256  # rows up to which decode steps run as CUDA graphs (the CUDA backend's largest bucket)
@@ -526,12 +532,64 @@ def _tune_norms(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any,
 
             configs = rmsnorm.candidates(m * (width // group), group, num_sms(device))
             timed += _tune_by_output(RMS_NORM, f"{sig},M={m}", configs, norm, opts, entries, measured, failed,
-                                     error=elementwise_error, tolerance=NORM_TOLERANCE)  # fmt: skip
+                                     error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE)  # fmt: skip
+    return timed
+
+
+def _rope_shapes(graph: ir.Graph) -> dict[str, tuple[int, int, int, ir.Op]]:
+    """The attention shapes whose q and k a RoPE op right before them rotates (the CUDA backend's
+    ``rope_into_attention``: the RoPE it runs with the K/V write), signature -> (query heads, kv
+    heads, head dim, the first such RoPE op), in graph order."""
+    from mgx.kernels.triton.tuning import attention_signature
+
+    shapes: dict[str, tuple[int, int, int, ir.Op]] = {}
+    for op, nxt in zip(graph.ops, graph.ops[1:]):
+        if op.kind == "rope" and nxt.kind == "attention" and nxt.inputs[:2] == op.outputs:
+            hq, hk, d = (int(nxt.attrs[k]) for k in ("num_heads", "num_kv_heads", "head_dim"))
+            shapes.setdefault(attention_signature(hq, hk, d), (hq, hk, d, op))
+    return shapes
+
+
+def _tune_rope(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, entries: dict,
+               measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time the RoPE + K/V write kernel's candidates (``rope.CONFIGS``) for every attention shape a
+    RoPE feeds and every row count (one sequence of that many fresh tokens); each candidate is first
+    checked on fresh copies of q, k and zeroed caches. Returns how many were timed."""
+    import torch
+
+    from mgx.kernels.triton.rope import CONFIGS, RopeConfig, rope_and_write_kv
+    from mgx.kernels.triton.testing import paged_batch
+    from mgx.kernels.triton.tuning import ROPE_KV
+
+    timed = 0
+    for sig, (hq, hk, d, op) in _rope_shapes(graph).items():
+        inv_freq = torch.as_tensor(to_f32(graph.tensor(op.weights["inv_freq"])), device=device).float().reshape(-1)
+        a = op.attrs
+        how = {"head_dim": int(a["head_dim"]), "rotary_dim": int(a["rotary_dim"]), "attention_scaling": float(a["attention_scaling"])}
+        configs = [RopeConfig(), *(c for c in CONFIGS if c != RopeConfig())]
+        for m in sorted({int(r) for r in opts.rows}):
+            b = paged_batch([m], [m], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=KV_BLOCK, dtype=dtype,
+                            device=device, spare_blocks=0)  # fmt: skip
+
+            def run(c: Any, q: Any, k: Any, kc: Any, vc: Any, b: Any = b, inv: Any = inv_freq, how: dict = how) -> Any:
+                rope_and_write_kv(q, k, b.v, b.positions, inv, kc, vc, b.block_table, b.query_start_loc, **how, config=c)
+                return q, k, kc, vc
+
+            work = (b.q.clone(), b.k.clone())  # rotated in place by the timed launches (the work stays the same)
+
+            def launch(c: Any, b: Any = b, work: tuple = work) -> Any:
+                return run(c, *work, b.k_cache, b.v_cache)
+
+            def fresh(c: Any, b: Any = b) -> Any:  # checked: on copies of q, k as drawn, into zeroed caches
+                return run(c, b.q.clone(), b.k.clone(), torch.zeros_like(b.k_cache), torch.zeros_like(b.v_cache))
+
+            timed += _tune_by_output(ROPE_KV, f"{sig},M={m}", configs, launch, opts, entries, measured, failed,
+                                     error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE, check=fresh)  # fmt: skip
     return timed
 
 
 def _flat(out: Any) -> Any:
-    """A launch's output as one fp32 vector (a pair of outputs, both)."""
+    """A launch's output as one fp32 vector (several outputs, all of them)."""
     import torch
 
     return torch.cat([t.float().flatten() for t in out]) if isinstance(out, tuple) else out.float()
@@ -549,22 +607,24 @@ def elementwise_error(got: Any, want: Any) -> float:
 
 def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[[Any], Any], opts: AutotuneOptions,
                     entries: dict, measured: dict[str, dict[str, Any]], failed: list[str], *,
-                    error: Callable[[Any, Any], float] = relative_error,
-                    tolerance: float = ATTENTION_TOLERANCE) -> int:  # fmt: skip
-    """Time ``configs`` (the default first) of one attention or RMSNorm shape; a candidate whose output
-    is not within ``tolerance`` of the default's by ``error``, or that cannot launch, goes to
-    ``failed`` instead. The fastest becomes the entry ``(kernel, key)``. Returns how many were timed."""
+                    error: Callable[[Any, Any], float] = relative_error, tolerance: float = ATTENTION_TOLERANCE,
+                    check: Callable[[Any], Any] | None = None) -> int:  # fmt: skip
+    """Time ``configs`` (the default first) of one attention, RMSNorm or RoPE shape; a candidate whose
+    output (``check``'s, where the timed ``launch`` works in place) is not within ``tolerance`` of the
+    default's by ``error``, or that cannot launch, goes to ``failed`` instead. The fastest becomes the
+    entry ``(kernel, key)``. Returns how many were timed."""
     from mgx.formats.artifact import AutotuneEntry
 
+    check = check or launch
     try:
-        want = _flat(launch(configs[0]))
+        want = _flat(check(configs[0]))
     except Exception as e:  # noqa: BLE001 - the default cannot run here: nothing to compare with, no entry
         failed.append(f"{kernel} default {configs[0]}: {_why(e)}")
         return 0
     best, default_s, timed = None, None, 0
     for c in configs:
         try:
-            got = want if c == configs[0] else _flat(launch(c))
+            got = want if c == configs[0] else _flat(check(c))
             err = error(got, want)
             if not err <= tolerance:  # NaN too
                 failed.append(f"{kernel} {c} gave other results (relative error {err:.1e})")
@@ -636,6 +696,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
         if opts.rms_norm:
             timed += _tune_norms(graph, opts, device, dtype, entries, norm_times, failed)
+        if opts.rope:
+            timed += _tune_rope(graph, opts, device, dtype, entries, attention, failed)
         for op in graph.ops:
             if op.kind not in ("linear", "lm_head"):
                 continue

@@ -148,7 +148,13 @@ from mgx.kernels.triton.linear import (
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
 from mgx.kernels.triton.lm_head import lm_head_argmax
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
-from mgx.kernels.triton.tuning import ATTENTION_DECODE, ATTENTION_PREFILL, Tunings, attention_signature
+from mgx.kernels.triton.tuning import (
+    ATTENTION_DECODE,
+    ATTENTION_PREFILL,
+    ROPE_KV,
+    Tunings,
+    attention_signature,
+)
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
 from .backend import GRAPH_KINDS, Array, AttentionAttrs, Backend, StepResult, picked
@@ -1444,7 +1450,8 @@ class CUDABackend(Backend):
             if decode and self._decode_fusion and head_dim == a.head_dim:
                 return self._decode(q, kc, vc, a, DecodeRope(k, v, inv_freq, rotary_dim, scaling))
             rope_and_write_kv(q, k, v, st.positions, inv_freq, kc, vc, st.block_tables, st.query_start_loc,
-                                 head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scaling)  # fmt: skip
+                              head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scaling,
+                              config=self.tunings.attention(ROPE_KV, self._attn_sig[id(op)], q.shape[0]))  # fmt: skip
         else:
             write_kv(k, v, st.positions, kc, vc, st.block_tables, st.query_start_loc)
         if st.fresh is not None and not a.window and self._sdpa_modes:

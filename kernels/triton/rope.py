@@ -12,17 +12,30 @@ rows of sequence ``i`` are ``query_start_loc[i]:query_start_loc[i + 1]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import cast_as, check_float, next_pow2, round_apart, round_as, rows_of
 
-__all__ = ["rope_", "rope_and_write_kv", "rope_ref", "check_cache"]
+__all__ = ["CONFIGS", "RopeConfig", "rope_", "rope_and_write_kv", "rope_ref", "check_cache"]
 
 # Sequence ends _seq_of_token compares a token's row with at a time: a step of up to 64 sequences
 # (every prefill step, most mixed ones) takes one load; the largest mixed graphs' 256 take four.
 SEQ_ENDS_TILE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Launch configuration of the RoPE / K/V write kernel, whose programs each take one token (its
+    tiles are the token's heads): the warps a program."""
+
+    num_warps: int = 4
+
+
+CONFIGS = [RopeConfig(w) for w in (1, 2, 4, 8, 16)]  # the autotune pass's candidates (the default among them)
 
 
 @triton.jit
@@ -122,7 +135,7 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
 
 
 def _launch(q, k, v, positions, inv_freq, k_cache, v_cache, block_table, query_start_loc, *,
-            head_dim, rotary_dim, attention_scaling, rope, write_kv):  # fmt: skip
+            head_dim, rotary_dim, attention_scaling, rope, write_kv, config=None):  # fmt: skip
     d = int(head_dim)
     k = rows_of("k", k)
     t = k.shape[0]
@@ -160,7 +173,7 @@ def _launch(q, k, v, positions, inv_freq, k_cache, v_cache, block_table, query_s
         block_table.stride(0) if write_kv else 0, float(attention_scaling),
         HQ=hq, HK=hk, D=d, ROT=rotary_dim if rope else 0, PAGE=page, ROPE=rope, WRITE_KV=write_kv,
         BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d), BLOCK_S=SEQ_ENDS_TILE,  # one variant (_seq_of_token)
-        num_warps=4,
+        num_warps=(config or RopeConfig()).num_warps,
     )  # fmt: skip
 
 
@@ -199,12 +212,14 @@ def rope_and_write_kv(
     head_dim: int,
     rotary_dim: int | None = None,
     attention_scaling: float = 1.0,
+    config: RopeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_`` and then store k, v [T, Hk*D] of each token in its slot of the paged caches."""
+    """``rope_`` and then store k, v [T, Hk*D] of each token in its slot of the paged caches;
+    ``config``: the launch configuration (default ``RopeConfig()``)."""
     check_float("q", q)
     _launch(q, k, v, positions, inv_freq, k_cache, v_cache, block_table, query_start_loc,
             head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=attention_scaling,
-            rope=True, write_kv=True)  # fmt: skip
+            rope=True, write_kv=True, config=config)  # fmt: skip
     return q, k
 
 

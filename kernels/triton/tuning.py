@@ -7,9 +7,11 @@ a shape that was never tuned gets the kernel's default configuration, and a one-
 serves several rows nor the reverse.
 
 Attention entries (``paged_attention_decode``: a ``DecodeConfig`` per batch bucket, M the number of
-sequences; ``paged_attention_prefill``: a ``PrefillConfig`` per chunk, M its query rows) are keyed by
-the attention's heads (``attention_signature``); a step takes the entry of the smallest tuned M >= its
-rows (the largest beyond them), and an untuned shape the kernel's defaults.
+sequences; ``paged_attention_prefill``: a ``PrefillConfig`` per chunk, M its query rows;
+``rope_and_write_kv``: a ``RopeConfig`` of the RoPE and K/V write before the paged kernels, M the
+step's tokens) are keyed by the attention's heads (``attention_signature``); a step takes the entry
+of the smallest tuned M >= its rows (the largest beyond them), and an untuned shape the kernel's
+defaults.
 
 RMSNorm entries (``rms_norm``: an ``RMSNormConfig`` of the Triton RMSNorm, which runs where the native
 one cannot) are keyed by the norm's input width, group and whether it adds a residual first
@@ -44,8 +46,9 @@ from .linear import (
     swap_applies,
 )
 from .rmsnorm import RMSNormConfig
+from .rope import RopeConfig
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "attention_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "attention_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -56,8 +59,10 @@ LINEAR_KERNELS = ("linear", "linear_silu_mul", "lm_head_argmax")  # entries of L
 ATTENTION_DECODE = "paged_attention_decode"  # entries of DecodeConfig per batch bucket
 ATTENTION_PREFILL = "paged_attention_prefill"  # entries of PrefillConfig per chunk length
 RMS_NORM = "rms_norm"  # entries of RMSNormConfig per norm shape and row count
+ROPE_KV = "rope_and_write_kv"  # entries of RopeConfig per attention shape and row count
 # Entries keyed by a signature and M, looked up by M
-_SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig}
+_SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig,
+           ROPE_KV: RopeConfig}  # fmt: skip
 _COUNTS = ("num_stages", "per_sm")  # fields of those configurations that need not be powers of two
 
 
@@ -172,10 +177,10 @@ class Tunings:
         switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x, self.fused_mlp))
         return sum(len(ms) for ms, _ in (*self._by.values(), *self._shaped.values())) + switches
 
-    def attention(self, kernel: str, signature: str, m: int) -> DecodeConfig | PrefillConfig | None:
-        """The stored ``kernel`` configuration (``ATTENTION_DECODE`` or ``ATTENTION_PREFILL``) for the
-        attention ``signature`` at ``m`` rows: the smallest tuned M >= m, the largest beyond them; None
-        where that shape was not tuned (the kernel's defaults)."""
+    def attention(self, kernel: str, signature: str, m: int) -> DecodeConfig | PrefillConfig | RopeConfig | None:
+        """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL`` or
+        ``ROPE_KV``) for the attention ``signature`` at ``m`` rows: the smallest tuned M >= m, the
+        largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 
     def rms_norm(self, width: int, group: int, residual: bool, m: int) -> RMSNormConfig | None:

@@ -21,6 +21,7 @@ from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, Decode
 from mgx.kernels.triton.linear import LinearConfig
 from mgx.kernels.triton.rmsnorm import RMSNormConfig
 from mgx.kernels.triton.rmsnorm import candidates as candidates_of_norm
+from mgx.kernels.triton.rope import RopeConfig
 from mgx.kernels.triton.tuning import candidates
 from mgx.passes import PASSES, PassContext, PassError
 from mgx.passes import autotune as autotune_pass
@@ -41,13 +42,15 @@ class _StandIn:
         return False
 
 
-def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig | RMSNormConfig) -> float:
+def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig | RMSNormConfig | RopeConfig) -> float:
     """The fake timer's ranking. Linear: narrowest N tile, then the deepest K tile, wins. Attention:
     not the default: decode the narrow tiles on 8 warps, prefill the tallest query tiles, then the
     most stages (the first of equals wins, as in the pass). RMSNorm: the most warps, then the tallest
-    row tiles."""
+    row tiles. RoPE: the fewest warps."""
     if isinstance(config, RMSNormConfig):
         return 1e3 - config.num_warps - config.block_m / 100
+    if isinstance(config, RopeConfig):
+        return 1e3 + config.num_warps  # the fewest warps
     if isinstance(config, DecodeConfig):
         return 1e3 - config.num_warps - 1 / config.block_n
     if isinstance(config, PrefillConfig):
@@ -113,13 +116,18 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     (arch,) = result.stats["autotune"]
     every = result.stats["autotune"][arch]
     assert arch == "interpreter" and no_gpu_needed
-    assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode", "rms_norm"}
+    assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode", "rms_norm",
+                                         "rope_and_write_kv"}  # fmt: skip
     # Decode attention for each row count (no prefill chunk of 16+ rows among them), the fake timer's pick.
     attention = [e for e in every if e.kernel == "paged_attention_decode"]
     sig = attention_key(graph)
     assert sorted(e.shape_key for e in attention) == [f"{sig},M=1", f"{sig},M=4"]
     assert all(DecodeConfig(**e.config) == DecodeConfig(32, 8) == min(DECODE_CONFIGS, key=fake_seconds) for e in attention)
-    assert sorted(result.stats["attention_timings"]) == sorted(f"{e.kernel} {e.shape_key}" for e in attention)
+    # The RoPE + K/V write before it: the fake timer's pick (the fewest warps), for each row count.
+    rope = {e.shape_key: RopeConfig(**e.config) for e in every if e.kernel == "rope_and_write_kv"}
+    assert rope == {f"{sig},M=1": RopeConfig(1), f"{sig},M=4": RopeConfig(1)}
+    assert sorted(result.stats["attention_timings"]) == sorted(
+        [f"{e.kernel} {e.shape_key}" for e in attention] + [f"rope_and_write_kv {k}" for k in rope])
     # The Triton RMSNorm for each norm shape (the first layer's after the embedding, the others with the
     # add before them as a residual) and row count: the fake timer's pick of rmsnorm.candidates.
     norms = {e.shape_key: RMSNormConfig(**e.config) for e in every if e.kernel == "rms_norm"}
@@ -127,7 +135,7 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
                      for r in (0, 1) for m in (1, 4)}  # fmt: skip
     assert norms["F=40,group=40,residual=1,M=4"] == RMSNormConfig(4, 8) != candidates_of_norm(4, 40, 4)[0]
     assert sorted(result.stats["norm_timings"]) == sorted(f"rms_norm {k}" for k in norms)
-    entries = [e for e in every if e not in attention and e.kernel != "rms_norm"]
+    entries = [e for e in every if e not in attention and e.kernel not in ("rms_norm", "rope_and_write_kv")]
     for e in entries:  # the fastest of the candidates for its row count
         m = int(e.shape_key.rsplit("M=", 1)[1])
         assert m in (1, 4)
@@ -160,6 +168,9 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     real_decode = backend_cuda.paged_attention_decode
     monkeypatch.setattr(backend_cuda, "paged_attention_decode", lambda *a, **k: used.append(
         ("decode", (k["block_n"], k["num_warps"]))) or real_decode(*a, **k))  # fmt: skip
+    real_rope = backend_cuda.rope_and_write_kv  # prefill: RoPE and the K/V write (decode: in the decode kernel)
+    monkeypatch.setattr(backend_cuda, "rope_and_write_kv", lambda *a, **k: used.append(
+        ("rope", (a[0].shape[0], k.get("config")))) or real_rope(*a, **k))  # fmt: skip
     real_norm = rmsnorm.rms_norm  # where the native RMSNorm cannot run (none here), the tuned Triton one
     monkeypatch.setattr(rmsnorm, "rms_norm", lambda x, *a, **k: used.append(
         ("rms_norm", (x.shape[0], k.get("residual") is not None, k.get("config")))) or real_norm(x, *a, **k))  # fmt: skip
@@ -177,7 +188,8 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
         want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
     assert [int(i) for i in got_ids] == want_ids
-    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm"}
+    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm", "rope"}
+    assert {c for n, c in used if n == "rope"} == {(5, RopeConfig(1))}  # the prompt's 5 tokens: M=4's entry
     assert {c for n, c in used if n == "decode"} == {(32, 8)}  # the stored decode attention configuration
     # Each norm launch took its shape's entry of the nearest tuned row count (the prompt's 5 rows: M=4's).
     assert {c for n, c in used if n == "rms_norm"} == {
@@ -266,6 +278,57 @@ def test_tunings_take_rms_norm_entries_checked_and_by_the_nearest_row_count() ->
             Tunings([AutotuneEntry("rms_norm", key, config)])
 
 
+@pytest.mark.interpreted
+def test_autotune_checks_rope_candidates_on_fresh_copies_and_rejects_a_wrong_one(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """The timed RoPE launches rotate q and k in place; each candidate is checked on fresh copies and
+    zeroed caches, so a right one agrees after the default's timed launches have run, and one that
+    leaves the last token's V out of the cache is reported, never stored."""
+    from mgx.kernels.triton import rope
+
+    real = rope.rope_and_write_kv
+
+    def loses_a_token_on_8_warps(q, k, v, *a, config=None, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        v = v.clone()
+        if config is not None and config.num_warps == 8:
+            v[-1] = 0  # the last token's V reaches the cache as zeros
+        return real(q, k, v, *a, config=config, **kw)
+
+    monkeypatch.setattr(rope, "rope_and_write_kv", loses_a_token_on_8_warps)
+
+    def runs_them(fn, repeats, weights=None):  # noqa: ANN001, ANN202
+        for _ in range(3):  # as a real timer does: the launches change q and k in place
+            fn()
+        return fake_seconds(fn.__defaults__[0])
+
+    monkeypatch.setattr(autotune_pass, "_time", runs_them)
+    options = {"rows": [1, 16], "dtype": "f32", "prefill_attention": False, "rms_norm": False}
+    graph = tiny_contents().graph
+    result = PASSES["autotune"](graph, options, PassContext(target="cuda"))
+    rope_entries = {e.shape_key: RopeConfig(**e.config) for e in result.stats["autotune"]["interpreter"]
+                    if e.kernel == "rope_and_write_kv"}  # fmt: skip
+    sig = attention_key(graph)
+    assert rope_entries == {f"{sig},M=1": RopeConfig(1), f"{sig},M=16": RopeConfig(1)}
+    assert "2 configurations could not run" in result.summary
+    assert result.summary.count("rope_and_write_kv RopeConfig(num_warps=8) gave other results") == 2  # M=1, M=16
+    timings = result.stats["attention_timings"]
+    assert sorted(timings) == [f"rope_and_write_kv {sig},M=1", f"rope_and_write_kv {sig},M=16"]
+
+
+def test_tunings_take_rope_entries_by_the_nearest_row_count() -> None:
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.tuning import ROPE_KV, Tunings
+
+    sig = "Hq=32,Hk=8,D=128"
+    t = Tunings([AutotuneEntry(ROPE_KV, f"{sig},M=16", {"num_warps": 2}),
+                 AutotuneEntry(ROPE_KV, f"{sig},M=2048", {"num_warps": 8})])  # fmt: skip
+    assert t.attention(ROPE_KV, sig, 1) == RopeConfig(2) and t.attention(ROPE_KV, sig, 17) == RopeConfig(8)
+    assert t.attention(ROPE_KV, "Hq=32,Hk=4,D=128", 16) is None
+    for config, says in (({"num_warps": 3}, "powers of two"), ({"num_warps": 0}, "positive integers"),
+                         ({"warps": 2}, "unexpected keyword")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            Tunings([AutotuneEntry(ROPE_KV, f"{sig},M=16", config)])
+
+
 def test_a_norm_candidate_wrong_in_one_row_of_thousands_is_told_apart() -> None:
     """The RMSNorm check compares element by element: one wrong row of 4,096 is within the attention
     check's tolerance of the whole, not within the norm check's; bf16 rounding of the same values
@@ -276,11 +339,11 @@ def test_a_norm_candidate_wrong_in_one_row_of_thousands_is_told_apart() -> None:
     wrong = want.clone()
     wrong[-1] = 0
     assert autotune_pass.relative_error(wrong, want) <= autotune_pass.ATTENTION_TOLERANCE
-    assert autotune_pass.elementwise_error(wrong, want) > autotune_pass.NORM_TOLERANCE
+    assert autotune_pass.elementwise_error(wrong, want) > autotune_pass.ELEMENTWISE_TOLERANCE
     rounded = want.bfloat16().float()
-    assert autotune_pass.elementwise_error(rounded, want) <= autotune_pass.NORM_TOLERANCE
+    assert autotune_pass.elementwise_error(rounded, want) <= autotune_pass.ELEMENTWISE_TOLERANCE
     assert autotune_pass.relative_error(rounded, want) <= autotune_pass.ATTENTION_TOLERANCE
-    assert not autotune_pass.elementwise_error(want * float("nan"), want) <= autotune_pass.NORM_TOLERANCE  # NaN: refused
+    assert not autotune_pass.elementwise_error(want * float("nan"), want) <= autotune_pass.ELEMENTWISE_TOLERANCE  # NaN: refused
 
 
 @pytest.mark.interpreted
@@ -634,7 +697,7 @@ def test_autotune_says_how_many_candidates_could_not_run_and_why(no_gpu_needed, 
 
     monkeypatch.setattr(autotune_pass, "_time", some_fail)
     graph = tiny_contents().graph
-    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "rms_norm": False, "dtype": "f32", "native": False},
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "rms_norm": False, "rope": False, "dtype": "f32", "native": False},
                                 PassContext(target="cuda"))  # fmt: skip
     assert "configurations could not run (" in result.summary
     assert "x RuntimeError: out of shared memory)" in result.summary and "more detail" not in result.summary

@@ -414,9 +414,9 @@ def test_gpu_autotune_times_the_norm_fed_projections_after_their_norm() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_autotune_tunes_attention_and_rms_norm_and_the_backend_decodes_the_reference_tokens_with_them() -> None:
-    """On a real GPU: autotune times every prefill and decode attention candidate (decode_attention on)
-    and every Triton RMSNorm candidate for a 4-head model, stores one entry per row count with a real
+def test_gpu_autotune_tunes_attention_rope_and_rms_norm_and_the_backend_decodes_the_reference_tokens_with_them() -> None:
+    """On a real GPU: autotune times every prefill and decode attention candidate (decode_attention on),
+    every RoPE + K/V write and every Triton RMSNorm candidate for a 4-head model, stores one entry per row count with a real
     time, and a backend taking those entries (no native kernels loaded: the Triton RMSNorm runs)
     greedy-decodes a prompt continued in a second chunk (the paged prefill) as the reference does."""
     import torch
@@ -443,6 +443,8 @@ def test_gpu_autotune_tunes_attention_and_rms_norm_and_the_backend_decodes_the_r
         (c.block_n, c.num_warps) for c in DECODE_CONFIGS}
     assert {tuple(c.values()) for k, c in entries.items() if k[0].endswith("prefill")} <= {
         (c.block_m, c.block_n, c.num_warps, c.num_stages) for c in PREFILL_CONFIGS}
+    rope = [e.shape_key.rsplit(",M=", 1)[1] for e in result.stats["autotune"][arch] if e.kernel == "rope_and_write_kv"]
+    assert sorted(rope, key=int) == ["1", "4", "16", "64"]
     norms = {e.shape_key: rmsnorm.RMSNormConfig(**e.config) for e in result.stats["autotune"][arch] if e.kernel == "rms_norm"}
     assert sorted(norms) == sorted(f"F=256,group=256,residual={r},M={m}" for r in (0, 1) for m in (1, 4, 16, 64))
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -58,8 +58,9 @@ def test_rope_bf16() -> None:
 STEPS = [([6, 3, 9], [2, 3, 1]), ([3 + i % 5 for i in range(70)], [1 + (i % 7 == 0) * 2 for i in range(70)])]
 
 
+@pytest.mark.parametrize("config", [None, *rope.CONFIGS[::2]], ids=lambda c: "default" if c is None else f"w{c.num_warps}")
 @pytest.mark.parametrize(("contexts", "new"), STEPS, ids=["3-seqs", "70-seqs"])
-def test_rope_and_write_kv_stores_rotated_k_and_v_in_their_slots(contexts: list[int], new: list[int]) -> None:
+def test_rope_and_write_kv_stores_rotated_k_and_v_in_their_slots(contexts: list[int], new: list[int], config) -> None:  # noqa: ANN001
     assert len(contexts) <= 3 or len(contexts) > rope.SEQ_ENDS_TILE
     g = torch.Generator().manual_seed(11)
     hq, hk, d, page = 4, 2, 16, 4
@@ -69,7 +70,8 @@ def test_rope_and_write_kv_stores_rotated_k_and_v_in_their_slots(contexts: list[
     want_q, want_k = rope.rope_ref(b.q, b.k, b.positions, inv, head_dim=d)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     q, k = b.q.clone(), b.k.clone()
-    rope.rope_and_write_kv(q, k, b.v, b.positions, inv, kc, vc, b.block_table, b.query_start_loc, head_dim=d)
+    rope.rope_and_write_kv(q, k, b.v, b.positions, inv, kc, vc, b.block_table, b.query_start_loc, head_dim=d,
+                           config=config)  # fmt: skip
     torch.testing.assert_close(q, want_q, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(k, want_k, atol=2e-5, rtol=1e-5)
     expect_k, expect_v = b.k_cache.clone(), b.v_cache.clone()
