@@ -22,12 +22,15 @@ The paged attention kernels too (``_tune_attention``): prefill for each chunk le
 16 and more, and, with ``decode_attention`` (off by default: ``AutotuneOptions`` says why), decode for
 each batch bucket; the RoPE + K/V write before them (``_tune_rope``, option ``rope``) and the Triton
 RMSNorm (``_tune_norms``, option ``rms_norm``), the native one's fallback, for each of their shapes
-and row counts. A candidate of these must first give the default configuration's output. Their
-winners' times go to ``stats["attention_timings"]`` (RoPE's too) and ``stats["norm_timings"]``
-({"<kernel> <shape key>": chosen configuration, us, the default configuration's us}). The other
-Triton kernels launch one fixed configuration each, untuned: the embedding lookup of quantized
-tables (``dequantize``), the merges of split decode attention and of the LM head's argmax tiles, and
-the SiLU product where it is not fused into gate/up.
+and row counts. A candidate of these must first give the default configuration's output. Where the
+backend runs a product on cuBLAS instead (``linear.dense_product``: quantized weights from
+DEQUANTIZE_MIN_M rows, dense ones past one row; option ``dense_products``), no Triton GEMM is timed;
+``dequantize`` of each quantized weight and the SiLU product after each fused gate/up are
+(``_tune_dense_path``). The winners' times go to ``stats["attention_timings"]`` (RoPE's too) and
+``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product) ({"<kernel> <shape key>":
+chosen configuration, us, the default configuration's us}). The other Triton kernels launch one
+fixed configuration each, untuned: the merges of split decode attention and of the LM head's argmax
+tiles, and ``dequantize``'s lookup of the rows of a quantized embedding.
 """
 
 from __future__ import annotations
@@ -86,6 +89,12 @@ class AutotuneOptions:
     # runs before the paged attention kernels in prefill and mixed steps; decode steps rotate in the
     # decode kernel) for each attention shape whose RoPE feeds it and each row count.
     rope: bool = True
+    # Also tune the kernels around the dense (cuBLAS) products that the CUDA backend runs instead of
+    # the Triton GEMM (``linear.dense_product``: quantized weights from DEQUANTIZE_MIN_M rows, dense
+    # ones past one row): ``dequantize`` of each quantized weight, once, and the SiLU product
+    # (``silu_mul``) after each fused gate/up at each such row count. The Triton GEMM is not timed
+    # where it would not run.
+    dense_products: bool = True
     # Also tune the Triton RMSNorm for each norm shape (input width, group, residual added first) and
     # row count: on a GPU it runs where the native RMSNorm cannot (a build host without nvcc stores no
     # native code; a driver older than the build's nvcc refuses it). Every candidate must give the
@@ -588,6 +597,42 @@ def _tune_rope(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, 
     return timed
 
 
+def _tune_dense_path(w: Any, silu: bool, m: int, opts: AutotuneOptions, dtype: Any, entries: dict,
+                     measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """For ``m`` rows of ``w`` that run as a dense product: time ``dequantize``'s candidates for a
+    quantized ``w`` (once per weight signature) and, for a fused gate/up (``silu``), ``silu_mul``'s
+    for its width at ``m`` rows; each must first write the default's output. Returns how many were
+    timed."""
+    import torch
+
+    from mgx.kernels.triton.linear import dequantize, dequantize_candidates, silu_mul, silu_mul_candidates
+    from mgx.kernels.triton.tuning import DEQUANTIZE, SILU_MUL, silu_signature, weight_signature
+
+    timed = 0
+    sig = weight_signature(w)
+    if w.scheme != "none" and not any(k[0] == DEQUANTIZE and k[1].rpartition(",M=")[0] == sig for k in entries):
+        buf = torch.empty(w.n * w.k, dtype=dtype, device=w.weight.device)
+
+        def into(c: Any, w: Any = w, buf: Any = buf) -> Any:  # timed: into one buffer, as the backend's
+            return dequantize(w, dtype, out=buf, config=c)
+
+        timed += _tune_by_output(DEQUANTIZE, f"{sig},M={m}", dequantize_candidates(w), into, opts, entries, measured,
+                                 failed, error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE,
+                                 check=lambda c, w=w: dequantize(w, dtype, config=c))  # fmt: skip
+    f = w.n // 2
+    if silu and (SILU_MUL, f"{silu_signature(f)},M={m}") not in entries:
+        x = torch.randn(m, w.n, dtype=dtype, device=w.weight.device)
+        out = torch.empty(m, f, dtype=dtype, device=w.weight.device)
+
+        def product(c: Any, x: Any = x, out: Any = out) -> Any:
+            return silu_mul(x, out=out, config=c)
+
+        timed += _tune_by_output(SILU_MUL, f"{silu_signature(f)},M={m}", silu_mul_candidates(f), product, opts, entries,
+                                 measured, failed, error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE,
+                                 check=lambda c, x=x: silu_mul(x, config=c))  # fmt: skip
+    return timed
+
+
 def _flat(out: Any) -> Any:
     """A launch's output as one fp32 vector (several outputs, all of them)."""
     import torch
@@ -617,7 +662,7 @@ def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[
 
     check = check or launch
     try:
-        want = _flat(check(configs[0]))
+        want = _flat(check(configs[0])).clone()  # kept: a launch may write into the same buffer again
     except Exception as e:  # noqa: BLE001 - the default cannot run here: nothing to compare with, no entry
         failed.append(f"{kernel} default {configs[0]}: {_why(e)}")
         return 0
@@ -673,7 +718,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         scale_pairs,
     )
     from mgx.kernels.triton._common import overlapped_launches
-    from mgx.kernels.triton.linear import GEMV_MAX_M, linear, linear_silu_mul
+    from mgx.kernels.triton.linear import dense_product, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
     from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
@@ -690,12 +735,13 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
     attention: dict[str, dict[str, Any]] = {}  # the attention winners' times (stats["attention_timings"])
-    norm_times: dict[str, dict[str, Any]] = {}  # the RMSNorm winners' times (stats["norm_timings"])
+    # the RMSNorm's, dequantize's and the SiLU product's winners' times (stats["elementwise_timings"])
+    elementwise: dict[str, dict[str, Any]] = {}
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
         if opts.prefill_attention or opts.decode_attention:
             timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
         if opts.rms_norm:
-            timed += _tune_norms(graph, opts, device, dtype, entries, norm_times, failed)
+            timed += _tune_norms(graph, opts, device, dtype, entries, elementwise, failed)
         if opts.rope:
             timed += _tune_rope(graph, opts, device, dtype, entries, attention, failed)
         for op in graph.ops:
@@ -717,8 +763,13 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             copies = ws = None  # copies of w, for timing the decode regime in graphs (made when first needed)
             for m in sorted({int(r) for r in opts.rows}):
                 key = (kernel, shape_key(w, m))
-                if key in entries or (w.scheme == "none" and kernel != "lm_head_argmax" and m > GEMV_MAX_M):
-                    continue  # dense weights with several rows run on cuBLAS in the CUDA backend
+                if key in entries:
+                    continue
+                if kernel != "lm_head_argmax" and dense_product(w, m):  # cuBLAS runs it in the CUDA backend
+                    if opts.dense_products:
+                        timed += _tune_dense_path(w, kernel == "linear_silu_mul", m, opts, dtype, entries,
+                                                  elementwise, failed)  # fmt: skip
+                    continue
                 x = torch.randn(m, w.k, dtype=dtype, device=device)
                 if m <= GRAPH_MAX_M and copies is None:  # decode steps run as CUDA graphs: time them so
                     copies = _weight_copies(w, upload, device)
@@ -784,6 +835,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         natives += f"; {len(failed)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
-        {"autotune": {arch: found}, "timings": measured, "attention_timings": attention, "norm_timings": norm_times},
+        {"autotune": {arch: found}, "timings": measured, "attention_timings": attention, "elementwise_timings": elementwise},
         options_dict(opts),
     )

@@ -129,7 +129,6 @@ from mgx.kernels.triton.attention import (
     write_kv,
 )
 from mgx.kernels.triton.linear import (
-    DEQUANTIZE_MIN_M,
     GEMV_MAX_M,
     SCHEME_IDS,
     SPLIT_MAX_M,
@@ -137,6 +136,7 @@ from mgx.kernels.triton.linear import (
     LinearConfig,
     NormIn,
     default_config,
+    dense_product,
     dequantize,
     linear,
     linear_add_squares,
@@ -151,9 +151,13 @@ from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import (
     ATTENTION_DECODE,
     ATTENTION_PREFILL,
+    DEQUANTIZE,
     ROPE_KV,
+    SILU_MUL,
     Tunings,
     attention_signature,
+    silu_signature,
+    weight_signature,
 )
 from mgx.kernels.triton.weights import TORCH_DTYPES, gpu_arrays, gpu_weight
 
@@ -341,12 +345,6 @@ def _fused_row(a: Array, b: Array) -> tuple[Array, Array] | None:
     if b.dtype == torch.int64:
         return b, a
     return (a, b) if a.dtype == torch.int64 else None
-
-
-def _on_cublas(w: GpuWeight, m: int) -> bool:
-    """Whether ``linear`` runs ``m`` rows of ``w`` as a dense cuBLAS product (dense weights past the
-    GEMV's rows; quantized weights, dequantized first, from ``DEQUANTIZE_MIN_M`` rows)."""
-    return (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1340,14 +1338,17 @@ class CUDABackend(Backend):
         elif normed is not None:  # x is the residual: the add and the norm before this op run in the prologue
             kind, norm = normed
             out = gemv(x, w, bias, kernels=self.cuda_kernels, silu_mul=silu is not None, kind=kind, norm=norm)
-        elif _on_cublas(w, m):
+        elif dense_product(w, m):
             # Dense weights and several rows: cuBLAS (the Triton GEMM has nothing to dequantize and
             # is slower); quantized weights and a long prefill: dequantize once, then cuBLAS. A fused
             # gate/up then takes the SiLU product in a second, small kernel.
-            dense = w.weight if w.scheme == "none" else dequantize(w, self.dtype, out=self._dequant_buf)
+            dense = w.weight
+            if w.scheme != "none":
+                tuned = self.tunings.lookup(DEQUANTIZE, weight_signature(w), m)
+                dense = dequantize(w, self.dtype, out=self._dequant_buf, config=tuned)
             out = torch.nn.functional.linear(x, dense, bias)
             if silu is not None:
-                out = silu_mul(out)
+                out = self._silu_mul(out)
         else:
             config = self._config(op, m)
             # One row: the native GEMV where the stored tuning chose it, or (untuned) for quantized
@@ -1391,7 +1392,7 @@ class CUDABackend(Backend):
         """Whether ``linear`` runs ``op`` on x's rows with the Triton linear kernels (``gemv_only``: as
         the one-row GEMV), and with which stored configuration."""
         w, m = self._weights[id(op)], x.shape[0]
-        if _on_cublas(w, m):
+        if dense_product(w, m):
             return False, None
         config = self._config(op, m)
         if self._native_kind(x, w, self._bias[id(op)], config):
@@ -1451,7 +1452,7 @@ class CUDABackend(Backend):
                 return self._decode(q, kc, vc, a, DecodeRope(k, v, inv_freq, rotary_dim, scaling))
             rope_and_write_kv(q, k, v, st.positions, inv_freq, kc, vc, st.block_tables, st.query_start_loc,
                               head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scaling,
-                              config=self.tunings.attention(ROPE_KV, self._attn_sig[id(op)], q.shape[0]))  # fmt: skip
+                              config=self.tunings.lookup(ROPE_KV, self._attn_sig[id(op)], q.shape[0]))  # fmt: skip
         else:
             write_kv(k, v, st.positions, kc, vc, st.block_tables, st.query_start_loc)
         if st.fresh is not None and not a.window and self._sdpa_modes:
@@ -1460,7 +1461,7 @@ class CUDABackend(Backend):
                 return out
         if decode:
             return self._decode(q, kc, vc, a, None)
-        tuned = self.tunings.attention(ATTENTION_PREFILL, self._attn_sig[id(op)], st.max_query_len)
+        tuned = self.tunings.lookup(ATTENTION_PREFILL, self._attn_sig[id(op)], st.max_query_len)
         return paged_attention_prefill(
             q, kc, vc, st.block_tables, st.context_lens, st.query_start_loc, st.positions,
             scale=a.scale, sliding_window=a.window, max_query_len=st.max_query_len,
@@ -1489,7 +1490,7 @@ class CUDABackend(Backend):
         graphs' splits are computed for its tile width): the autotune pass's entry for that bucket
         and the model's decode shape (``_decode_sig``), its width replaced where the environment or
         ``mgx-run tune``'s switch pinned one (``narrow_decode_tiles``); else the kernel's defaults."""
-        config = self.tunings.attention(ATTENTION_DECODE, self._decode_sig, rows) or DecodeConfig()
+        config = self.tunings.lookup(ATTENTION_DECODE, self._decode_sig, rows) or DecodeConfig()
         if self._decode_width is not None:
             config = dataclasses.replace(config, block_n=self._decode_width)
         return config
@@ -1539,9 +1540,13 @@ class CUDABackend(Backend):
         if done is not None:
             return done
         if up is None:
-            return silu_mul(gate)
+            return self._silu_mul(gate)
         # In the compute dtype, rounding where transformers does: silu(gate), then the product.
         return torch.nn.functional.silu(gate.float()).to(self.dtype).float().mul_(up.float()).to(self.dtype)
+
+    def _silu_mul(self, x: Array) -> Array:
+        """silu(gate) * up of x [T, 2F] with its stored configuration."""
+        return silu_mul(x, config=self.tunings.lookup(SILU_MUL, silu_signature(x.shape[1] // 2), x.shape[0]))
 
     def add(self, op: Op, a: Array, b: Array) -> Array:
         norm_op = self._fuse.norm_after_add.get(id(op))

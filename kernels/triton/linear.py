@@ -64,6 +64,11 @@ __all__ = [
     "GEMM_CONFIGS",
     "SPLIT_MAX_M",
     "DEQUANTIZE_MIN_M",
+    "DequantizeConfig",
+    "SiluMulConfig",
+    "dequantize_candidates",
+    "silu_mul_candidates",
+    "dense_product",
     "SWAP_CONFIGS",
     "SplitWorkspace",
     "new_split_workspace",
@@ -786,6 +791,62 @@ SWAP_CONFIGS = [
 ]  # fmt: skip
 # From this many rows on, a quantized weight is dequantized (``dequantize``) for a dense product.
 DEQUANTIZE_MIN_M = 256
+
+
+def dense_product(w: GpuWeight, m: int) -> bool:
+    """Whether the CUDA backend runs ``m`` rows of ``w`` as a dense (cuBLAS) product instead of these
+    kernels: dense weights past the GEMV's rows, quantized ones (``dequantize`` first) from
+    ``DEQUANTIZE_MIN_M`` rows; a fused gate/up then takes its SiLU product from ``silu_mul``."""
+    return (w.scheme == "none" and m > GEMV_MAX_M) or (w.scheme != "none" and m >= DEQUANTIZE_MIN_M)
+
+
+@dataclass(frozen=True, slots=True)
+class DequantizeConfig:
+    """``dequantize``'s launch configuration: a program's output tile, rows by columns, and warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SiluMulConfig:
+    """``silu_mul``'s launch configuration: the output columns of a program (one row) and its warps."""
+
+    block: int
+    num_warps: int = 4
+
+
+MAX_ELEMENTS_PER_THREAD = 64  # the most a thread holds in the elementwise kernels' candidates
+_DEQUANTIZE_CONFIGS = [DequantizeConfig(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (2, 4, 8)]
+_SILU_MUL_CONFIGS = [SiluMulConfig(b, w) for b in (64, 128, 256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8, 16)]
+
+
+def _default_dequantize(w: GpuWeight, n: int) -> DequantizeConfig:
+    return DequantizeConfig(min(32, next_pow2(n)), max(128, min_block_k(w)))
+
+
+def _default_silu_mul(f: int) -> SiluMulConfig:
+    return SiluMulConfig(min(1024, next_pow2(f)))
+
+
+def dequantize_candidates(w: GpuWeight) -> list[DequantizeConfig]:
+    """The configurations the autotune pass times for dequantizing all of ``w``, the default first:
+    K tiles of whole int4 groups (``min_block_k``), row tiles no taller than ``w``'s rows, and at
+    most ``MAX_ELEMENTS_PER_THREAD`` elements a thread."""
+    default = _default_dequantize(w, w.n)
+    return [default] + [c for c in _DEQUANTIZE_CONFIGS if c != default and c.block_k % min_block_k(w) == 0
+                        and c.block_n <= next_pow2(w.n)
+                        and c.block_n * c.block_k <= MAX_ELEMENTS_PER_THREAD * 32 * c.num_warps]  # fmt: skip
+
+
+def silu_mul_candidates(f: int) -> list[SiluMulConfig]:
+    """The configurations the autotune pass times for ``silu_mul`` to width ``f``, the default first:
+    tiles no wider than ``f`` (rounded up to a power of two) and 1 to ``MAX_ELEMENTS_PER_THREAD``
+    elements a thread."""
+    default = _default_silu_mul(f)
+    return [default] + [c for c in _SILU_MUL_CONFIGS if c != default and c.block <= next_pow2(f)
+                        and 32 * c.num_warps <= c.block <= MAX_ELEMENTS_PER_THREAD * 32 * c.num_warps]  # fmt: skip
 # Split K only while the fp32 workspace stays small (decode batches, not prefill chunks).
 SPLIT_MAX_M = 256
 _TARGET_PROGRAMS = 256  # about two waves of programs on an H200's 132 SMs
@@ -1023,7 +1084,7 @@ def linear_silu_mul(
 
 
 def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = None,
-               rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               rows: torch.Tensor | None = None, config: DequantizeConfig | None = None) -> torch.Tensor:  # fmt: skip
     """W [N, K] in ``dtype`` (rounded once from the fp32 value ``dequantize_ref`` defines), written
     into ``out`` when given (a buffer of at least N * K elements; the first N * K are used). With
     ``rows`` (int32 or int64 [R], each in [0, N)): W[rows] [R, K] instead, an embedding's lookup in one
@@ -1031,7 +1092,8 @@ def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = N
 
     Long prefills on quantized weights dequantize once and run the dense matrix product: at
     thousands of rows the weight is read once either way, and the dense product runs at the
-    tensor cores' rate."""
+    tensor cores' rate. ``config``: the launch configuration (default: 32-row tiles of the narrowest
+    K the scheme allows, 128 columns or more, 4 warps)."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dequantize to {dtype}: expected a float dtype")
     n = w.n
@@ -1050,7 +1112,10 @@ def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = N
         out = out.view(-1)[: n * w.k].view(n, w.k)
     if n == 0:
         return out
-    block_n, block_k = min(32, next_pow2(n)), max(128, min_block_k(w))
+    config = config or _default_dequantize(w, n)
+    if config.block_k % min_block_k(w):
+        raise ValueError(f"dequantize: K tile {config.block_k} is not a multiple of {min_block_k(w)} ({w.scheme})")
+    block_n, block_k = config.block_n, config.block_k
     s, z, meta = w.scales, w.zeros, w.meta
     _dequantize_kernel[(cdiv(n, block_n), cdiv(w.k, block_k))](
         w.weight, s if s is not None else out, z if z is not None else out, meta if meta is not None else out,
@@ -1058,13 +1123,15 @@ def dequantize(w: GpuWeight, dtype: torch.dtype, *, out: torch.Tensor | None = N
         n, w.k, w.weight.stride(0), s.stride(0) if s is not None and s.dim() == 2 else 0,
         meta.stride(0) if meta is not None else 0, out.stride(0),
         SCHEME=SCHEME_IDS[w.scheme], GROUP=w.group_size or 1, SYMMETRIC=w.symmetric,
-        LAYOUT=LAYOUT_IDS[w.layout], GATHER=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        LAYOUT=LAYOUT_IDS[w.layout], GATHER=rows is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps,
     )  # fmt: skip
     return out
 
 
-def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up for x [T, 2F] holding gate then up -> [T, F]."""
+def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: SiluMulConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up for x [T, 2F] holding gate then up -> [T, F]; ``config``: the launch
+    configuration (default: tiles of up to 1,024 columns, 4 warps)."""
     check_float("x", x)
     x = rows_of("x", x)
     t, f2 = x.shape
@@ -1073,8 +1140,9 @@ def silu_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tenso
     f = f2 // 2
     out = torch.empty((t, f), dtype=x.dtype, device=x.device) if out is None else out
     if t:
-        block = min(1024, next_pow2(f))
-        _silu_mul_kernel[(t, cdiv(f, block))](x, out, f, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        config = config or _default_silu_mul(f)
+        _silu_mul_kernel[(t, cdiv(f, config.block))](x, out, f, x.stride(0), out.stride(0), BLOCK=config.block,
+                                                     num_warps=config.num_warps)  # fmt: skip
     return out
 
 

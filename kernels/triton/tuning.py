@@ -13,6 +13,11 @@ step's tokens) are keyed by the attention's heads (``attention_signature``); a s
 of the smallest tuned M >= its rows (the largest beyond them), and an untuned shape the kernel's
 defaults.
 
+Entries of the kernels around the dense (cuBLAS) products that replace these kernels for many rows
+(``linear.dense_product``): ``dequantize`` (a ``DequantizeConfig``, keyed by the weight's signature,
+M the first tuned row count it serves) and ``silu_mul`` (a ``SiluMulConfig``, keyed by the output
+width, ``silu_signature``), looked up as the attention entries.
+
 RMSNorm entries (``rms_norm``: an ``RMSNormConfig`` of the Triton RMSNorm, which runs where the native
 one cannot) are keyed by the norm's input width, group and whether it adds a residual first
 (``norm_signature``), M its activation rows; a launch takes the entry of the smallest tuned M >= its
@@ -41,14 +46,16 @@ from .linear import (
     GEMV_CONFIGS,
     GEMV_MAX_M,
     SWAP_CONFIGS,
+    DequantizeConfig,
     GpuWeight,
     LinearConfig,
+    SiluMulConfig,
     swap_applies,
 )
 from .rmsnorm import RMSNormConfig
 from .rope import RopeConfig
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "attention_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "attention_signature", "silu_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -60,9 +67,11 @@ ATTENTION_DECODE = "paged_attention_decode"  # entries of DecodeConfig per batch
 ATTENTION_PREFILL = "paged_attention_prefill"  # entries of PrefillConfig per chunk length
 RMS_NORM = "rms_norm"  # entries of RMSNormConfig per norm shape and row count
 ROPE_KV = "rope_and_write_kv"  # entries of RopeConfig per attention shape and row count
+DEQUANTIZE = "dequantize"  # entries of DequantizeConfig per quantized weight (before its dense products)
+SILU_MUL = "silu_mul"  # entries of SiluMulConfig per width and row count (after a gate/up dense product)
 # Entries keyed by a signature and M, looked up by M
 _SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig,
-           ROPE_KV: RopeConfig}  # fmt: skip
+           ROPE_KV: RopeConfig, DEQUANTIZE: DequantizeConfig, SILU_MUL: SiluMulConfig}  # fmt: skip
 _COUNTS = ("num_stages", "per_sm")  # fields of those configurations that need not be powers of two
 
 
@@ -75,6 +84,11 @@ def norm_signature(width: int, group: int, residual: bool) -> str:
     """An RMSNorm shape as its entries' shape keys name it: input width F, group, and whether a
     residual is added first (``...,M=<rows>`` after it)."""
     return f"F={width},group={group},residual={int(residual)}"
+
+
+def silu_signature(width: int) -> str:
+    """A SiLU product's shape as its entries' shape keys name it: the output width F."""
+    return f"F={width}"
 
 
 def _norm_shape(signature: str) -> tuple[int, int, bool]:
@@ -177,9 +191,9 @@ class Tunings:
         switches = sum(v is not None for v in (self.decode_block_n, self.norm_prologue, self.staged_x, self.fused_mlp))
         return sum(len(ms) for ms, _ in (*self._by.values(), *self._shaped.values())) + switches
 
-    def attention(self, kernel: str, signature: str, m: int) -> DecodeConfig | PrefillConfig | RopeConfig | None:
-        """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL`` or
-        ``ROPE_KV``) for the attention ``signature`` at ``m`` rows: the smallest tuned M >= m, the
+    def lookup(self, kernel: str, signature: str, m: int) -> Any:
+        """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL``, ``ROPE_KV``,
+        ``DEQUANTIZE`` or ``SILU_MUL``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
         largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 

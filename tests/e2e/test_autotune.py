@@ -10,6 +10,7 @@ under TRITON_INTERPRET=1) launching the stored configurations with the tokens un
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from mgx.formats import ir
 from mgx.formats.artifact import load_artifact, write_artifact
 from mgx.kernels.triton import rmsnorm
 from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, DecodeConfig, PrefillConfig
-from mgx.kernels.triton.linear import LinearConfig
+from mgx.kernels.triton.linear import DequantizeConfig, LinearConfig, SiluMulConfig
 from mgx.kernels.triton.rmsnorm import RMSNormConfig
 from mgx.kernels.triton.rmsnorm import candidates as candidates_of_norm
 from mgx.kernels.triton.rope import RopeConfig
@@ -42,15 +43,20 @@ class _StandIn:
         return False
 
 
-def fake_seconds(config: LinearConfig | DecodeConfig | PrefillConfig | RMSNormConfig | RopeConfig) -> float:
+def fake_seconds(config: Any) -> float:
     """The fake timer's ranking. Linear: narrowest N tile, then the deepest K tile, wins. Attention:
     not the default: decode the narrow tiles on 8 warps, prefill the tallest query tiles, then the
     most stages (the first of equals wins, as in the pass). RMSNorm: the most warps, then the tallest
-    row tiles. RoPE: the fewest warps."""
+    row tiles. RoPE: the fewest warps. Dequantize: the tallest tiles, then the most warps. SiLU product:
+    the narrowest tiles, then the fewest warps."""
     if isinstance(config, RMSNormConfig):
         return 1e3 - config.num_warps - config.block_m / 100
     if isinstance(config, RopeConfig):
         return 1e3 + config.num_warps  # the fewest warps
+    if isinstance(config, DequantizeConfig):
+        return 1e3 - config.block_n - config.num_warps / 100  # the tallest tiles, then the most warps
+    if isinstance(config, SiluMulConfig):
+        return 1e3 + config.block / 1e4 + config.num_warps / 1e6  # the narrowest tiles, then the fewest warps
     if isinstance(config, DecodeConfig):
         return 1e3 - config.num_warps - 1 / config.block_n
     if isinstance(config, PrefillConfig):
@@ -134,7 +140,7 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     assert norms == {f"F=40,group=40,residual={r},M={m}": min(candidates_of_norm(m, 40, 4), key=fake_seconds)
                      for r in (0, 1) for m in (1, 4)}  # fmt: skip
     assert norms["F=40,group=40,residual=1,M=4"] == RMSNormConfig(4, 8) != candidates_of_norm(4, 40, 4)[0]
-    assert sorted(result.stats["norm_timings"]) == sorted(f"rms_norm {k}" for k in norms)
+    assert sorted(result.stats["elementwise_timings"]) == sorted(f"rms_norm {k}" for k in norms)
     entries = [e for e in every if e not in attention and e.kernel not in ("rms_norm", "rope_and_write_kv")]
     for e in entries:  # the fastest of the candidates for its row count
         m = int(e.shape_key.rsplit("M=", 1)[1])
@@ -236,10 +242,10 @@ def test_tunings_take_attention_entries_checked_and_by_the_nearest_row_count() -
                  AutotuneEntry("paged_attention_prefill", f"{sig},M=2048",
                                {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3})])  # fmt: skip
     assert len(t) == 3
-    assert t.attention("paged_attention_decode", sig, 1) == DecodeConfig(32, 8)
-    assert t.attention("paged_attention_decode", sig, 2) == DecodeConfig(64, 4) == t.attention("paged_attention_decode", sig, 300)
-    assert t.attention("paged_attention_prefill", sig, 17) == PrefillConfig(128, 64, 8, 3)
-    assert t.attention("paged_attention_decode", "Hq=4,Hk=4,D=16", 1) is None
+    assert t.lookup("paged_attention_decode", sig, 1) == DecodeConfig(32, 8)
+    assert t.lookup("paged_attention_decode", sig, 2) == DecodeConfig(64, 4) == t.lookup("paged_attention_decode", sig, 300)
+    assert t.lookup("paged_attention_prefill", sig, 17) == PrefillConfig(128, 64, 8, 3)
+    assert t.lookup("paged_attention_decode", "Hq=4,Hk=4,D=16", 1) is None
     with pytest.raises(ValueError, match="'linear' 'N=4,M=1': .*unexpected keyword"):
         Tunings([AutotuneEntry("linear", "N=4,M=1", {"block_m": 1, "tile": 8})])
     newer = Tunings([AutotuneEntry("some_future_kernel", f"{sig},M=1", {"x": 1}),
@@ -321,12 +327,75 @@ def test_tunings_take_rope_entries_by_the_nearest_row_count() -> None:
     sig = "Hq=32,Hk=8,D=128"
     t = Tunings([AutotuneEntry(ROPE_KV, f"{sig},M=16", {"num_warps": 2}),
                  AutotuneEntry(ROPE_KV, f"{sig},M=2048", {"num_warps": 8})])  # fmt: skip
-    assert t.attention(ROPE_KV, sig, 1) == RopeConfig(2) and t.attention(ROPE_KV, sig, 17) == RopeConfig(8)
-    assert t.attention(ROPE_KV, "Hq=32,Hk=4,D=128", 16) is None
+    assert t.lookup(ROPE_KV, sig, 1) == RopeConfig(2) and t.lookup(ROPE_KV, sig, 17) == RopeConfig(8)
+    assert t.lookup(ROPE_KV, "Hq=32,Hk=4,D=128", 16) is None
     for config, says in (({"num_warps": 3}, "powers of two"), ({"num_warps": 0}, "positive integers"),
                          ({"warps": 2}, "unexpected keyword")):  # fmt: skip
         with pytest.raises(ValueError, match=says):
             Tunings([AutotuneEntry(ROPE_KV, f"{sig},M=16", config)])
+
+
+@pytest.mark.interpreted
+def test_autotune_tunes_the_silu_product_after_dense_gate_up_products_and_the_backend_uses_it(
+        no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """Dense weights run several rows on cuBLAS: no Triton GEMM entry for them, but the SiLU product after
+    the fused gate/up gets one per row count, and a prompt's step launches it."""
+    from mgx.kernels.triton.linear import silu_mul_candidates
+
+    contents = tiny_contents(fused=True)
+    result = PASSES["autotune"](contents.graph, {"rows": [1, 4], "dtype": "f32", "prefill_attention": False},
+                                PassContext(target="cuda"))  # fmt: skip
+    every = result.stats["autotune"]["interpreter"]
+    assert not [e for e in every if e.kernel.startswith("linear") and e.shape_key.endswith(",M=4")]
+    silu = {e.shape_key: SiluMulConfig(**e.config) for e in every if e.kernel == "silu_mul"}
+    assert silu == {"F=36,M=4": min(silu_mul_candidates(36), key=fake_seconds)} and silu["F=36,M=4"] == SiluMulConfig(64, 1)
+    assert "silu_mul F=36,M=4" in result.stats["elementwise_timings"]
+    backend = CUDABackend(contents.graph, device="cpu", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    used = []
+    real = backend_cuda.silu_mul
+    monkeypatch.setattr(backend_cuda, "silu_mul", lambda x, **k: used.append((x.shape[0], k.get("config"))) or real(x, **k))
+    runner, want = ModelRunner(contents.graph, backend), ModelRunner(contents.graph, "reference")
+    prompt = np.array([5, 6, 7, 8, 9])
+    assert int(runner.step_greedy([SeqChunk(0, prompt)])[0][0][-1]) == int(np.argmax(want.step([SeqChunk(0, prompt)])[0][-1]))
+    assert set(used) == {(5, SiluMulConfig(64, 1))}  # both layers' gate/up, 5 rows: the M=4 entry
+
+
+@pytest.mark.interpreted
+def test_autotune_tunes_dequantize_once_per_weight_where_quantized_products_go_dense(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """From DEQUANTIZE_MIN_M rows a quantized weight is dequantized for cuBLAS: autotune times no Triton
+    GEMM there, tunes dequantize once per weight (and the SiLU product at that row count), and the
+    backend's dense product dequantizes with the stored configuration, giving the reference's product."""
+    import torch
+
+    from mgx.kernels.triton.linear import DEQUANTIZE_MIN_M, dequantize_candidates, linear_ref
+    from mgx.kernels.triton.tuning import weight_signature
+
+    contents = tiny_contents(fused=True)
+    PASSES["quantize_w8a16"](contents.graph, {}, PassContext(target="cuda"))
+    rows = [1, DEQUANTIZE_MIN_M, 2 * DEQUANTIZE_MIN_M]
+    result = PASSES["autotune"](contents.graph, {"rows": rows, "dtype": "f32", "prefill_attention": False,
+                                                 "rms_norm": False, "rope": False}, PassContext(target="cuda"))  # fmt: skip
+    every = result.stats["autotune"]["interpreter"]
+    assert not [e for e in every if e.kernel.startswith("linear") and not e.shape_key.endswith(",M=1")]
+    backend = CUDABackend(contents.graph, device="cpu", dtype="f32")
+    quantized = {weight_signature(backend._weights[id(op)]): backend._weights[id(op)] for op in contents.graph.ops
+                 if op.kind == "linear"}  # fmt: skip
+    deq = {e.shape_key.rpartition(",M=")[0]: DequantizeConfig(**e.config) for e in every if e.kernel == "dequantize"}
+    assert {e.shape_key.rpartition(",M=")[2] for e in every if e.kernel == "dequantize"} == {str(DEQUANTIZE_MIN_M)}
+    assert deq == {sig: min(dequantize_candidates(w), key=fake_seconds) for sig, w in quantized.items()}
+    assert all(c != dequantize_candidates(quantized[sig])[0] for sig, c in deq.items())
+    assert {e.shape_key for e in every if e.kernel == "silu_mul"} == {f"F=36,M={m}" for m in rows[1:]}
+    backend.use_tunings(result.stats["autotune"])
+    used = []
+    real = backend_cuda.dequantize
+    monkeypatch.setattr(backend_cuda, "dequantize", lambda w, d, **k: used.append(k.get("config")) or real(w, d, **k))
+    op = next(o for o in contents.graph.ops if o.kind == "linear" and o.outputs[0].endswith("o_proj"))
+    w = backend._weights[id(op)]
+    x = torch.randn(DEQUANTIZE_MIN_M + 3, w.k)
+    got = backend.linear(op, x)
+    assert used == [deq[weight_signature(w)]]
+    torch.testing.assert_close(got, linear_ref(x, w), rtol=1e-4, atol=1e-4)
 
 
 def test_a_norm_candidate_wrong_in_one_row_of_thousands_is_told_apart() -> None:

@@ -122,6 +122,12 @@ def test_silu_mul() -> None:
     got = lin.silu_mul(x)
     torch.testing.assert_close(got, lin.silu_mul_ref(x), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got.cpu().numpy(), ref.silu_mul(x.cpu().numpy()), atol=1e-5, rtol=1e-5)
+    found = lin.silu_mul_candidates(40)  # tiles of up to 64 columns: the default, 64 x 1 and 2 warps
+    assert found == [lin.SiluMulConfig(64, 4), lin.SiluMulConfig(64, 1), lin.SiluMulConfig(64, 2)]
+    assert all(torch.equal(lin.silu_mul(x, config=c), got) for c in found)
+    wide = torch.randn(2, 2 * 3000, generator=torch.Generator().manual_seed(6)).to(DEVICE)  # tiles that split rows
+    assert torch.equal(lin.silu_mul(wide, config=lin.SiluMulConfig(256, 2)), lin.silu_mul(wide))
+    assert len(lin.silu_mul_candidates(14336)) > 10 and lin.silu_mul_candidates(14336)[0] == lin.SiluMulConfig(1024, 4)
 
 
 def test_explicit_configs_agree() -> None:
@@ -279,6 +285,15 @@ def test_dequantize_kernel_matches_the_reference(name: str) -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="dequantize buffer"):
         lin.dequantize(w, torch.float32, out=buf[: 40 * 383])
+    # Every candidate the autotune pass may store writes the same bits (tiles of 8-64 rows, K tiles of
+    # whole groups, 2-8 warps); a K tile that splits a group is refused.
+    candidates = lin.dequantize_candidates(w)
+    assert candidates[0] == lin.DequantizeConfig(32, max(128, lin.min_block_k(w)))
+    for c in candidates[1::5]:
+        assert torch.equal(lin.dequantize(w, torch.float32, config=c), want), c
+    if lin.min_block_k(w) > 128:
+        with pytest.raises(ValueError, match="not a multiple"):
+            lin.dequantize(w, torch.float32, config=lin.DequantizeConfig(32, 128))
 
 
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
