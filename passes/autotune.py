@@ -9,8 +9,9 @@ is timed on random activations with the weight's real bytes, and the fastest is 
 native CUDA GEMV (``kernels/cuda/gemv.cu``, built with nvcc for the build GPU when nvcc is there) is
 timed too, and where it beats the best Triton configuration the entry says so (``native``; the Triton
 configuration stays in the entry as the fallback for a runtime without the native code); for the LM
-head, the imma kinds' greedy entries (``gemv_argmax``), which must pick the Triton kernel's token. The graph is
-not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
+head, the imma kinds' greedy entries (``gemv_argmax``), which must pick the Triton kernel's token. The
+LM head of sampling steps (``linear`` into fp32 logits) gets ``linear`` entries of its own
+(``_tune_sampling_head``, option ``sampling_head``). The graph is not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
 the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
 launch, weight GB/s, the best Triton configuration's us and blocks, each native kind's us
@@ -95,6 +96,12 @@ class AutotuneOptions:
     # (``silu_mul``) after each fused gate/up at each such row count. The Triton GEMM is not timed
     # where it would not run.
     dense_products: bool = True
+    # Also tune the LM head of sampling steps (the CUDA backend's ``lm_head``: fp32 logits from the
+    # Triton ``linear`` kernel, without split K; stored as the head weight's ``linear`` entries), where
+    # it runs: every row count for a quantized head, one row for a dense one (cuBLAS past it). Until the
+    # fifty-second session only the greedy head (``lm_head_argmax``) was tuned, so sampling ran the
+    # kernel's default configuration.
+    sampling_head: bool = True
     # Also tune the Triton RMSNorm for each norm shape (input width, group, residual added first) and
     # row count: on a GPU it runs where the native RMSNorm cannot (a build host without nvcc stores no
     # native code; a driver older than the build's nvcc refuses it). Every candidate must give the
@@ -597,6 +604,37 @@ def _tune_rope(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, 
     return timed
 
 
+def _tune_sampling_head(x: Any, w: Any, ws: list[Any] | None, opts: AutotuneOptions, entries: dict,
+                        measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time the LM head of sampling steps on ``x``'s rows as the CUDA backend's ``lm_head`` runs it
+    (``linear`` into fp32 logits, each candidate with split K off, so those differing only there are
+    one; in graphs over ``ws`` as the greedy head's); the fastest becomes ``w``'s ``linear`` entry at
+    that row count. Returns how many were timed."""
+    import torch
+
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.linear import linear
+    from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
+
+    m = x.shape[0]
+    out = torch.empty((m, w.n), dtype=torch.float32, device=x.device)
+    best, timed = None, 0
+    for config in dict.fromkeys(dataclasses.replace(c, split_k=1) for c in candidates(m, w, x.dtype)):
+        try:
+            seconds = _time(lambda c=config, x=x, w=w, out=out: linear(x, w, out=out, config=c), opts.repeats, ws)
+        except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
+            failed.append(_why(e))
+            continue
+        timed += 1
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    if best is not None:
+        key = shape_key(w, m)
+        entries[("linear", key)] = AutotuneEntry("linear", key, config_dict(best[1]))
+        measured[f"linear {key}"] = {**_timing(best, best[0], w), "fused": "sampling_head", "native_us": {}}
+    return timed
+
+
 def _tune_dense_path(w: Any, silu: bool, m: int, opts: AutotuneOptions, dtype: Any, entries: dict,
                      measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
     """For ``m`` rows of ``w`` that run as a dense product: time ``dequantize``'s candidates for a
@@ -718,7 +756,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         scale_pairs,
     )
     from mgx.kernels.triton._common import overlapped_launches
-    from mgx.kernels.triton.linear import dense_product, linear, linear_silu_mul
+    from mgx.kernels.triton.linear import GEMV_MAX_M, dense_product, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
     from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
@@ -822,6 +860,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
                     how = fused[0] if fused else "after_norm" if after is not None else ""
                     measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": how, "native_us": natives_us}
+                if head and opts.sampling_head and (w.scheme != "none" or m <= GEMV_MAX_M):  # else cuBLAS
+                    timed += _tune_sampling_head(x, w, ws, opts, entries, measured, failed)
             copies = ws = None  # freed before the next weight's copies are made
     found = sorted(entries.values(), key=lambda e: (e.kernel, e.shape_key))
     chosen = [f"{e.config.get('native')} for {e.kernel} {e.shape_key}" for e in found if e.config.get("native")]

@@ -142,6 +142,13 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     assert norms["F=40,group=40,residual=1,M=4"] == RMSNormConfig(4, 8) != candidates_of_norm(4, 40, 4)[0]
     assert sorted(result.stats["elementwise_timings"]) == sorted(f"rms_norm {k}" for k in norms)
     entries = [e for e in every if e not in attention and e.kernel not in ("rms_norm", "rope_and_write_kv")]
+    # The LM head of sampling steps (a linear entry of the head's weight, N = 300): split K off, as it runs.
+    sampling = {e.shape_key.rsplit("M=", 1)[1]: LinearConfig(**e.config) for e in entries
+                if e.kernel == "linear" and ",N=300," in e.shape_key}  # fmt: skip
+    assert sampling == {str(m): min({dataclasses.replace(c, split_k=1) for c in candidates(m)}, key=fake_seconds)
+                        for m in (1, 4)}  # fmt: skip
+    assert all(c.split_k == 1 for c in sampling.values())
+    entries = [e for e in entries if not (e.kernel == "linear" and ",N=300," in e.shape_key)]
     for e in entries:  # the fastest of the candidates for its row count
         m = int(e.shape_key.rsplit("M=", 1)[1])
         assert m in (1, 4)
@@ -151,7 +158,8 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     assert len(entries) == 2 * len(signatures)
     # The build log's timings: one a stored entry, the winner's (here Triton's) time.
     timings = result.stats["timings"]
-    assert sorted(timings) == sorted(f"{e.kernel} {e.shape_key}" for e in entries)
+    head = [k for k in timings if k.startswith("linear ") and ",N=300," in k]  # the sampling head's two
+    assert len(head) == 2 and sorted(timings) == sorted([f"{e.kernel} {e.shape_key}" for e in entries] + head)
     for e in entries:
         t = timings[f"{e.kernel} {e.shape_key}"]
         assert t["chosen"] == "triton"
@@ -194,6 +202,11 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         got_ids.append(runner.step_greedy([SeqChunk(0, got_ids[-1:])])[0][0][-1])
         want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
     assert [int(i) for i in got_ids] == want_ids
+    greedy_used = len(used)
+    # A sampling step (logits, not the greedy head): the LM head on its stored linear entry.
+    logits = runner.step([SeqChunk(0, got_ids[-1:])])[0][-1]
+    assert int(np.argmax(logits)) == int(np.argmax(want.step([SeqChunk(0, got_ids[-1:])])[0][-1]))
+    assert ("linear", sampling["1"]) in used[greedy_used:]
     assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm", "rope"}
     assert {c for n, c in used if n == "rope"} == {(5, RopeConfig(1))}  # the prompt's 5 tokens: M=4's entry
     assert {c for n, c in used if n == "decode"} == {(32, 8)}  # the stored decode attention configuration
@@ -377,7 +390,9 @@ def test_autotune_tunes_dequantize_once_per_weight_where_quantized_products_go_d
     result = PASSES["autotune"](contents.graph, {"rows": rows, "dtype": "f32", "prefill_attention": False,
                                                  "rms_norm": False, "rope": False}, PassContext(target="cuda"))  # fmt: skip
     every = result.stats["autotune"]["interpreter"]
-    assert not [e for e in every if e.kernel.startswith("linear") and not e.shape_key.endswith(",M=1")]
+    # (The LM head, N = 300, keeps its entries: quantized, it never goes to cuBLAS.)
+    assert not [e for e in every if e.kernel.startswith("linear") and not e.shape_key.endswith(",M=1")
+                and ",N=300," not in e.shape_key]  # fmt: skip
     backend = CUDABackend(contents.graph, device="cpu", dtype="f32")
     quantized = {weight_signature(backend._weights[id(op)]): backend._weights[id(op)] for op in contents.graph.ops
                  if op.kind == "linear"}  # fmt: skip
@@ -584,7 +599,7 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     graph = contents.graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
         PASSES[name](graph, {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "sampling_head": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
     natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
     assert natives == {("linear", "1", "gemv")}
@@ -716,7 +731,7 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     graph = tiny_contents().graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
         PASSES[name](graph, {"group_size": 32} if name == "quantize_int4" else {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
     assert not any(e.config["native"] for e in entries)
     assert "native GEMV chosen for 0; native GEMV rejected (wrong results) for " in result.summary
@@ -818,7 +833,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     qkv = graph.tensor(next(op for op in graph.ops if op.kind == "linear").weights["weight"]).shape[0]
     assert by_kernel == {("linear", qkv): "norm", ("linear", hidden): "add",
                          ("linear_silu_mul", 2 * graph.arch.intermediate_size): "norm"}  # fmt: skip
-    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32", "fused": True}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "f32", "fused": True}, PassContext(target="cuda"))
     timings = result.stats["timings"]
     fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in timings.items()}
     assert fused == {"linear": "norm", "linear/o": "add", "linear_silu_mul": "norm", "lm_head_argmax": ""}
@@ -829,7 +844,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     assert adds  # o_proj and down with a residual
     total, squares = ran_add[0]
     assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
-    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
+    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "f32"}, PassContext(target="cuda"))
     fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in plain.stats["timings"].items()}
     assert fused == {"linear": "after_norm", "linear/o": "", "linear_silu_mul": "after_norm", "lm_head_argmax": ""}
 
@@ -907,7 +922,7 @@ def test_after_norm_timing_times_the_norm_fed_projections_after_their_norm(monke
     assert set(readers) == {("linear", qkv, 128), ("linear_silu_mul", 2 * inter, 128)}
     assert all(n.kind == "rms_norm" for n in readers.values())
 
-    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "bf16"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "bf16"}, PassContext(target="cuda"))
     timings = result.stats["timings"]
     how = {key.split(",N=")[1].split(",")[0]: (t["fused"], t["chosen"]) for key, t in timings.items()
            if not key.startswith("lm_head")}  # fmt: skip
@@ -922,7 +937,7 @@ def test_after_norm_timing_times_the_norm_fed_projections_after_their_norm(monke
 
     seen.clear()
     called.clear()
-    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "dtype": "bf16", "after_norm": False}, PassContext(target="cuda"))
+    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "bf16", "after_norm": False}, PassContext(target="cuda"))
     assert {t["fused"] for t in plain.stats["timings"].values()} == {""}
     assert not [c for _, _, run in seen for c in run]
 
