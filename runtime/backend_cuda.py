@@ -141,6 +141,7 @@ from mgx.kernels.triton.linear import (
     linear,
     linear_add_squares,
     linear_silu_mul,
+    min_block_k,
     new_split_workspace,
     runs_gemv,
     silu_mul,
@@ -715,6 +716,12 @@ class CUDABackend(Backend):
             self.tunings = Tunings(entries)
         except ValueError as e:
             raise UnsupportedModelError(f"the artifact's stored tunings for {arch}: {e}") from None
+        for w in {id(w): w for w in self._weights.values() if w.scheme != "none"}.values():
+            for c in self.tunings.stored(DEQUANTIZE, weight_signature(w)):
+                if c.block_k % min_block_k(w):  # it would fail in the first long prefill
+                    raise UnsupportedModelError(
+                        f"the artifact's stored tunings for {arch}: dequantize of {weight_signature(w)} has K tiles of "
+                        f"{c.block_k}, which split its groups of {min_block_k(w)}")  # fmt: skip
         if self.tunings.decode_block_n is not None and not self.decode_tiles_pinned:
             self.narrow_decode_tiles = self.tunings.decode_block_n == 32
         if self.tunings.norm_prologue is not None and not self.norm_gemv_pinned:

@@ -197,6 +197,12 @@ class Tunings:
         largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 
+    def stored(self, kernel: str, signature: str) -> list[Any]:
+        """Every stored ``kernel`` configuration for ``signature``, whatever its row count (for checks
+        against the model's shapes)."""
+        found = self._shaped.get((kernel, signature))
+        return [] if found is None else list(found[1])
+
     def rms_norm(self, width: int, group: int, residual: bool, m: int) -> RMSNormConfig | None:
         """The stored Triton RMSNorm configuration for ``m`` rows of ``width`` in groups of ``group``
         (after adding a residual, with ``residual``): the smallest tuned M >= m, the largest beyond

@@ -413,6 +413,25 @@ def test_autotune_tunes_dequantize_once_per_weight_where_quantized_products_go_d
     torch.testing.assert_close(got, linear_ref(x, w), rtol=1e-4, atol=1e-4)
 
 
+def test_a_stored_dequantize_tile_that_splits_the_weights_groups_is_refused_at_load() -> None:
+    """A dequantize entry whose K tile would split a quantized weight's int4 groups (an edited or
+    foreign artifact) is refused when the backend takes the tunings, naming the weight, not in the
+    first long prefill; whole groups are taken."""
+    from mgx.formats.artifact import AutotuneEntry
+    from mgx.kernels.triton.tuning import weight_signature
+    from mgx.runtime.errors import UnsupportedModelError
+
+    contents = tiny_contents(hidden_size=64, intermediate_size=64, num_heads=4, head_dim=16)
+    PASSES["quantize_int4"](contents.graph, {"group_size": 32}, PassContext(target="cuda"))
+    backend = CUDABackend(contents.graph, device="cpu", dtype="f32")
+    w = next(w for w in backend._weights.values() if w.scheme == "int4")
+    key = f"{weight_signature(w)},M=256"
+    assert "1 stored" in backend.use_tunings({"interpreter": [AutotuneEntry("dequantize", key, {"block_n": 8, "block_k": 32})]})
+    with pytest.raises(UnsupportedModelError, match=r"stored tunings for interpreter: dequantize of scheme=int4.*K tiles of 16, "
+                                                     r"which split its groups of 32"):  # fmt: skip
+        backend.use_tunings({"interpreter": [AutotuneEntry("dequantize", key, {"block_n": 8, "block_k": 16})]})
+
+
 def test_a_norm_candidate_wrong_in_one_row_of_thousands_is_told_apart() -> None:
     """The RMSNorm check compares element by element: one wrong row of 4,096 is within the attention
     check's tolerance of the whole, not within the norm check's; bf16 rounding of the same values
