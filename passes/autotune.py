@@ -40,7 +40,7 @@ import dataclasses
 import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -604,6 +604,24 @@ def _tune_rope(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, 
     return timed
 
 
+def _fastest(configs: Iterable[Any], call: Callable[[Any], Callable[..., Any]], repeats: int, ws: list[Any] | None,
+             failed: list[str]) -> tuple[tuple[float, Any] | None, int]:  # fmt: skip
+    """Time ``call(config)`` (the timed call of one candidate) for each of ``configs``, in graphs over
+    ``ws`` where given (``_time``); one that cannot launch goes to ``failed``. Returns the fastest
+    (seconds, config), None if none ran, and how many were timed."""
+    best, timed = None, 0
+    for config in configs:
+        try:
+            seconds = _time(call(config), repeats, ws)
+        except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
+            failed.append(_why(e))
+            continue
+        timed += 1
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    return best, timed
+
+
 def _tune_sampling_head(x: Any, w: Any, ws: list[Any] | None, opts: AutotuneOptions, entries: dict,
                         measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
     """Time the LM head of sampling steps on ``x``'s rows as the CUDA backend's ``lm_head`` runs it
@@ -618,16 +636,12 @@ def _tune_sampling_head(x: Any, w: Any, ws: list[Any] | None, opts: AutotuneOpti
 
     m = x.shape[0]
     out = torch.empty((m, w.n), dtype=torch.float32, device=x.device)
-    best, timed = None, 0
-    for config in dict.fromkeys(dataclasses.replace(c, split_k=1) for c in candidates(m, w, x.dtype)):
-        try:
-            seconds = _time(lambda c=config, x=x, w=w, out=out: linear(x, w, out=out, config=c), opts.repeats, ws)
-        except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
-            failed.append(_why(e))
-            continue
-        timed += 1
-        if best is None or seconds < best[0]:
-            best = (seconds, config)
+    configs = dict.fromkeys(dataclasses.replace(c, split_k=1) for c in candidates(m, w, x.dtype))
+
+    def call(config: Any) -> Callable[..., Any]:
+        return lambda c=config, x=x, w=w, out=out: linear(x, w, out=out, config=c)
+
+    best, timed = _fastest(configs, call, opts.repeats, ws, failed)
     if best is not None:
         key = shape_key(w, m)
         entries[("linear", key)] = AutotuneEntry("linear", key, config_dict(best[1]))
@@ -812,26 +826,19 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                 if m <= GRAPH_MAX_M and copies is None:  # decode steps run as CUDA graphs: time them so
                     copies = _weight_copies(w, upload, device)
                 ws = copies if m <= GRAPH_MAX_M else None
-                best = None
                 fused = roles.get((kernel, w.n, w.k)) if m == 1 and w.scheme == "none" else None
                 as_run = _fused_launch(fused, launch[kernel], x, w, graph, entries, device, dtype) if fused else None
                 norm = norms.get((kernel, w.n, w.k)) if m == 1 and fused is None else None
                 after = None if norm is None else _after_norm_launch(
                     norm, launch[kernel], kernel == "linear_silu_mul", w, kernels, graph, device, dtype)  # fmt: skip
-                for config in candidates(m, w if kernel != "lm_head_argmax" else None, dtype):
-                    try:
-                        if as_run is not None:
-                            seconds = _time(as_run(config), opts.repeats, ws)
-                        elif after is not None:
-                            seconds = _time(after.triton(config), opts.repeats, ws)
-                        else:
-                            seconds = _time(lambda c=config, f=launch[kernel], x=x, w=w: f(x, w, config=c), opts.repeats, ws)
-                    except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
-                        failed.append(_why(e))
-                        continue
-                    timed += 1
-                    if best is None or seconds < best[0]:
-                        best = (seconds, config)
+
+                def plain(config: Any, f: Callable[..., Any] = launch[kernel], x: Any = x, w: Any = w) -> Callable[..., Any]:
+                    return lambda c=config, f=f, x=x, w=w: f(x, w, config=c)
+
+                call = as_run if as_run is not None else after.triton if after is not None else plain
+                best, n = _fastest(candidates(m, w if kernel != "lm_head_argmax" else None, dtype), call, opts.repeats,
+                                   ws, failed)  # fmt: skip
+                timed += n
                 triton_s = best[0] if best is not None else None
                 # A fused shape stays on Triton: a native kind there would turn norm across off for its chain.
                 one_row = best is not None and m == 1 and fused is None
