@@ -11,8 +11,9 @@ timed too, and where it beats the best Triton configuration the entry says so (`
 configuration stays in the entry as the fallback for a runtime without the native code); for the LM
 head, the imma kinds' greedy entries (``gemv_argmax``), which must pick the Triton kernel's token. The
 LM head of sampling steps (``linear`` into fp32 logits) gets ``linear`` entries of its own
-(``_tune_sampling_head``, option ``sampling_head``). The graph is not changed; the choices travel in the pass result's ``stats["autotune"]`` ({arch: entries}), which
-the compiler stores in the artifact, and the CUDA backend reads them instead of tuning at start-up.
+(``_tune_sampling_head``, option ``sampling_head``). The graph is not changed; the choices travel in
+the pass result's ``stats["autotune"]`` ({arch: entries}), which the compiler stores in the
+artifact, and the CUDA backend reads them instead of tuning at start-up.
 ``stats["timings"]`` says what the winners measured ({"<kernel> <shape key>": chosen kind, us per
 launch, weight GB/s, the best Triton configuration's us and blocks, each native kind's us
 (``native_us``), and with ``fused`` how it was timed: "add", "norm", "after_norm" (option
@@ -167,8 +168,9 @@ def _overlap(arch: str, kernels: Any, on: bool) -> bool:
 
 PREFILL_MIN_M = 16  # the smallest prefill chunk the attention tuning times
 ATTENTION_TOLERANCE = 2e-2  # an attention candidate's relative (Frobenius) distance from the default's output
-# An RMSNorm or RoPE candidate's largest elementwise distance from the default's output over its largest
-# |value| (elementwise: one wrong row of 4,096 is 1.6e-2 of the whole's norm, within ATTENTION_TOLERANCE).
+# An RMSNorm, RoPE, dequantize or SiLU product candidate's largest elementwise distance from the default's
+# output over its largest |value| (elementwise: one wrong row of 4,096 is 1.6e-2 of the whole's norm,
+# within ATTENTION_TOLERANCE).
 ELEMENTWISE_TOLERANCE = 1e-2
 KV_BLOCK = 16  # tokens a KV-cache block of the timed attention batches (the engine's default)
 GRAPH_LAUNCHES = 8  # launches per captured graph when timing the decode regime

@@ -100,8 +100,9 @@ def _norm_shape(signature: str) -> tuple[int, int, bool]:
     return int(values[0]), int(values[1]), values[2] == "1"
 
 
-def _shaped_config(kernel: str, config: dict[str, Any]) -> DecodeConfig | PrefillConfig | RMSNormConfig:
-    """A stored attention or RMSNorm configuration, checked; ValueError naming what is wrong."""
+def _shaped_config(kernel: str, config: dict[str, Any]) -> Any:
+    """A stored configuration of one of the signature-keyed kinds (``_SHAPED``), checked; ValueError
+    naming what is wrong."""
     try:
         c = _SHAPED[kernel](**config)
     except TypeError as e:
