@@ -105,6 +105,9 @@ def _rope_kv_kernel(
         qmask = (hq < HQ)[:, None] & (d < D)[None, :]
         q = _rotate(q_ptr, t64 * stride_q, HQ, c, s, partner, sign, rot, BLOCK_HQ, BLOCK_D, D)
         k = _rotate(k_ptr, t64 * stride_k, HK, c, s, partner, sign, rot, BLOCK_HK, BLOCK_D, D)
+        # In place: a head's partner dims may sit in another warp (k's 8 x 128 on 16 warps), which
+        # must have loaded them before this one's stores overwrite them (a race the H200 showed).
+        tl.debug_barrier()
         q = cast_as(q, q_ptr.dtype.element_ty)
         k = cast_as(k, k_ptr.dtype.element_ty)
         tl.store(q_ptr + t64 * stride_q + hq[:, None] * D + d[None, :], q, mask=qmask)
