@@ -177,23 +177,29 @@ GRAPH_LAUNCHES = 8  # launches per captured graph when timing the decode regime
 GRAPH_MAX_M = 256  # rows up to which decode steps run as CUDA graphs (the CUDA backend's largest bucket)
 
 
-def _time(fn: Callable[..., Any], repeats: int, weights: list[Any] | None = None) -> float:
+def _time(fn: Callable[..., Any], repeats: int, weights: list[Any] | None = None, graph: bool = False) -> float:
     """Median seconds of one launch of ``fn`` on the GPU.
 
     With ``weights`` (copies of the weight, together several times the L2): as a decode step runs it,
     ``GRAPH_LAUNCHES`` launches back to back in a captured CUDA graph, each on the next copy
     (``fn(w=copy)``), so every launch reads its weight from memory and pays its in-graph start and
     tail. Timed alone with L2 flushed before each launch (``triton.testing.do_bench``), a kernel
-    that lost inside the decode graph won (the native GEMV on the 8B shapes; 2026-11-30). Without,
-    or where the capture fails: do_bench."""
+    that lost inside the decode graph won (the native GEMV on the 8B shapes; 2026-11-30). With
+    ``graph`` and no weights: ``GRAPH_LAUNCHES`` launches of ``fn`` on the same inputs in a graph, for
+    kernels of a few microseconds whose eager timing is mostly launch and event noise (do_bench's
+    medians of one 8B RMSNorm shape's candidates ranged 4-42 us on an H200). Otherwise, or where
+    the capture fails: do_bench."""
     import torch
     from triton.testing import do_bench
 
-    if weights:
-        launches = [functools.partial(fn, w=weights[i % len(weights)]) for i in range(max(GRAPH_LAUNCHES, len(weights)))]
+    if weights or graph:
+        launches = ([functools.partial(fn, w=weights[i % len(weights)]) for i in range(max(GRAPH_LAUNCHES, len(weights)))]
+                    if weights else [fn] * GRAPH_LAUNCHES)  # fmt: skip
         try:
             return _time_in_graph(launches, repeats)
         except Exception as e:  # noqa: BLE001 - e.g. a kernel that cannot run inside a capture
+            if _does_not_fit(_why(e)):
+                raise  # no launch of it runs: its candidate is skipped
             warnings.warn(f"autotune: graph timing failed ({type(e).__name__}: {e}); timing alone", stacklevel=2)
             torch.cuda.synchronize()
     return float(do_bench(fn, warmup=5, rep=repeats, return_mode="median")) / 1e3
@@ -428,6 +434,12 @@ def _why(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
 
+def _does_not_fit(reason: str) -> bool:
+    """Whether a failed candidate's reason (``_why``) is a launch asking for more shared memory (or
+    registers) than this GPU has: the summary counts those as skipped, not as kernels that broke."""
+    return reason.startswith("OutOfResources")
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """How many copies of an ``nbytes`` weight span 4x an L2 of ``l2_bytes``: 2 to 16."""
     return min(16, max(2, -(-4 * l2_bytes // max(1, nbytes))))
@@ -550,7 +562,7 @@ def _tune_norms(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any,
 
             configs = rmsnorm.candidates(m * (width // group), group, num_sms(device))
             timed += _tune_by_output(RMS_NORM, f"{sig},M={m}", configs, norm, opts, entries, measured, failed,
-                                     error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE)  # fmt: skip
+                                     error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE, graph=True)  # fmt: skip
     return timed
 
 
@@ -602,7 +614,8 @@ def _tune_rope(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, 
                 return run(c, b.q.clone(), b.k.clone(), torch.zeros_like(b.k_cache), torch.zeros_like(b.v_cache))
 
             timed += _tune_by_output(ROPE_KV, f"{sig},M={m}", configs, launch, opts, entries, measured, failed,
-                                     error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE, check=fresh)  # fmt: skip
+                                     error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE, check=fresh,
+                                     graph=True)  # fmt: skip
     return timed
 
 
@@ -683,7 +696,7 @@ def _tune_dense_path(w: Any, silu: bool, m: int, opts: AutotuneOptions, dtype: A
 
         timed += _tune_by_output(SILU_MUL, f"{silu_signature(f)},M={m}", silu_mul_candidates(f), product, opts, entries,
                                  measured, failed, error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE,
-                                 check=lambda c, x=x: silu_mul(x, config=c))  # fmt: skip
+                                 check=lambda c, x=x: silu_mul(x, config=c), graph=True)  # fmt: skip
     return timed
 
 
@@ -707,11 +720,12 @@ def elementwise_error(got: Any, want: Any) -> float:
 def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[[Any], Any], opts: AutotuneOptions,
                     entries: dict, measured: dict[str, dict[str, Any]], failed: list[str], *,
                     error: Callable[[Any, Any], float] = relative_error, tolerance: float = ATTENTION_TOLERANCE,
-                    check: Callable[[Any], Any] | None = None) -> int:  # fmt: skip
+                    check: Callable[[Any], Any] | None = None, graph: bool = False) -> int:  # fmt: skip
     """Time ``configs`` (the default first) of one attention, RMSNorm or RoPE shape; a candidate whose
     output (``check``'s, where the timed ``launch`` works in place) is not within ``tolerance`` of the
-    default's by ``error``, or that cannot launch, goes to ``failed`` instead. The fastest becomes the
-    entry ``(kernel, key)``. Returns how many were timed."""
+    default's by ``error``, or that cannot launch, goes to ``failed`` instead; each is timed by ``_time``
+    (``graph``: in a graph of launches). The fastest becomes the entry ``(kernel, key)``. Returns how
+    many were timed."""
     from mgx.formats.artifact import AutotuneEntry
 
     check = check or launch
@@ -728,7 +742,7 @@ def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[
             if not err <= tolerance:  # NaN too
                 failed.append(f"{kernel} {c} gave other results (relative error {err:.1e})")
                 continue
-            seconds = _time(lambda c=c, f=launch: f(c), opts.repeats)
+            seconds = _time(lambda c=c, f=launch: f(c), opts.repeats, None, graph)
         except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch (shared memory)
             failed.append(_why(e))
             continue
@@ -879,9 +893,12 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         natives = "native GEMV not timed (no nvcc or image)"
     if rejected:
         natives += f"; native GEMV rejected (wrong results) for {', '.join(rejected)}"
-    if failed:
-        reasons = Counter(failed).most_common(3)
-        natives += f"; {len(failed)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
+    unfit = [r for r in failed if _does_not_fit(r)]
+    if unfit:
+        natives += f"; {len(unfit)} configurations skipped (more than this GPU's shared memory or registers)"
+    if broken := [r for r in failed if not _does_not_fit(r)]:
+        reasons = Counter(broken).most_common(3)
+        natives += f"; {len(broken)} configurations could not run ({'; '.join(f'{n}x {r}' for r, n in reasons)})"
     return PassResult(
         f"{arch}: {len(found)} shapes tuned ({timed} configurations timed) over rows {list(opts.rows)}; {natives}",
         {"autotune": {arch: found}, "timings": measured, "attention_timings": attention, "elementwise_timings": elementwise},
