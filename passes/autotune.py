@@ -30,9 +30,12 @@ DEQUANTIZE_MIN_M rows, dense ones past one row; option ``dense_products``), no T
 ``dequantize`` of each quantized weight and the SiLU product after each fused gate/up are
 (``_tune_dense_path``). The winners' times go to ``stats["attention_timings"]`` (RoPE's too) and
 ``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product) ({"<kernel> <shape key>":
-chosen configuration, us, the default configuration's us}). The other Triton kernels launch one
-fixed configuration each, untuned: the merges of split decode attention and of the LM head's argmax
-tiles, and ``dequantize``'s lookup of the rows of a quantized embedding.
+chosen configuration, us, the default configuration's us}). The merge of the greedy LM head's tile
+argmaxes is tuned for the tiles the chosen head leaves (``_tune_argmax_merge``, option
+``argmax_merge``; its times in ``stats["elementwise_timings"]``). The other Triton kernels launch one
+fixed configuration each, untuned: the merge of split decode attention (which runs only where a
+decode step's splits do not merge themselves) and ``dequantize``'s lookup of the rows of a quantized
+embedding.
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ class AutotuneOptions:
     # default configuration's result first, element by element (ELEMENTWISE_TOLERANCE). False: those runtimes
     # launch its default configuration.
     rms_norm: bool = True
+    # Also tune the merge of the greedy LM head's tile argmaxes (``lm_head.merge_tile_argmax``, one
+    # program a row, which every greedy decode step runs after the head) for the tiles the chosen head
+    # leaves at each row count; its candidates must give the default's tokens and logits exactly.
+    argmax_merge: bool = True
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -712,6 +719,41 @@ def relative_error(got: Any, want: Any) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def _tune_argmax_merge(head: Any, w: Any, m: int, device: Any, opts: AutotuneOptions, entries: dict,
+                       measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time the merge of the greedy LM head's tiles at ``m`` rows for as many tiles as ``head`` (the
+    LinearConfig chosen for ``w``, ``native`` naming the kind if one won) leaves, on random tile maxima
+    with ties; a candidate must give the default's ids and logits exactly. Returns how many were timed."""
+    import torch
+
+    from mgx.kernels.cuda.gemv import argmax_groups
+    from mgx.kernels.triton.lm_head import lm_head_tiles, merge_candidates, merge_tile_argmax
+    from mgx.kernels.triton.tuning import ARGMAX_MERGE, merge_signature
+
+    tiles = argmax_groups(w) if head.native else lm_head_tiles(w.n, head, m, w.k, w.scheme)
+    key = f"{merge_signature(tiles)},M={m}"
+    if (ARGMAX_MERGE, key) in entries:
+        return 0
+    g = torch.Generator(device="cpu").manual_seed(tiles + m)
+    part_v = torch.randint(-64, 64, (m, tiles), generator=g).float().div_(8).to(device)  # ties between tiles
+    part_i = (torch.arange(tiles, dtype=torch.int32) * 16).repeat(m, 1).to(device)
+    ids = torch.empty(m, dtype=torch.int32, device=device)
+    vals = torch.empty(m, dtype=torch.float32, device=device)
+
+    def merge(c: Any, part_v: Any = part_v, part_i: Any = part_i, ids: Any = ids, vals: Any = vals) -> Any:
+        return merge_tile_argmax(part_v, part_i, ids, vals, config=c)
+
+    return _tune_by_output(ARGMAX_MERGE, key, merge_candidates(tiles), merge, opts, entries, measured, failed,
+                           error=exact_error, tolerance=0.0, graph=True)  # fmt: skip
+
+
+def exact_error(got: Any, want: Any) -> float:
+    """0 where ``got`` equals ``want`` bit for bit (tokens: one id off is wrong), else infinity."""
+    import torch
+
+    return 0.0 if torch.equal(got, want) else float("inf")
+
+
 def elementwise_error(got: Any, want: Any) -> float:
     """``got``'s largest elementwise distance from ``want`` over ``want``'s largest magnitude."""
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
@@ -804,7 +846,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
     attention: dict[str, dict[str, Any]] = {}  # the attention winners' times (stats["attention_timings"])
     # the RMSNorm's, dequantize's and the SiLU product's winners' times (stats["elementwise_timings"])
-    elementwise: dict[str, dict[str, Any]] = {}
+    elementwise: dict[str, dict[str, Any]] = {}  # and the LM head's argmax merge's
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
         if opts.prefill_attention or opts.decode_attention:
             timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
@@ -883,6 +925,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
                     entries[key] = AutotuneEntry(kernel, key[1], config_dict(best[1]))
                     how = fused[0] if fused else "after_norm" if after is not None else ""
                     measured[f"{kernel} {key[1]}"] = {**_timing(best, triton_s, w), "fused": how, "native_us": natives_us}
+                if head and opts.argmax_merge and best is not None:
+                    timed += _tune_argmax_merge(best[1], w, m, device, opts, entries, elementwise, failed)
                 if head and opts.sampling_head and (w.scheme != "none" or m <= GEMV_MAX_M):  # else cuBLAS
                     timed += _tune_sampling_head(x, w, ws, opts, entries, measured, failed)
             copies = ws = None  # freed before the next weight's copies are made

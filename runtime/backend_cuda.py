@@ -98,6 +98,7 @@ from mgx.kernels.cuda.gemv import (
     STAGED_SCHEMES,
     TILE16_MARKER,
     NormPrologue,
+    argmax_groups,
     fixed_rows,
     fixed_to,
     fused_mlp,
@@ -147,9 +148,10 @@ from mgx.kernels.triton.linear import (
     silu_mul,
 )
 from mgx.kernels.triton.linear import LAYOUTS as GPU_LAYOUTS
-from mgx.kernels.triton.lm_head import lm_head_argmax
+from mgx.kernels.triton.lm_head import lm_head_argmax, lm_head_tiles
 from mgx.kernels.triton.rope import rope_, rope_and_write_kv
 from mgx.kernels.triton.tuning import (
+    ARGMAX_MERGE,
     ATTENTION_DECODE,
     ATTENTION_PREFILL,
     DEQUANTIZE,
@@ -157,6 +159,7 @@ from mgx.kernels.triton.tuning import (
     SILU_MUL,
     Tunings,
     attention_signature,
+    merge_signature,
     silu_signature,
     weight_signature,
 )
@@ -1678,13 +1681,17 @@ class CUDABackend(Backend):
 
     def greedy_head(self, op: Op, x: Array, rows: np.ndarray) -> tuple[Array, Array]:
         """Greedy tokens and their fp32 logits: one row on the native kind the stored tuning chose
-        (``gemv_argmax``) where the artifact's kernels hold it, else the Triton LM head."""
+        (``gemv_argmax``) where the artifact's kernels hold it, else the Triton LM head; either one's
+        merge of the tiles' argmaxes with the stored configuration for that many tiles."""
         x, w, bias = self._sampled(x), self._weights[id(op)], self._bias[id(op)]
-        config = self.tunings.config("lm_head_argmax", w, x.shape[0])
+        m = x.shape[0]
+        config = self.tunings.config("lm_head_argmax", w, m)
         native = config.native if config is not None and self.tuned_gemvs else ""
         if native and gemv_applies(self.cuda_kernels, x, w, bias, kind=native, argmax=True):
-            return gemv_argmax(x, w, bias, kernels=self.cuda_kernels, kind=native)
-        return lm_head_argmax(x, w, bias, config=config)
+            merge = self.tunings.lookup(ARGMAX_MERGE, merge_signature(argmax_groups(w)), m)
+            return gemv_argmax(x, w, bias, kernels=self.cuda_kernels, kind=native, merge=merge)
+        merge = self.tunings.lookup(ARGMAX_MERGE, merge_signature(lm_head_tiles(w.n, config, m, w.k, w.scheme)), m)
+        return lm_head_argmax(x, w, bias, config=config, merge=merge)
 
     def _sampled(self, x: Array) -> Array:
         st = self._cur

@@ -37,11 +37,11 @@ import torch
 
 from mgx.kernels.triton._common import num_sms
 from mgx.kernels.triton.linear import GpuWeight
-from mgx.kernels.triton.lm_head import merge_tile_argmax
+from mgx.kernels.triton.lm_head import ArgmaxMergeConfig, merge_tile_argmax
 
 from .rmsnorm import KERNEL_ABI, CudaKernels
 
-__all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "block_threads", "entry_for",
+__all__ = ["ARGMAX_ENTRIES", "ARGMAX_LABEL", "ENTRIES", "KINDS", "LABELS", "MAX_NORM_K", "NATIVE_TOLERANCE", "NORM_ENTRIES", "ROWS", "NormPrologue", "argmax_groups", "block_threads", "entry_for",
            "equal_shares", "gemv", "gemv_applies", "gemv_argmax", "gemv_staged", "gemv_threads", "native_error", "native_error_text", "norm_blocks_per_sm", "norm_most",
            "relative_error", "run_native", "NORM_STAGE_ENTRIES", "norm_stage", "norm_stage_applies", "STAGED_ENTRIES", "STAGED_KINDS", "STAGED_SCHEMES", "STAGE_ENTRIES", "stage_x", "staged_applies", "staged_bytes", "HALF_SCALES_MARKER", "TILE16_MARKER", "half_scales_hold", "reads_half_scales", "reads_tile16", "scale_pairs",
            "FIXED_ONE", "FUSED_MLP_ENTRY", "NORM_STAGE_FX_ENTRY", "fixed_rows", "fixed_to", "fused_mlp", "fused_mlp_applies", "fused_mlp_blocks",
@@ -346,17 +346,25 @@ def gemv(
     return out
 
 
+def argmax_groups(w: GpuWeight) -> int:
+    """How many output groups ``gemv_argmax`` leaves a best logit for: the merge's row length."""
+    return -(-w.n // MMA_ROWS)
+
+
 def gemv_argmax(
-    x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None, *, kernels: CudaKernels, kind: str
+    x: torch.Tensor, w: GpuWeight, bias: torch.Tensor | None = None, *, kernels: CudaKernels, kind: str,
+    merge: ArgmaxMergeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy LM head for one row on an imma ``kind``: (ids [1] int32, their logits [1] fp32), the
     argmax over x [1, K] @ W[V, K]^T (+ bias) in fp32 with the smallest id on ties, as
     ``lm_head_argmax``; the logits never reach memory (each block keeps its group's best, and
-    ``merge_tile_argmax`` reduces those). The caller checks ``gemv_applies(..., argmax=True)`` first."""
-    groups = -(-w.n // MMA_ROWS)
+    ``merge_tile_argmax`` reduces those, launched with ``merge``). The caller checks
+    ``gemv_applies(..., argmax=True)`` first."""
+    groups = argmax_groups(w)
     part = torch.empty(2 * groups, dtype=torch.float32, device=x.device)
     _launch(x, w, bias, kernels, kind, part, False, None, ARGMAX_ENTRIES)
-    return merge_tile_argmax(part[:groups].view(1, groups), part[groups:].view(torch.int32).view(1, groups))
+    return merge_tile_argmax(part[:groups].view(1, groups), part[groups:].view(torch.int32).view(1, groups),
+                             config=merge)  # fmt: skip
 
 
 def staged_bytes(k: int) -> int:

@@ -20,6 +20,8 @@ head did not, and on 1 the other way round.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,31 @@ from .linear import (
     min_block_k,
 )
 
-__all__ = ["lm_head_argmax", "lm_head_argmax_ref", "merge_tile_argmax"]
+__all__ = ["ArgmaxMergeConfig", "lm_head_argmax", "lm_head_argmax_ref", "lm_head_tiles", "merge_candidates", "merge_tile_argmax"]
+
+MERGE_MAX_TILE = 16384  # the most tiles' pairs one merge program holds at a time (32 per thread on 16 warps)
+
+
+@dataclass(frozen=True, slots=True)
+class ArgmaxMergeConfig:
+    """Launch configuration of the merge of a row's tile argmaxes (one program a row): tiles it reads
+    at a time (``block_t``, capped at the row's tile count rounded up to a power of two) and warps."""
+
+    block_t: int = 1024
+    num_warps: int = 4
+
+
+def merge_candidates(num_tiles: int) -> list[ArgmaxMergeConfig]:
+    """The autotune pass's candidates for rows of ``num_tiles`` tiles, the default first: tiles of 256
+    to ``MERGE_MAX_TILE``, each capped at the row's tiles rounded up to a power of two (as a launch
+    caps them), on 1-16 warps, none that launches as the default does. One program a row, so at batch
+    1 the merge is a single program's loads (8,016 tiles of the 8B vocabulary on the imma kinds: eight
+    rounds of loads on the default)."""
+    top = min(MERGE_MAX_TILE, next_pow2(num_tiles))
+    default = ArgmaxMergeConfig()
+    as_default = ArgmaxMergeConfig(min(default.block_t, top), default.num_warps)
+    tiles = sorted({min(top, t) for t in (256, 512, 1024, 2048, 4096, 8192, 16384)})
+    return [default] + [c for c in (ArgmaxMergeConfig(t, w) for t in tiles for w in (1, 2, 4, 8, 16)) if c != as_default]
 
 
 @triton.jit(do_not_specialize_on_alignment=["M", "num_tiles"])  # per-step counts (_common.py says why)
@@ -95,8 +121,10 @@ def lm_head_argmax(
     bias: torch.Tensor | None = None,
     *,
     config: LinearConfig | None = None,
+    merge: ArgmaxMergeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens for x [R, H] and W [V, H]: (ids [R] int32, their logits [R] fp32)."""
+    """Greedy tokens for x [R, H] and W [V, H]: (ids [R] int32, their logits [R] fp32); ``config``
+    the tile kernel's launch configuration, ``merge`` the merge's (``merge_tile_argmax``)."""
     check_float("x", x)
     x = rows_of("x", x, weight.k)
     m, n = x.shape[0], weight.n
@@ -123,20 +151,30 @@ def lm_head_argmax(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and weight.k % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap_options(),
     )  # fmt: skip
-    return merge_tile_argmax(part_v, part_i, ids, vals)
+    return merge_tile_argmax(part_v, part_i, ids, vals, config=merge)
+
+
+def lm_head_tiles(n: int, config: LinearConfig | None, m: int, k: int, scheme: str) -> int:
+    """How many tiles ``lm_head_argmax`` splits a vocabulary of ``n`` into at ``m`` rows under ``config``
+    (None: the default), i.e. the merge's row length (its entries' key)."""
+    return cdiv(n, (config or default_config(m, n, k, scheme)).block_n)
 
 
 def merge_tile_argmax(
-    part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None, vals: torch.Tensor | None = None
+    part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None, vals: torch.Tensor | None = None,
+    *, config: ArgmaxMergeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax from its tiles' best logits part_v [R, T] (fp32) at ids part_i [R, T]
     (int32; each tile's smallest on ties): (ids [R] int32, logits [R] fp32), the smallest id on ties.
-    The Triton LM head's second kernel, and the native one's (``cuda.gemv.gemv_argmax``)."""
+    The Triton LM head's second kernel, and the native one's (``cuda.gemv.gemv_argmax``); ``config``:
+    the launch configuration (default ``ArgmaxMergeConfig()``)."""
     m, num_tiles = part_v.shape
     ids = torch.empty(m, dtype=torch.int32, device=part_v.device) if ids is None else ids
     vals = torch.empty(m, dtype=torch.float32, device=part_v.device) if vals is None else vals
-    block_t = min(1024, next_pow2(num_tiles))
-    _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=4, **overlap_options())
+    config = config or ArgmaxMergeConfig()
+    block_t = min(config.block_t, next_pow2(num_tiles))
+    _argmax_merge_kernel[(m,)](part_v, part_i, ids, vals, num_tiles, BLOCK_T=block_t, num_warps=config.num_warps,
+                               **overlap_options())  # fmt: skip
     return ids, vals
 
 

@@ -16,7 +16,9 @@ defaults.
 Entries of the kernels around the dense (cuBLAS) products that replace these kernels for many rows
 (``linear.dense_product``): ``dequantize`` (a ``DequantizeConfig``, keyed by the weight's signature,
 M the first tuned row count it serves) and ``silu_mul`` (a ``SiluMulConfig``, keyed by the output
-width, ``silu_signature``), looked up as the attention entries.
+width, ``silu_signature``), looked up as the attention entries; so is ``argmax_merge`` (an
+``ArgmaxMergeConfig`` of the greedy LM head's second kernel, keyed by the tiles a row is merged
+from, ``merge_signature``).
 
 RMSNorm entries (``rms_norm``: an ``RMSNormConfig`` of the Triton RMSNorm, which runs where the native
 one cannot) are keyed by the norm's input width, group and whether it adds a residual first
@@ -52,10 +54,11 @@ from .linear import (
     SiluMulConfig,
     swap_applies,
 )
+from .lm_head import ArgmaxMergeConfig
 from .rmsnorm import RMSNormConfig
 from .rope import RopeConfig
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "attention_signature", "silu_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "ARGMAX_MERGE", "attention_signature", "silu_signature", "merge_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -69,9 +72,11 @@ RMS_NORM = "rms_norm"  # entries of RMSNormConfig per norm shape and row count
 ROPE_KV = "rope_and_write_kv"  # entries of RopeConfig per attention shape and row count
 DEQUANTIZE = "dequantize"  # entries of DequantizeConfig per quantized weight (before its dense products)
 SILU_MUL = "silu_mul"  # entries of SiluMulConfig per width and row count (after a gate/up dense product)
+ARGMAX_MERGE = "argmax_merge"  # entries of ArgmaxMergeConfig per tile count and row count (the greedy head's merge)
 # Entries keyed by a signature and M, looked up by M
 _SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig,
-           ROPE_KV: RopeConfig, DEQUANTIZE: DequantizeConfig, SILU_MUL: SiluMulConfig}  # fmt: skip
+           ROPE_KV: RopeConfig, DEQUANTIZE: DequantizeConfig, SILU_MUL: SiluMulConfig,
+           ARGMAX_MERGE: ArgmaxMergeConfig}  # fmt: skip
 _COUNTS = ("num_stages", "per_sm")  # fields of those configurations that need not be powers of two
 
 
@@ -89,6 +94,12 @@ def norm_signature(width: int, group: int, residual: bool) -> str:
 def silu_signature(width: int) -> str:
     """A SiLU product's shape as its entries' shape keys name it: the output width F."""
     return f"F={width}"
+
+
+def merge_signature(num_tiles: int) -> str:
+    """The greedy LM head's merge as its entries' shape keys name it: the tiles T a row's argmax is
+    merged from (``lm_head.lm_head_tiles``, ``cuda.gemv.argmax_groups``)."""
+    return f"T={num_tiles}"
 
 
 def _norm_shape(signature: str) -> tuple[int, int, bool]:
@@ -194,7 +205,7 @@ class Tunings:
 
     def lookup(self, kernel: str, signature: str, m: int) -> Any:
         """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL``, ``ROPE_KV``,
-        ``DEQUANTIZE`` or ``SILU_MUL``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
+        ``DEQUANTIZE``, ``SILU_MUL`` or ``ARGMAX_MERGE``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
         largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 

@@ -21,6 +21,7 @@ from mgx.formats.artifact import load_artifact, write_artifact
 from mgx.kernels.triton import rmsnorm
 from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, DecodeConfig, PrefillConfig
 from mgx.kernels.triton.linear import DequantizeConfig, LinearConfig, SiluMulConfig
+from mgx.kernels.triton.lm_head import ArgmaxMergeConfig, merge_candidates
 from mgx.kernels.triton.rmsnorm import RMSNormConfig
 from mgx.kernels.triton.rmsnorm import candidates as candidates_of_norm
 from mgx.kernels.triton.rope import RopeConfig
@@ -49,9 +50,11 @@ def fake_seconds(config: Any) -> float:
     not the default: decode the narrow tiles on 8 warps, prefill the tallest query tiles, then the
     most stages (the first of equals wins, as in the pass). RMSNorm: the most warps, then the tallest
     row tiles. RoPE: the fewest warps. Dequantize: the tallest tiles, then the most warps. SiLU product:
-    the narrowest tiles, then the fewest warps."""
+    the narrowest tiles, then the fewest warps. Argmax merge: the most warps, then the widest tiles."""
     if isinstance(config, RMSNormConfig):
         return 1e3 - config.num_warps - config.block_m / 100
+    if isinstance(config, ArgmaxMergeConfig):
+        return 1e3 - config.num_warps - config.block_t / 1e6  # the most warps, then the widest tiles
     if isinstance(config, RopeConfig):
         return 1e3 + config.num_warps  # the fewest warps
     if isinstance(config, DequantizeConfig):
@@ -124,7 +127,7 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     every = result.stats["autotune"][arch]
     assert arch == "interpreter" and no_gpu_needed
     assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode", "rms_norm",
-                                         "rope_and_write_kv"}  # fmt: skip
+                                         "rope_and_write_kv", "argmax_merge"}  # fmt: skip
     # Decode attention for each row count (no prefill chunk of 16+ rows among them), the fake timer's pick.
     attention = [e for e in every if e.kernel == "paged_attention_decode"]
     sig = attention_key(graph)
@@ -141,8 +144,15 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     assert norms == {f"F=40,group=40,residual={r},M={m}": min(candidates_of_norm(m, 40, 4), key=fake_seconds)
                      for r in (0, 1) for m in (1, 4)}  # fmt: skip
     assert norms["F=40,group=40,residual=1,M=4"] == RMSNormConfig(4, 8) != candidates_of_norm(4, 40, 4)[0]
-    assert sorted(result.stats["elementwise_timings"]) == sorted(f"rms_norm {k}" for k in norms)
-    entries = [e for e in every if e not in attention and e.kernel not in ("rms_norm", "rope_and_write_kv")]
+    # The greedy head's argmax merge, for the tiles of the head chosen at each row count (no native kind).
+    heads = {e.shape_key.rsplit("M=", 1)[1]: LinearConfig(**e.config) for e in every if e.kernel == "lm_head_argmax"}
+    merges = {e.shape_key: ArgmaxMergeConfig(**e.config) for e in every if e.kernel == "argmax_merge"}
+    tiles = {m: -(-300 // heads[m].block_n) for m in ("1", "4")}
+    assert merges == {f"T={tiles[m]},M={m}": min(merge_candidates(tiles[m]), key=fake_seconds) for m in ("1", "4")}
+    assert merges[f"T={tiles['1']},M=1"] != ArgmaxMergeConfig()
+    assert sorted(result.stats["elementwise_timings"]) == sorted(
+        [f"rms_norm {k}" for k in norms] + [f"argmax_merge {k}" for k in merges])
+    entries = [e for e in every if e not in attention and e.kernel not in ("rms_norm", "rope_and_write_kv", "argmax_merge")]
     # The LM head of sampling steps (a linear entry of the head's weight, N = 300): split K off, as it runs.
     sampling = {e.shape_key.rsplit("M=", 1)[1]: LinearConfig(**e.config) for e in entries
                 if e.kernel == "linear" and ",N=300," in e.shape_key}  # fmt: skip
@@ -194,6 +204,8 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         monkeypatch.setattr(
             backend_cuda, name, lambda *a, _real=real, _n=name, **k: used.append((_n, k.get("config"))) or _real(*a, **k)
         )
+    real_head = backend_cuda.lm_head_argmax
+    monkeypatch.setattr(backend_cuda, "lm_head_argmax", lambda *a, **k: used.append(("merge", k.get("merge"))) or real_head(*a, **k))
     runner = ModelRunner(stored.graph, backend)
     want = ModelRunner(stored.graph, "reference")
     prompt = np.array([5, 6, 7, 8, 9])
@@ -208,7 +220,8 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     logits = runner.step([SeqChunk(0, got_ids[-1:])])[0][-1]
     assert int(np.argmax(logits)) == int(np.argmax(want.step([SeqChunk(0, got_ids[-1:])])[0][-1]))
     assert ("linear", sampling["1"]) in used[greedy_used:]
-    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm", "rope"}
+    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm", "rope", "merge"}
+    assert {c for n, c in used if n == "merge"} == {merges[f"T={tiles['1']},M=1"]}  # one row a step's head
     assert {c for n, c in used if n == "rope"} == {(5, RopeConfig(1))}  # the prompt's 5 tokens: M=4's entry
     assert {c for n, c in used if n == "decode"} == {(32, 8)}  # the stored decode attention configuration
     # Each norm launch took its shape's entry of the nearest tuned row count (the prompt's 5 rows: M=4's).
@@ -621,9 +634,9 @@ def test_autotune_times_the_native_gemv_and_the_backend_follows_its_choice(no_gp
     graph = contents.graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_w8a16"):
         PASSES[name](graph, {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "sampling_head": False, "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "sampling_head": False, "argmax_merge": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
-    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
+    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config.get("native")}
     assert natives == {("linear", "1", "gemv")}
     for e in entries:  # the Triton fallback is the fastest Triton configuration either way
         m = int(e.shape_key.rsplit("M=", 1)[1])
@@ -681,24 +694,31 @@ def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_
                         and x.shape[0] == 1 and argmax and kind == "imma_w4")  # fmt: skip
     ran: list[str] = []
 
-    def greedy(x, w, bias=None, *, kernels, kind):  # noqa: ANN001, ANN202
+    merged: list[ArgmaxMergeConfig | None] = []
+
+    def greedy(x, w, bias=None, *, kernels, kind, merge=None):  # noqa: ANN001, ANN202
         ran.append(kind)
+        merged.append(merge)
         ids, vals = lm_head_argmax_ref(x, w, bias)
         return (ids + 1 if wrong else ids), vals
 
     monkeypatch.setattr(cg, "gemv_argmax", greedy)
     timer = autotune_pass._time
-    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None: -1.0 if fn.__defaults__[0].native else timer(fn, r, ws))
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None, graph=False: -1.0 if getattr(
+        fn.__defaults__[0], "native", "") else timer(fn, r, ws, graph))  # fmt: skip
     graph = tiny_contents().graph
     for name in ("fuse_qkv", "fuse_gate_up"):
         PASSES[name](graph, {}, PassContext(target="cuda"))
     result = PASSES["autotune"](graph, {"rows": [1, 4], "prefill_attention": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
-    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config["native"]}
+    natives = {(e.kernel, e.shape_key.rsplit("M=", 1)[1], e.config["native"]) for e in entries if e.config.get("native")}
     assert natives == (set() if wrong else {("lm_head_argmax", "1", "imma_w4")})
     assert ("native GEMV rejected (wrong results) for imma_w4 " in result.summary) == wrong
     assert ("(another token than the Triton head's)" in result.summary) == wrong
     assert ran == ["imma_w4"]  # its check against the Triton head (the fake timer runs nothing)
+    # The merge tuned for the tiles the chosen head leaves: the native kind's groups of 16 rows.
+    merges = {e.shape_key: ArgmaxMergeConfig(**e.config) for e in entries if e.kernel == "argmax_merge"}
+    assert (f"T={-(-300 // 16)},M=1" in merges) != wrong and len(merges) == 2, merges
 
     backend = CUDABackend(graph, device="cpu", dtype="f32")
     backend.use_tunings(result.stats["autotune"])
@@ -714,6 +734,7 @@ def test_autotune_times_the_native_greedy_lm_head_and_the_backend_follows_it(no_
     want_ids.append(int(np.argmax(want.step([SeqChunk(0, want_ids[-1:])])[0][-1])))
     assert [int(i) for i in got_ids] == want_ids
     assert ran == ([] if wrong else ["imma_w4"] * 2)  # the prompt's last row and the decode row
+    assert merged[1:] == ([] if wrong else [merges["T=19,M=1"]] * 2)
 
 
 @pytest.mark.interpreted
@@ -749,16 +770,17 @@ def test_autotune_never_chooses_a_native_gemv_that_gives_other_results(no_gpu_ne
     monkeypatch.setattr(cg, "gemv_applies", lambda k, x, w, bias=None, kind="gemv", norm=None, argmax=False: x.shape[0] == 1 and not argmax)
     monkeypatch.setattr(cg, "gemv", reference_gemv(scale=1.1))
     timer = autotune_pass._time
-    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None: -1.0 if fn.__defaults__[0].native else timer(fn, r, ws))
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, r, ws=None, graph=False: -1.0 if getattr(
+        fn.__defaults__[0], "native", "") else timer(fn, r, ws, graph))  # fmt: skip
     graph = tiny_contents().graph
     for name in ("fuse_qkv", "fuse_gate_up", "quantize_int4"):
         PASSES[name](graph, {"group_size": 32} if name == "quantize_int4" else {}, PassContext(target="cuda"))
-    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "f32"}, PassContext(target="cuda"))
+    result = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "argmax_merge": False, "dtype": "f32"}, PassContext(target="cuda"))
     entries = next(iter(result.stats["autotune"].values()))
-    assert not any(e.config["native"] for e in entries)
+    assert not any(e.config.get("native") for e in entries)
     assert "native GEMV chosen for 0; native GEMV rejected (wrong results) for " in result.summary
     # Each kind, each one-row shape of a linear or fused gate/up.
-    assert result.summary.count("relative error 1.0e-01") == len(cg.KINDS) * sum(e.kernel != "lm_head_argmax" for e in entries)
+    assert result.summary.count("relative error 1.0e-01") == len(cg.KINDS) * sum(e.kernel in ("linear", "linear_silu_mul") for e in entries)
 
 
 def test_graph_timing_takes_enough_weight_copies_to_miss_the_l2() -> None:
@@ -797,7 +819,7 @@ def test_autotune_says_how_many_candidates_could_not_run_and_why(no_gpu_needed, 
     timer = autotune_pass._time
 
     def some_fail(fn, repeats, weights=None, graph=False):  # noqa: ANN001, ANN202
-        if fn.__defaults__[0].block_n == 8:
+        if getattr(fn.__defaults__[0], "block_n", None) == 8:
             raise RuntimeError("out of shared memory\nmore detail")
         return timer(fn, repeats, weights)
 
@@ -923,7 +945,7 @@ def test_fused_timing_times_the_norm_across_projections_as_the_backend_runs_them
     assert adds  # o_proj and down with a residual
     total, squares = ran_add[0]
     assert total.shape == (1, hidden) and squares.sq.shape == (1, squares.tiles)
-    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "dtype": "f32"}, PassContext(target="cuda"))
+    plain = PASSES["autotune"](graph, {"rows": [1], "prefill_attention": False, "sampling_head": False, "argmax_merge": False, "dtype": "f32"}, PassContext(target="cuda"))
     fused = {key.split(" ")[0] + ("/o" if f",N={hidden}," in key else ""): t["fused"] for key, t in plain.stats["timings"].items()}
     assert fused == {"linear": "after_norm", "linear/o": "", "linear_silu_mul": "after_norm", "lm_head_argmax": ""}
 

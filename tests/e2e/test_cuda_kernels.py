@@ -416,8 +416,8 @@ def test_gpu_autotune_times_the_norm_fed_projections_after_their_norm() -> None:
 @pytest.mark.gpu
 def test_gpu_autotune_tunes_attention_rope_and_rms_norm_and_the_backend_decodes_the_reference_tokens_with_them() -> None:
     """On a real GPU: autotune times every prefill and decode attention candidate (decode_attention on),
-    every RoPE + K/V write and every Triton RMSNorm candidate for a 4-head model, stores one entry per row count with a real
-    time, and a backend taking those entries (no native kernels loaded: the Triton RMSNorm runs)
+    every RoPE + K/V write, Triton RMSNorm and greedy-head merge candidate for a 4-head model, stores one entry per row
+    count with a real time, and a backend taking those entries (no native kernels loaded: the Triton RMSNorm runs)
     greedy-decodes a prompt continued in a second chunk (the paged prefill) as the reference does."""
     import torch
 
@@ -450,7 +450,10 @@ def test_gpu_autotune_tunes_attention_rope_and_rms_norm_and_the_backend_decodes_
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert all(c in rmsnorm.candidates(int(k.rsplit("M=", 1)[1]), 256, sms) for k, c in norms.items())
     elementwise_timings = result.stats["elementwise_timings"]
-    assert sorted(elementwise_timings) == sorted(f"rms_norm {k}" for k in norms)
+    assert sorted(k for k in elementwise_timings if k.startswith("rms_norm ")) == sorted(f"rms_norm {k}" for k in norms)
+    merges = [e.shape_key.rsplit(",M=", 1)[1] for e in result.stats["autotune"][arch] if e.kernel == "argmax_merge"]
+    assert sorted(merges, key=int) == ["1", "4", "16", "64"]  # the greedy head's merge at each row count
+    assert len(elementwise_timings) == len(norms) + len(merges)
     assert all(0 < t["us"] <= t["default_us"] for t in elementwise_timings.values())
     backend = CUDABackend(contents.graph, device="cuda", dtype="f32")
     backend.use_tunings(result.stats["autotune"])

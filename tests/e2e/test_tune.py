@@ -34,7 +34,7 @@ def _tuned(path, monkeypatch, quantize: tuple[str, dict]):  # noqa: ANN001, ANN2
     import torch
 
     monkeypatch.setattr(autotune_pass, "_device", lambda: (torch.device("cpu"), "interpreter"))
-    monkeypatch.setattr(autotune_pass, "_time", lambda fn, repeats, weights=None: 1.0)
+    monkeypatch.setattr(autotune_pass, "_time", lambda fn, repeats, weights=None, graph=False: 1.0)
     monkeypatch.setattr(autotune_pass, "_native_kernels", lambda graph: None)
     contents = tiny_contents()
     for name, options in (("fuse_qkv", {}), ("fuse_gate_up", {}), quantize):
@@ -67,7 +67,7 @@ def native_stand_in(monkeypatch):  # noqa: ANN001, ANN201
     def applies(kernels, x, w, bias=None, *, kind="gemv", norm=None, argmax=False):  # noqa: ANN001, ANN202
         return kernels is KERNELS and x.shape[0] == 1 and kind in NATIVE and norm is None and (kind == "imma" or not argmax)
 
-    def head(x, w, bias=None, *, kernels, kind):  # noqa: ANN001, ANN202
+    def head(x, w, bias=None, *, kernels, kind, merge=None):  # noqa: ANN001, ANN202
         LAUNCHED.append(f"{kind} head")
         ids, logits = lm_head_argmax_ref(x, w, bias)
         return (ids + 1 if kind in WRONG else ids), logits

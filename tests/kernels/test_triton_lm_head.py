@@ -58,6 +58,26 @@ def test_merging_tile_bests_takes_the_largest_and_the_smallest_id_on_ties() -> N
     assert vals.tolist() == part_v[torch.arange(3), top].tolist()
 
 
+@pytest.mark.parametrize("tiles", [19, 1500, 8016])
+def test_every_merge_candidate_takes_the_largest_and_the_smallest_id_on_ties(tiles: int) -> None:
+    """Each of ``merge_candidates`` (tiles a pass and warps the autotune pass times) gives the
+    reference's ids and logits on rows with ties across tiles and passes, a -inf and a NaN-free
+    row of equal values; 8,016 is the 8B vocabulary's groups on the native imma kinds."""
+    g = torch.Generator().manual_seed(tiles)
+    part_v = torch.randint(-20, 20, (3, tiles), generator=g).float()
+    part_v[2] = 1.5  # every tile ties: the smallest id
+    part_v[1, 0] = float("-inf")
+    part_i = (torch.arange(tiles, dtype=torch.int32) * 16 + torch.randint(0, 16, (3, tiles), generator=g)).to(torch.int32)
+    top = torch.stack([torch.nonzero(r == r.max())[0, 0] for r in part_v])  # the first of equals: the smallest id
+    configs = lm_head.merge_candidates(tiles)
+    assert configs[0] == lm_head.ArgmaxMergeConfig() and len(set(configs)) == len(configs)
+    assert all(c.block_t <= max(1024, lm_head.next_pow2(tiles)) for c in configs)
+    for config in configs:
+        ids, vals = lm_head.merge_tile_argmax(part_v.to(DEVICE), part_i.to(DEVICE), config=config)
+        assert ids.tolist() == part_i[torch.arange(3), top].tolist(), config
+        assert vals.tolist() == part_v[torch.arange(3), top].tolist(), config
+
+
 def test_nan_logits_never_win_and_the_token_is_always_in_the_vocabulary() -> None:
     """A NaN logit counts as -inf: passed over where any number is left (row 0: a NaN row in the
     weight), and a row whose logits are all NaN (row 1: NaN in x) or all -inf (a bias of -inf) gets the
