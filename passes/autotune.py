@@ -29,7 +29,7 @@ backend runs a product on cuBLAS instead (``linear.dense_product``: quantized we
 DEQUANTIZE_MIN_M rows, dense ones past one row; option ``dense_products``), no Triton GEMM is timed;
 ``dequantize`` of each quantized weight and the SiLU product after each fused gate/up are
 (``_tune_dense_path``). The winners' times go to ``stats["attention_timings"]`` (RoPE's too) and
-``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product) ({"<kernel> <shape key>":
+``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product, argmax merge) ({"<kernel> <shape key>":
 chosen configuration, us, the default configuration's us}). The merge of the greedy LM head's tile
 argmaxes is tuned for the tiles the chosen head leaves (``_tune_argmax_merge``, option
 ``argmax_merge``; its times in ``stats["elementwise_timings"]``). The other Triton kernels launch one
@@ -763,7 +763,8 @@ def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[
                     entries: dict, measured: dict[str, dict[str, Any]], failed: list[str], *,
                     error: Callable[[Any, Any], float] = relative_error, tolerance: float = ATTENTION_TOLERANCE,
                     check: Callable[[Any], Any] | None = None, graph: bool = False) -> int:  # fmt: skip
-    """Time ``configs`` (the default first) of one attention, RMSNorm or RoPE shape; a candidate whose
+    """Time ``configs`` (the default first) of one shape of a signature-keyed kind (attention, RMSNorm,
+    RoPE, dequantize, SiLU product, argmax merge); a candidate whose
     output (``check``'s, where the timed ``launch`` works in place) is not within ``tolerance`` of the
     default's by ``error``, or that cannot launch, goes to ``failed`` instead; each is timed by ``_time``
     (``graph``: in a graph of launches). The fastest becomes the entry ``(kernel, key)``. Returns how
@@ -845,8 +846,9 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
     attention: dict[str, dict[str, Any]] = {}  # the attention winners' times (stats["attention_timings"])
-    # the RMSNorm's, dequantize's and the SiLU product's winners' times (stats["elementwise_timings"])
-    elementwise: dict[str, dict[str, Any]] = {}  # and the LM head's argmax merge's
+    # the RMSNorm's, dequantize's, the SiLU product's and the argmax merge's winners' times
+    # (stats["elementwise_timings"])
+    elementwise: dict[str, dict[str, Any]] = {}
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
         if opts.prefill_attention or opts.decode_attention:
             timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
