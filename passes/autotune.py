@@ -29,13 +29,14 @@ backend runs a product on cuBLAS instead (``linear.dense_product``: quantized we
 DEQUANTIZE_MIN_M rows, dense ones past one row; option ``dense_products``), no Triton GEMM is timed;
 ``dequantize`` of each quantized weight and the SiLU product after each fused gate/up are
 (``_tune_dense_path``). The winners' times go to ``stats["attention_timings"]`` (RoPE's too) and
-``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product, argmax merge) ({"<kernel> <shape key>":
+``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product, argmax merge, embedding rows)
+({"<kernel> <shape key>":
 chosen configuration, us, the default configuration's us}). The merge of the greedy LM head's tile
 argmaxes is tuned for the tiles the chosen head leaves (``_tune_argmax_merge``, option
-``argmax_merge``; its times in ``stats["elementwise_timings"]``). The other Triton kernels launch one
-fixed configuration each, untuned: the merge of split decode attention (which runs only where a
-decode step's splits do not merge themselves) and ``dequantize``'s lookup of the rows of a quantized
-embedding.
+``argmax_merge``), and ``dequantize``'s lookup of the rows of a quantized embedding for each row count
+(``_tune_embedding_rows``, option ``embedding_rows``), their times in ``stats["elementwise_timings"]``.
+One Triton kernel launches one fixed configuration, untuned: the merge of split decode attention
+(which runs only where a decode step's splits do not merge themselves).
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class AutotuneOptions:
     # program a row, which every greedy decode step runs after the head) for the tiles the chosen head
     # leaves at each row count; its candidates must give the default's tokens and logits exactly.
     argmax_merge: bool = True
+    # Also tune the row lookup of each quantized embedding table (``dequantize`` with ``rows``: one
+    # kernel gathers and dequantizes the step's tokens' rows) at each row count; its candidates must
+    # give the default's rows exactly.
+    embedding_rows: bool = True
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -707,6 +712,44 @@ def _tune_dense_path(w: Any, silu: bool, m: int, opts: AutotuneOptions, dtype: A
     return timed
 
 
+def _tune_embedding_rows(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, entries: dict,
+                         measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time the row lookup of each distinct quantized embedding table (``dequantize`` with ``rows``,
+    as the CUDA backend's ``embedding`` runs it) at each row count on random token ids; a candidate
+    must give the default's rows exactly. Returns how many were timed."""
+    import torch
+
+    from mgx.kernels.triton.linear import dequantize, dequantize_candidates
+    from mgx.kernels.triton.tuning import EMBEDDING_ROWS, weight_signature
+    from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
+
+    timed = 0
+    for op in graph.ops:
+        t = graph.tensor(op.weights["weight"]) if op.kind == "embedding" else None
+        if t is None or "scales" not in op.weights:  # a dense table: torch's index_select
+            continue
+        aux = {r: graph.tensor(op.weights[r]) for r in ("scales", "zeros", "meta") if r in op.weights}
+        try:
+            w = gpu_weight(t, gpu_arrays(t, aux, device), dtype)
+        except ValueError as e:
+            raise PassError(f"autotune: embedding {t.name}: {e}") from None
+        sig = weight_signature(w)
+        g = torch.Generator(device="cpu").manual_seed(w.n)
+        for m in sorted({int(r) for r in opts.rows}):
+            if (EMBEDDING_ROWS, f"{sig},M={m}") in entries:
+                continue
+            ids = torch.randint(0, w.n, (m,), generator=g, dtype=torch.int32).to(device)
+            out = torch.empty(m, w.k, dtype=dtype, device=device)
+
+            def lookup(c: Any, w: Any = w, ids: Any = ids, out: Any = out) -> Any:
+                return dequantize(w, dtype, out=out, rows=ids, config=c)
+
+            timed += _tune_by_output(EMBEDDING_ROWS, f"{sig},M={m}", dequantize_candidates(w, rows=m), lookup, opts,
+                                     entries, measured, failed, error=exact_error, tolerance=0.0, graph=True,
+                                     check=lambda c, w=w, ids=ids: dequantize(w, dtype, rows=ids, config=c))  # fmt: skip
+    return timed
+
+
 def _flat(out: Any) -> Any:
     """A launch's output as one fp32 vector (several outputs, all of them)."""
     import torch
@@ -764,7 +807,7 @@ def _tune_by_output(kernel: str, key: str, configs: list[Any], launch: Callable[
                     error: Callable[[Any, Any], float] = relative_error, tolerance: float = ATTENTION_TOLERANCE,
                     check: Callable[[Any], Any] | None = None, graph: bool = False) -> int:  # fmt: skip
     """Time ``configs`` (the default first) of one shape of a signature-keyed kind (attention, RMSNorm,
-    RoPE, dequantize, SiLU product, argmax merge); a candidate whose
+    RoPE, dequantize, SiLU product, argmax merge, embedding rows); a candidate whose
     output (``check``'s, where the timed ``launch`` works in place) is not within ``tolerance`` of the
     default's by ``error``, or that cannot launch, goes to ``failed`` instead; each is timed by ``_time``
     (``graph``: in a graph of launches). The fastest becomes the entry ``(kernel, key)``. Returns how
@@ -846,8 +889,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     rejected: list[str] = []  # native GEMV shapes whose results disagreed with the Triton kernel's
     failed: list[str] = []  # why candidates could not run (reported, so that a broken kernel shows)
     attention: dict[str, dict[str, Any]] = {}  # the attention winners' times (stats["attention_timings"])
-    # the RMSNorm's, dequantize's, the SiLU product's and the argmax merge's winners' times
-    # (stats["elementwise_timings"])
+    # the RMSNorm's, dequantize's (whole weights and embedding rows), the SiLU product's and the argmax
+    # merge's winners' times (stats["elementwise_timings"])
     elementwise: dict[str, dict[str, Any]] = {}
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
         if opts.prefill_attention or opts.decode_attention:
@@ -856,6 +899,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
             timed += _tune_norms(graph, opts, device, dtype, entries, elementwise, failed)
         if opts.rope:
             timed += _tune_rope(graph, opts, device, dtype, entries, attention, failed)
+        if opts.embedding_rows:
+            timed += _tune_embedding_rows(graph, opts, device, dtype, entries, elementwise, failed)
         for op in graph.ops:
             if op.kind not in ("linear", "lm_head"):
                 continue

@@ -155,6 +155,7 @@ from mgx.kernels.triton.tuning import (
     ATTENTION_DECODE,
     ATTENTION_PREFILL,
     DEQUANTIZE,
+    EMBEDDING_ROWS,
     ROPE_KV,
     SILU_MUL,
     Tunings,
@@ -720,11 +721,12 @@ class CUDABackend(Backend):
         except ValueError as e:
             raise UnsupportedModelError(f"the artifact's stored tunings for {arch}: {e}") from None
         for w in {id(w): w for w in self._weights.values() if w.scheme != "none"}.values():
-            for c in self.tunings.stored(DEQUANTIZE, weight_signature(w)):
-                if c.block_k % min_block_k(w):  # it would fail in the first long prefill
-                    raise UnsupportedModelError(
-                        f"the artifact's stored tunings for {arch}: dequantize of {weight_signature(w)} has K tiles of "
-                        f"{c.block_k}, which split its groups of {min_block_k(w)}")  # fmt: skip
+            for kind in (DEQUANTIZE, EMBEDDING_ROWS):
+                for c in self.tunings.stored(kind, weight_signature(w)):
+                    if c.block_k % min_block_k(w):  # it would fail in the first long prefill or step
+                        raise UnsupportedModelError(
+                            f"the artifact's stored tunings for {arch}: {kind} of {weight_signature(w)} has K tiles of "
+                            f"{c.block_k}, which split its groups of {min_block_k(w)}")  # fmt: skip
         if self.tunings.decode_block_n is not None and not self.decode_tiles_pinned:
             self.narrow_decode_tiles = self.tunings.decode_block_n == 32
         if self.tunings.norm_prologue is not None and not self.norm_gemv_pinned:
@@ -1305,7 +1307,8 @@ class CUDABackend(Backend):
         ids = self._cur.token_ids
         if w.scheme == "none":
             return w.weight.index_select(0, ids)
-        return dequantize(w, self.dtype, rows=ids)  # one kernel: the rows' codes, scales and zeros
+        config = self.tunings.lookup(EMBEDDING_ROWS, weight_signature(w), ids.shape[0])
+        return dequantize(w, self.dtype, rows=ids, config=config)  # one kernel: the rows' codes, scales and zeros
 
     def rms_norm(self, op: Op, x: Array) -> Array:
         done = self._pending.pop(id(op), None)

@@ -830,13 +830,15 @@ def _default_silu_mul(f: int) -> SiluMulConfig:
     return SiluMulConfig(min(1024, next_pow2(f)))
 
 
-def dequantize_candidates(w: GpuWeight) -> list[DequantizeConfig]:
-    """The configurations the autotune pass times for dequantizing all of ``w``, the default first:
-    K tiles of whole int4 groups (``min_block_k``), row tiles no taller than ``w``'s rows, and at
-    most ``MAX_ELEMENTS_PER_THREAD`` elements a thread."""
-    default = _default_dequantize(w, w.n)
-    return [default] + [c for c in _DEQUANTIZE_CONFIGS if c != default and c.block_k % min_block_k(w) == 0
-                        and c.block_n <= next_pow2(w.n)
+def dequantize_candidates(w: GpuWeight, rows: int | None = None) -> list[DequantizeConfig]:
+    """The configurations the autotune pass times for dequantizing all of ``w`` (or, with ``rows``,
+    looking that many of its rows up: an embedding's), the default first: K tiles of whole int4
+    groups (``min_block_k``), row tiles no taller than the rows (capped at them, rounded up to a
+    power of two, for a lookup of a few), and at most ``MAX_ELEMENTS_PER_THREAD`` elements a thread."""
+    n = w.n if rows is None else rows
+    default = _default_dequantize(w, n)
+    tiles = dict.fromkeys(DequantizeConfig(min(c.block_n, next_pow2(n)), c.block_k, c.num_warps) for c in _DEQUANTIZE_CONFIGS)
+    return [default] + [c for c in tiles if c != default and c.block_k % min_block_k(w) == 0
                         and c.block_n * c.block_k <= MAX_ELEMENTS_PER_THREAD * 32 * c.num_warps]  # fmt: skip
 
 

@@ -18,7 +18,8 @@ Entries of the kernels around the dense (cuBLAS) products that replace these ker
 M the first tuned row count it serves) and ``silu_mul`` (a ``SiluMulConfig``, keyed by the output
 width, ``silu_signature``), looked up as the attention entries; so is ``argmax_merge`` (an
 ``ArgmaxMergeConfig`` of the greedy LM head's second kernel, keyed by the tiles a row is merged
-from, ``merge_signature``).
+from, ``merge_signature``), and ``embedding_rows`` (a ``DequantizeConfig`` of a quantized embedding's
+row lookup, keyed by the table's weight signature, M the rows looked up).
 
 RMSNorm entries (``rms_norm``: an ``RMSNormConfig`` of the Triton RMSNorm, which runs where the native
 one cannot) are keyed by the norm's input width, group and whether it adds a residual first
@@ -58,7 +59,7 @@ from .lm_head import ArgmaxMergeConfig
 from .rmsnorm import RMSNormConfig
 from .rope import RopeConfig
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "ARGMAX_MERGE", "attention_signature", "silu_signature", "merge_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "ARGMAX_MERGE", "EMBEDDING_ROWS", "attention_signature", "silu_signature", "merge_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -73,10 +74,11 @@ ROPE_KV = "rope_and_write_kv"  # entries of RopeConfig per attention shape and r
 DEQUANTIZE = "dequantize"  # entries of DequantizeConfig per quantized weight (before its dense products)
 SILU_MUL = "silu_mul"  # entries of SiluMulConfig per width and row count (after a gate/up dense product)
 ARGMAX_MERGE = "argmax_merge"  # entries of ArgmaxMergeConfig per tile count and row count (the greedy head's merge)
+EMBEDDING_ROWS = "embedding_rows"  # entries of DequantizeConfig per quantized embedding and row count (its lookup)
 # Entries keyed by a signature and M, looked up by M
 _SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig,
            ROPE_KV: RopeConfig, DEQUANTIZE: DequantizeConfig, SILU_MUL: SiluMulConfig,
-           ARGMAX_MERGE: ArgmaxMergeConfig}  # fmt: skip
+           ARGMAX_MERGE: ArgmaxMergeConfig, EMBEDDING_ROWS: DequantizeConfig}  # fmt: skip
 _COUNTS = ("num_stages", "per_sm")  # fields of those configurations that need not be powers of two
 
 
@@ -205,7 +207,7 @@ class Tunings:
 
     def lookup(self, kernel: str, signature: str, m: int) -> Any:
         """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL``, ``ROPE_KV``,
-        ``DEQUANTIZE``, ``SILU_MUL`` or ``ARGMAX_MERGE``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
+        ``DEQUANTIZE``, ``SILU_MUL``, ``ARGMAX_MERGE`` or ``EMBEDDING_ROWS``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
         largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 

@@ -20,12 +20,12 @@ from mgx.formats import ir
 from mgx.formats.artifact import load_artifact, write_artifact
 from mgx.kernels.triton import rmsnorm
 from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, DecodeConfig, PrefillConfig
-from mgx.kernels.triton.linear import DequantizeConfig, LinearConfig, SiluMulConfig
+from mgx.kernels.triton.linear import DequantizeConfig, LinearConfig, SiluMulConfig, dequantize_candidates
 from mgx.kernels.triton.lm_head import ArgmaxMergeConfig, merge_candidates
 from mgx.kernels.triton.rmsnorm import RMSNormConfig
 from mgx.kernels.triton.rmsnorm import candidates as candidates_of_norm
 from mgx.kernels.triton.rope import RopeConfig
-from mgx.kernels.triton.tuning import candidates
+from mgx.kernels.triton.tuning import candidates, weight_signature
 from mgx.passes import PASSES, PassContext, PassError
 from mgx.passes import autotune as autotune_pass
 from mgx.runtime import backend_cuda
@@ -127,7 +127,7 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     every = result.stats["autotune"][arch]
     assert arch == "interpreter" and no_gpu_needed
     assert {e.kernel for e in every} == {"linear", "linear_silu_mul", "lm_head_argmax", "paged_attention_decode", "rms_norm",
-                                         "rope_and_write_kv", "argmax_merge"}  # fmt: skip
+                                         "rope_and_write_kv", "argmax_merge", "embedding_rows"}  # fmt: skip
     # Decode attention for each row count (no prefill chunk of 16+ rows among them), the fake timer's pick.
     attention = [e for e in every if e.kernel == "paged_attention_decode"]
     sig = attention_key(graph)
@@ -150,9 +150,17 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     tiles = {m: -(-300 // heads[m].block_n) for m in ("1", "4")}
     assert merges == {f"T={tiles[m]},M={m}": min(merge_candidates(tiles[m]), key=fake_seconds) for m in ("1", "4")}
     assert merges[f"T={tiles['1']},M=1"] != ArgmaxMergeConfig()
+    # The quantized embedding's row lookup at each row count: the fake timer's pick of its candidates.
+    table = CUDABackend(graph, device="cpu", dtype="f32")._weights[id(graph.ops[0])]
+    assert graph.ops[0].kind == "embedding" and table.scheme == "w8a16"
+    lookups = {e.shape_key: DequantizeConfig(**e.config) for e in every if e.kernel == "embedding_rows"}
+    assert lookups == {f"{weight_signature(table)},M={m}": min(dequantize_candidates(table, rows=m), key=fake_seconds)
+                       for m in (1, 4)}  # fmt: skip
+    assert all(c != dequantize_candidates(table, rows=int(k[-1]))[0] for k, c in lookups.items())  # not the default
     assert sorted(result.stats["elementwise_timings"]) == sorted(
-        [f"rms_norm {k}" for k in norms] + [f"argmax_merge {k}" for k in merges])
-    entries = [e for e in every if e not in attention and e.kernel not in ("rms_norm", "rope_and_write_kv", "argmax_merge")]
+        [f"rms_norm {k}" for k in norms] + [f"argmax_merge {k}" for k in merges] + [f"embedding_rows {k}" for k in lookups])
+    entries = [e for e in every if e not in attention
+               and e.kernel not in ("rms_norm", "rope_and_write_kv", "argmax_merge", "embedding_rows")]
     # The LM head of sampling steps (a linear entry of the head's weight, N = 300): split K off, as it runs.
     sampling = {e.shape_key.rsplit("M=", 1)[1]: LinearConfig(**e.config) for e in entries
                 if e.kernel == "linear" and ",N=300," in e.shape_key}  # fmt: skip
@@ -204,6 +212,9 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
         monkeypatch.setattr(
             backend_cuda, name, lambda *a, _real=real, _n=name, **k: used.append((_n, k.get("config"))) or _real(*a, **k)
         )
+    real_dequantize = backend_cuda.dequantize  # the embedding's row lookup
+    monkeypatch.setattr(backend_cuda, "dequantize", lambda w, dtype, **k: used.append(
+        ("lookup", (k["rows"].shape[0], k.get("config")))) or real_dequantize(w, dtype, **k))  # fmt: skip
     real_head = backend_cuda.lm_head_argmax
     monkeypatch.setattr(backend_cuda, "lm_head_argmax", lambda *a, **k: used.append(("merge", k.get("merge"))) or real_head(*a, **k))
     runner = ModelRunner(stored.graph, backend)
@@ -220,7 +231,10 @@ def test_autotune_stores_the_fastest_configuration_and_the_backend_uses_it(no_gp
     logits = runner.step([SeqChunk(0, got_ids[-1:])])[0][-1]
     assert int(np.argmax(logits)) == int(np.argmax(want.step([SeqChunk(0, got_ids[-1:])])[0][-1]))
     assert ("linear", sampling["1"]) in used[greedy_used:]
-    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm", "rope", "merge"}
+    assert {n for n, _ in used} == {"linear", "linear_silu_mul", "lm_head_argmax", "decode", "rms_norm", "rope", "merge",
+                                    "lookup"}  # fmt: skip
+    rows = weight_signature(table)  # the prompt's 5 tokens on M=4's entry (the largest), each later token on M=1's
+    assert [c for n, c in used if n == "lookup"] == [(5, lookups[f"{rows},M=4"])] + [(1, lookups[f"{rows},M=1"])] * 3
     assert {c for n, c in used if n == "merge"} == {merges[f"T={tiles['1']},M=1"]}  # one row a step's head
     assert {c for n, c in used if n == "rope"} == {(5, RopeConfig(1))}  # the prompt's 5 tokens: M=4's entry
     assert {c for n, c in used if n == "decode"} == {(32, 8)}  # the stored decode attention configuration
@@ -430,7 +444,7 @@ def test_autotune_tunes_dequantize_once_per_weight_where_quantized_products_go_d
 
 
 def test_a_stored_dequantize_tile_that_splits_the_weights_groups_is_refused_at_load() -> None:
-    """A dequantize entry whose K tile would split a quantized weight's int4 groups (an edited or
+    """A dequantize or embedding_rows entry whose K tile would split a quantized weight's int4 groups (an edited or
     foreign artifact) is refused when the backend takes the tunings, naming the weight, not in the
     first long prefill; whole groups are taken."""
     from mgx.formats.artifact import AutotuneEntry
@@ -446,6 +460,12 @@ def test_a_stored_dequantize_tile_that_splits_the_weights_groups_is_refused_at_l
     with pytest.raises(UnsupportedModelError, match=r"stored tunings for interpreter: dequantize of scheme=int4.*K tiles of 16, "
                                                      r"which split its groups of 32"):  # fmt: skip
         backend.use_tunings({"interpreter": [AutotuneEntry("dequantize", key, {"block_n": 8, "block_k": 16})]})
+    table = backend._weights[id(contents.graph.ops[0])]  # the embedding's row lookup likewise
+    assert table.scheme == "int4"
+    key = f"{weight_signature(table)},M=4"
+    assert "1 stored" in backend.use_tunings({"interpreter": [AutotuneEntry("embedding_rows", key, {"block_n": 4, "block_k": 32})]})
+    with pytest.raises(UnsupportedModelError, match=r"embedding_rows of scheme=int4.*K tiles of 16, which split"):
+        backend.use_tunings({"interpreter": [AutotuneEntry("embedding_rows", key, {"block_n": 4, "block_k": 16})]})
 
 
 def test_a_norm_candidate_wrong_in_one_row_of_thousands_is_told_apart() -> None:

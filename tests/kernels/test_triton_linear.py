@@ -320,6 +320,13 @@ def test_dequantize_rows_is_the_embedding_lookup(name: str, tiled: bool) -> None
         got = lin.dequantize(w, dtype, rows=ids)
         assert got.shape == (ids.shape[0], 384) and got.dtype == dtype
         assert torch.equal(got, want)
+        # Every candidate the autotune pass times for a lookup of that many rows (row tiles capped at
+        # them) writes the same bits.
+        candidates = lin.dequantize_candidates(w, rows=ids.shape[0])
+        assert candidates[0] == lin.DequantizeConfig(min(32, lin.next_pow2(ids.shape[0])), max(128, lin.min_block_k(w)))
+        assert all(c.block_n <= max(1, lin.next_pow2(ids.shape[0])) for c in candidates)
+        for c in candidates[1::3]:
+            assert torch.equal(lin.dequantize(w, dtype, rows=ids, config=c), want), c
     with pytest.raises(ValueError, match="dequantize rows"):
         lin.dequantize(w, torch.float32, rows=torch.tensor([[1, 2]], device=DEVICE))
     with pytest.raises(ValueError, match="dequantize rows"):
