@@ -34,9 +34,10 @@ DEQUANTIZE_MIN_M rows, dense ones past one row; option ``dense_products``), no T
 chosen configuration, us, the default configuration's us}). The merge of the greedy LM head's tile
 argmaxes is tuned for the tiles the chosen head leaves (``_tune_argmax_merge``, option
 ``argmax_merge``), and ``dequantize``'s lookup of the rows of a quantized embedding for each row count
-(``_tune_embedding_rows``, option ``embedding_rows``), their times in ``stats["elementwise_timings"]``.
-One Triton kernel launches one fixed configuration, untuned: the merge of split decode attention
-(which runs only where a decode step's splits do not merge themselves).
+(``_tune_embedding_rows``, option ``embedding_rows``), their times in ``stats["elementwise_timings"]``;
+and the merge kernel of split decode attention, where the model's longest context splits a batch
+bucket's attention more than the splits merge themselves (``_tune_decode_merge``, option
+``decode_merge``; times in ``stats["attention_timings"]``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ class AutotuneOptions:
     # kernel gathers and dequantizes the step's tokens' rows) at each row count; its candidates must
     # give the default's rows exactly.
     embedding_rows: bool = True
+    # Also tune the merge kernel of split decode attention (``attention.merge_splits``: it runs where a
+    # decode step's splits do not merge themselves, more than SELF_MERGE_MAX_SPLITS of them: small
+    # batches over long contexts) for each batch bucket whose splits at the model's longest context
+    # need it, on that many splits.
+    decode_merge: bool = True
 
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
@@ -532,6 +538,42 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
     return timed
 
 
+def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entries: dict,
+                       measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
+    """Time split decode's merge kernel (``attention.merge_splits``) for the model's decode shape at
+    each batch bucket where, at the model's longest context, the backend's splits (one-tile pieces of
+    64 tokens) outnumber SELF_MERGE_MAX_SPLITS, on random partials of that many splits; a candidate
+    must first give the default's output element by element. Returns how many were timed."""
+    import torch
+
+    from mgx.kernels.triton._common import num_sms
+    from mgx.kernels.triton.attention import MERGE_CONFIGS, SELF_MERGE_MAX_SPLITS, decode_splits, merge_splits
+    from mgx.kernels.triton.tuning import DECODE_MERGE
+
+    shapes, sig = _attention_shapes(graph)
+    if not sig:
+        return 0
+    hq, hk, d, _ = shapes[sig]
+    context = max(1, int(graph.arch.max_position))
+    timed = 0
+    for m in sorted({int(r) for r in opts.rows if int(r) <= GRAPH_MAX_M}):
+        splits = decode_splits(m, hk, context, num_sms(device), 64, 1)
+        if splits <= SELF_MERGE_MAX_SPLITS:
+            continue
+        g = torch.Generator(device="cpu").manual_seed(m * splits)
+        part_o = torch.randn(m, hq, splits, d, generator=g).to(device)
+        part_m = (torch.randn(m, hq, splits, generator=g) * 4).to(device)
+        part_l = torch.rand(m, hq, splits, generator=g).add_(0.5).to(device)
+        out = torch.empty(m, hq * d, dtype=torch.float32, device=device)
+
+        def merge(c: Any, o: Any = part_o, mx: Any = part_m, den: Any = part_l, out: Any = out) -> Any:
+            return merge_splits(o, mx, den, out, config=c)
+
+        timed += _tune_by_output(DECODE_MERGE, f"{sig},M={m}", MERGE_CONFIGS, merge, opts, entries, measured, failed,
+                                 error=elementwise_error, tolerance=ELEMENTWISE_TOLERANCE, graph=True)  # fmt: skip
+    return timed
+
+
 def _norm_shapes(graph: ir.Graph) -> dict[str, tuple[int, int, bool, ir.Op]]:
     """The model's distinct RMSNorm shapes as the CUDA backend launches them, signature -> (input
     width, group, whether the add before it is fused in as a residual, its first op), in graph order.
@@ -895,6 +937,8 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     with overlapped_launches(_overlap(arch, kernels, opts.overlapped)):  # as the backend launches them
         if opts.prefill_attention or opts.decode_attention:
             timed += _tune_attention(graph, opts, device, dtype, entries, attention, failed)
+        if opts.decode_merge:
+            timed += _tune_decode_merge(graph, opts, device, entries, attention, failed)
         if opts.rms_norm:
             timed += _tune_norms(graph, opts, device, dtype, entries, elementwise, failed)
         if opts.rope:

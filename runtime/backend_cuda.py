@@ -154,6 +154,7 @@ from mgx.kernels.triton.tuning import (
     ARGMAX_MERGE,
     ATTENTION_DECODE,
     ATTENTION_PREFILL,
+    DECODE_MERGE,
     DEQUANTIZE,
     EMBEDDING_ROWS,
     ROPE_KV,
@@ -1492,10 +1493,11 @@ class CUDABackend(Backend):
         counters = self._decode_counters
         if counters is not None and (q.shape[0] * a.num_kv_heads > counters.numel() or splits > SELF_MERGE_MAX_SPLITS):
             counters = None
+        merge = self.tunings.lookup(DECODE_MERGE, self._decode_sig, q.shape[0]) if counters is None and splits > 1 else None
         return paged_attention_decode(
             q, kc, vc, st.block_tables, st.context_lens, scale=a.scale, sliding_window=a.window,
             num_splits=splits, max_context_len=st.max_context_len, counters=counters, rope=rope,
-            block_n=config.block_n, num_warps=config.num_warps,
+            block_n=config.block_n, num_warps=config.num_warps, merge=merge,
         )  # fmt: skip
 
     def _decode_config(self, rows: int) -> DecodeConfig:

@@ -46,10 +46,13 @@ __all__ = [
     "new_decode_counters",
     "DecodeRope",
     "DecodeConfig",
+    "MergeConfig",
     "PrefillConfig",
     "DECODE_BLOCK_NS",
     "DECODE_CONFIGS",
+    "MERGE_CONFIGS",
     "PREFILL_CONFIGS",
+    "merge_splits",
 ]
 
 LOG2E = 1.4426950408889634
@@ -358,6 +361,15 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MergeConfig:
+    """Launch configuration of the merge kernel of split decode attention (a program a query row;
+    it runs where the splits do not merge themselves: more than ``SELF_MERGE_MAX_SPLITS``, or no
+    counters): the warps of a program."""
+
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillConfig:
     """A prefill launch configuration (what the autotune pass stores per chunk length): query rows and
     key tokens of a tile, warps, pipeline stages."""
@@ -372,6 +384,7 @@ DECODE_BLOCK_NS = (32, 64)  # the tile widths the CUDA backend's decode attentio
 # The autotune pass's candidates, the default first. Decode: those widths on 4 or 8 warps (both run on
 # the H200, 49th session).
 DECODE_CONFIGS = [DecodeConfig(n, w) for n in reversed(DECODE_BLOCK_NS) for w in (4, 8)]
+MERGE_CONFIGS = [MergeConfig(w) for w in (4, 1, 2, 8, 16)]  # the merge kernel's, the default first
 # Prefill: the configurations examples/bench_gpu_kernels.py sweeps on the H200.
 PREFILL_CONFIGS = [PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 4, 3),
                    PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 128, 4, 3)]  # fmt: skip
@@ -428,6 +441,7 @@ def paged_attention_decode(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    merge: MergeConfig | None = None,
 ) -> torch.Tensor:
     """One query row per sequence, q [S, Hq*D] at position context_lens[i] - 1 -> [S, Hq*D].
 
@@ -439,7 +453,8 @@ def paged_attention_decode(
     what ``rope_and_write_kv`` would first (q itself is left as it was), one launch fewer. Launched
     overlapped (``overlapped_launches``), it then reads ``context_lens``, ``block_table`` and the
     cache's earlier slots before it waits for the kernel launched just before it: none of them may be
-    that kernel's output (the backend fills them before a step's first kernel).
+    that kernel's output (the backend fills them before a step's first kernel). ``merge``: the merge
+    kernel's launch configuration, where one runs (split, no counters).
     """
     q, page, hk, d, hq, out = _check(q, k_cache, v_cache, block_table, context_lens, out)
     if block_n < 16 or block_n & (block_n - 1):
@@ -482,10 +497,24 @@ def paged_attention_decode(
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
     if split and not merge:
-        _decode_merge_kernel[(n, hq)](
-            part_o, part_m, part_l, out, out.stride(0), num_splits,
-            HQ=hq, D=d, BLOCK_P=merge_tile(num_splits), BLOCK_D=next_pow2(d), num_warps=4, **overlap_options(),
-        )  # fmt: skip
+        merge_splits(part_o, part_m, part_l, out, config=merge)
+    return out
+
+
+def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, *,
+                 config: MergeConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """Split decode attention's merge kernel: out [S, Hq*D] from the splits' partial outputs
+    part_o [S, Hq, P, D], running maxima part_m [S, Hq, P] (log2 domain, -inf for an empty split) and
+    denominators part_l [S, Hq, P], all fp32; a program a query row (``config``: its warps)."""
+    n, hq, splits, d = part_o.shape
+    if part_m.shape != (n, hq, splits) or part_l.shape != (n, hq, splits) or out.shape[0] != n:
+        raise ValueError(f"decode merge: partials {tuple(part_o.shape)}, {tuple(part_m.shape)}, {tuple(part_l.shape)} "
+                         f"for out {tuple(out.shape)}")  # fmt: skip
+    _decode_merge_kernel[(n, hq)](
+        part_o, part_m, part_l, out, out.stride(0), splits,
+        HQ=hq, D=d, BLOCK_P=merge_tile(splits), BLOCK_D=next_pow2(d), num_warps=(config or MergeConfig()).num_warps,
+        **overlap_options(),
+    )  # fmt: skip
     return out
 
 

@@ -9,9 +9,9 @@ serves several rows nor the reverse.
 Attention entries (``paged_attention_decode``: a ``DecodeConfig`` per batch bucket, M the number of
 sequences; ``paged_attention_prefill``: a ``PrefillConfig`` per chunk, M its query rows;
 ``rope_and_write_kv``: a ``RopeConfig`` of the RoPE and K/V write before the paged kernels, M the
-step's tokens) are keyed by the attention's heads (``attention_signature``); a step takes the entry
-of the smallest tuned M >= its rows (the largest beyond them), and an untuned shape the kernel's
-defaults.
+step's tokens; ``decode_merge``: a ``MergeConfig`` of split decode's merge kernel, M as decode's)
+are keyed by the attention's heads (``attention_signature``); a step takes the entry of the smallest
+tuned M >= its rows (the largest beyond them), and an untuned shape the kernel's defaults.
 
 Entries of the kernels around the dense (cuBLAS) products that replace these kernels for many rows
 (``linear.dense_product``): ``dequantize`` (a ``DequantizeConfig``, keyed by the weight's signature,
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .attention import DECODE_BLOCK_NS, DecodeConfig, PrefillConfig
+from .attention import DECODE_BLOCK_NS, DecodeConfig, MergeConfig, PrefillConfig
 from .linear import (
     GEMM_CONFIGS,
     GEMV_CONFIGS,
@@ -59,7 +59,7 @@ from .lm_head import ArgmaxMergeConfig
 from .rmsnorm import RMSNormConfig
 from .rope import RopeConfig
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "ARGMAX_MERGE", "EMBEDDING_ROWS", "attention_signature", "silu_signature", "merge_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "RMS_NORM", "ROPE_KV", "DEQUANTIZE", "SILU_MUL", "ARGMAX_MERGE", "EMBEDDING_ROWS", "DECODE_MERGE", "attention_signature", "silu_signature", "merge_signature", "norm_signature", "DECODE_ATTENTION", "DECODE_BLOCK_NS", "FUSED_MLP", "NORM_PROLOGUE", "STAGED_X", "Tunings", "weight_signature", "shape_key", "candidates"]
 
 DECODE_ATTENTION = "decode_attention"  # the entry of the decode attention's tile width
 NORM_PROLOGUE = "norm_prologue"  # the entry of the switch of norms in native GEMV prologues
@@ -75,10 +75,11 @@ DEQUANTIZE = "dequantize"  # entries of DequantizeConfig per quantized weight (b
 SILU_MUL = "silu_mul"  # entries of SiluMulConfig per width and row count (after a gate/up dense product)
 ARGMAX_MERGE = "argmax_merge"  # entries of ArgmaxMergeConfig per tile count and row count (the greedy head's merge)
 EMBEDDING_ROWS = "embedding_rows"  # entries of DequantizeConfig per quantized embedding and row count (its lookup)
+DECODE_MERGE = "decode_merge"  # entries of MergeConfig per attention shape and batch bucket (split decode's merge)
 # Entries keyed by a signature and M, looked up by M
 _SHAPED = {ATTENTION_DECODE: DecodeConfig, ATTENTION_PREFILL: PrefillConfig, RMS_NORM: RMSNormConfig,
            ROPE_KV: RopeConfig, DEQUANTIZE: DequantizeConfig, SILU_MUL: SiluMulConfig,
-           ARGMAX_MERGE: ArgmaxMergeConfig, EMBEDDING_ROWS: DequantizeConfig}  # fmt: skip
+           ARGMAX_MERGE: ArgmaxMergeConfig, EMBEDDING_ROWS: DequantizeConfig, DECODE_MERGE: MergeConfig}  # fmt: skip
 _COUNTS = ("num_stages", "per_sm")  # fields of those configurations that need not be powers of two
 
 
@@ -207,7 +208,7 @@ class Tunings:
 
     def lookup(self, kernel: str, signature: str, m: int) -> Any:
         """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL``, ``ROPE_KV``,
-        ``DEQUANTIZE``, ``SILU_MUL``, ``ARGMAX_MERGE`` or ``EMBEDDING_ROWS``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
+        ``DEQUANTIZE``, ``SILU_MUL``, ``ARGMAX_MERGE``, ``EMBEDDING_ROWS`` or ``DECODE_MERGE``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
         largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 

@@ -19,7 +19,14 @@ import pytest
 from mgx.formats import ir
 from mgx.formats.artifact import load_artifact, write_artifact
 from mgx.kernels.triton import rmsnorm
-from mgx.kernels.triton.attention import DECODE_CONFIGS, PREFILL_CONFIGS, DecodeConfig, PrefillConfig
+from mgx.kernels.triton.attention import (
+    DECODE_CONFIGS,
+    MERGE_CONFIGS,
+    PREFILL_CONFIGS,
+    DecodeConfig,
+    MergeConfig,
+    PrefillConfig,
+)
 from mgx.kernels.triton.linear import DequantizeConfig, LinearConfig, SiluMulConfig, dequantize_candidates
 from mgx.kernels.triton.lm_head import ArgmaxMergeConfig, merge_candidates
 from mgx.kernels.triton.rmsnorm import RMSNormConfig
@@ -50,9 +57,11 @@ def fake_seconds(config: Any) -> float:
     not the default: decode the narrow tiles on 8 warps, prefill the tallest query tiles, then the
     most stages (the first of equals wins, as in the pass). RMSNorm: the most warps, then the tallest
     row tiles. RoPE: the fewest warps. Dequantize: the tallest tiles, then the most warps. SiLU product:
-    the narrowest tiles, then the fewest warps. Argmax merge: the most warps, then the widest tiles."""
+    the narrowest tiles, then the fewest warps. Argmax merge: the most warps, then the widest tiles. Decode merge: the most warps."""
     if isinstance(config, RMSNormConfig):
         return 1e3 - config.num_warps - config.block_m / 100
+    if isinstance(config, MergeConfig):
+        return 1e3 - config.num_warps  # the most warps
     if isinstance(config, ArgmaxMergeConfig):
         return 1e3 - config.num_warps - config.block_t / 1e6  # the most warps, then the widest tiles
     if isinstance(config, RopeConfig):
@@ -887,6 +896,46 @@ def test_autotune_counts_candidates_too_large_for_the_gpu_as_skipped_not_broken(
         warnings.simplefilter("error")  # no "graph timing failed ... timing alone"
         with pytest.raises(OutOfResources):
             autotune_pass._time(launch, 5, [object(), object()])
+
+
+@pytest.mark.interpreted
+def test_autotune_tunes_split_decodes_merge_where_long_contexts_need_it_and_the_backend_uses_it(
+        no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """The merge kernel of split decode attention is tuned for the batch buckets whose splits at the
+    model's longest context do not merge themselves (more than SELF_MERGE_MAX_SPLITS), and a decode
+    step that runs it launches the stored configuration, with the reference's tokens."""
+    from mgx.kernels.triton import _common
+
+    monkeypatch.setattr(_common, "num_sms", lambda device: 132)  # an H200's
+    graph = tiny_contents(max_position=8192).graph
+    result = PASSES["autotune"](graph, {"rows": [1, 4, 64], "dtype": "f32", "prefill_attention": False, "rms_norm": False,
+                                        "rope": False, "native": False}, PassContext(target="cuda"))  # fmt: skip
+    every = result.stats["autotune"]["interpreter"]
+    sig = attention_key(graph)
+    merges = {e.shape_key: MergeConfig(**e.config) for e in every if e.kernel == "decode_merge"}
+    # 8,192 tokens in 64-token pieces over 2 KV heads: 128 splits at batch 1, 33 at 4, 3 at 64 (those merge themselves)
+    assert merges == {f"{sig},M={m}": min(MERGE_CONFIGS, key=fake_seconds) for m in (1, 4)}
+    assert merges[f"{sig},M=1"] == MergeConfig(16) != MERGE_CONFIGS[0]
+    assert sorted(result.stats["attention_timings"]) == sorted(f"decode_merge {k}" for k in merges)
+
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    monkeypatch.setattr(backend_cuda, "num_sms", lambda device: 132)
+    monkeypatch.setattr(backend_cuda, "SELF_MERGE_MAX_SPLITS", 1)  # the merge kernel from two splits on
+    used = []
+    real = backend_cuda.paged_attention_decode
+    monkeypatch.setattr(backend_cuda, "paged_attention_decode", lambda *a, **k: used.append(
+        (k["num_splits"], k["counters"], k.get("merge"))) or real(*a, **k))  # fmt: skip
+    runner, want = ModelRunner(graph, backend), ModelRunner(graph, "reference")
+    prompt = np.arange(5, 75)  # 70 tokens: two 64-token pieces
+    got = [runner.step_greedy([SeqChunk(0, prompt)])[0][0][-1]]
+    ref = [int(np.argmax(want.step([SeqChunk(0, prompt)])[0][-1]))]
+    for _ in range(2):
+        got.append(runner.step_greedy([SeqChunk(0, got[-1:])])[0][0][-1])
+        ref.append(int(np.argmax(want.step([SeqChunk(0, ref[-1:])])[0][-1])))
+    assert [int(i) for i in got] == ref
+    assert used and all(splits == 2 and counters is None for splits, counters, _ in used)
+    assert {merge for _, _, merge in used} == {merges[f"{sig},M=1"]}
 
 
 @pytest.mark.interpreted

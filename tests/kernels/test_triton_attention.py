@@ -116,6 +116,29 @@ def test_decode_merges_more_splits_than_it_loads_at_once(num_splits: int, merge:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if counters is not None:
         assert not counters.any()
+    else:  # every merge kernel configuration the autotune pass may store
+        for config in attention.MERGE_CONFIGS[1:]:
+            got = attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                                   num_splits=num_splits, block_n=16, merge=config)  # fmt: skip
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(config))
+
+
+def test_merge_splits_checks_its_partials_and_weighs_each_split_by_its_softmax() -> None:
+    """``merge_splits`` alone: each row's splits combined as sum(2^(m - top) * o) / sum(2^(m - top) * l),
+    an empty split (m = -inf) weighing nothing; partials of another shape are refused."""
+    g = torch.Generator().manual_seed(3)
+    n, hq, p, d = 2, 3, 20, 16
+    part_o, part_m = torch.randn(n, hq, p, d, generator=g), torch.randn(n, hq, p, generator=g) * 3
+    part_l = torch.rand(n, hq, p, generator=g) + 0.5
+    part_m[0, 1, 5:] = float("-inf")
+    w = torch.exp2(part_m - part_m.amax(dim=2, keepdim=True))
+    want = ((w[..., None] * part_o).sum(2) / (w * part_l).sum(2)[..., None]).reshape(n, hq * d)
+    for config in attention.MERGE_CONFIGS:
+        out = torch.empty(n, hq * d, device=DEVICE)
+        got = attention.merge_splits(part_o.to(DEVICE), part_m.to(DEVICE), part_l.to(DEVICE), out, config=config)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5, msg=str(config))
+    with pytest.raises(ValueError, match="decode merge: partials"):
+        attention.merge_splits(part_o.to(DEVICE), part_m[:, :, :4].to(DEVICE), part_l.to(DEVICE), out)
 
 
 def test_decode_merges_any_split_count_with_two_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
