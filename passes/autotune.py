@@ -28,16 +28,15 @@ and row counts. A candidate of these must first give the default configuration's
 backend runs a product on cuBLAS instead (``linear.dense_product``: quantized weights from
 DEQUANTIZE_MIN_M rows, dense ones past one row; option ``dense_products``), no Triton GEMM is timed;
 ``dequantize`` of each quantized weight and the SiLU product after each fused gate/up are
-(``_tune_dense_path``). The winners' times go to ``stats["attention_timings"]`` (RoPE's too) and
-``stats["elementwise_timings"]`` (RMSNorm, dequantize, SiLU product, argmax merge, embedding rows)
-({"<kernel> <shape key>":
-chosen configuration, us, the default configuration's us}). The merge of the greedy LM head's tile
-argmaxes is tuned for the tiles the chosen head leaves (``_tune_argmax_merge``, option
-``argmax_merge``), and ``dequantize``'s lookup of the rows of a quantized embedding for each row count
-(``_tune_embedding_rows``, option ``embedding_rows``), their times in ``stats["elementwise_timings"]``;
-and the merge kernel of split decode attention, where the model's longest context splits a batch
-bucket's attention more than the splits merge themselves (``_tune_decode_merge``, option
-``decode_merge``; times in ``stats["attention_timings"]``).
+(``_tune_dense_path``). So are the merge of the greedy LM head's tile argmaxes, for the tiles the
+chosen head leaves (``_tune_argmax_merge``, option ``argmax_merge``), ``dequantize``'s lookup of the
+rows of a quantized embedding for each row count (``_tune_embedding_rows``, option
+``embedding_rows``), and the merge kernel of split decode attention, where the model's longest
+context splits a batch bucket's attention more than the splits merge themselves
+(``_tune_decode_merge``, option ``decode_merge``). The winners' times go to
+``stats["attention_timings"]`` (attention, RoPE, decode merge) and ``stats["elementwise_timings"]``
+(RMSNorm, dequantize, SiLU product, argmax merge, embedding rows) ({"<kernel> <shape key>": chosen
+configuration, us, the default configuration's us}).
 """
 
 from __future__ import annotations
@@ -186,9 +185,9 @@ def _overlap(arch: str, kernels: Any, on: bool) -> bool:
 
 PREFILL_MIN_M = 16  # the smallest prefill chunk the attention tuning times
 ATTENTION_TOLERANCE = 2e-2  # an attention candidate's relative (Frobenius) distance from the default's output
-# An RMSNorm, RoPE, dequantize or SiLU product candidate's largest elementwise distance from the default's
-# output over its largest |value| (elementwise: one wrong row of 4,096 is 1.6e-2 of the whole's norm,
-# within ATTENTION_TOLERANCE).
+# An RMSNorm, RoPE, dequantize, SiLU product or decode merge candidate's largest elementwise distance
+# from the default's output over its largest |value| (elementwise: one wrong row of 4,096 is 1.6e-2 of
+# the whole's norm, within ATTENTION_TOLERANCE). The argmax merge and embedding lookup must match exactly.
 ELEMENTWISE_TOLERANCE = 1e-2
 KV_BLOCK = 16  # tokens a KV-cache block of the timed attention batches (the engine's default)
 GRAPH_LAUNCHES = 8  # launches per captured graph when timing the decode regime
@@ -754,6 +753,19 @@ def _tune_dense_path(w: Any, silu: bool, m: int, opts: AutotuneOptions, dtype: A
     return timed
 
 
+def _device_weight(graph: ir.Graph, op: ir.Op, device: Any, dtype: Any) -> Any:
+    """``op``'s weight on ``device`` as the CUDA backend uploads it (before any scale pairs); PassError
+    naming it where it cannot be."""
+    from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
+
+    t = graph.tensor(op.weights["weight"])
+    aux = {r: graph.tensor(op.weights[r]) for r in ("scales", "zeros", "meta") if r in op.weights}
+    try:
+        return gpu_weight(t, gpu_arrays(t, aux, device), dtype)
+    except ValueError as e:
+        raise PassError(f"autotune: {op.kind} {t.name}: {e}") from None
+
+
 def _tune_embedding_rows(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, entries: dict,
                          measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
     """Time the row lookup of each distinct quantized embedding table (``dequantize`` with ``rows``,
@@ -763,18 +775,12 @@ def _tune_embedding_rows(graph: ir.Graph, opts: AutotuneOptions, device: Any, dt
 
     from mgx.kernels.triton.linear import dequantize, dequantize_candidates
     from mgx.kernels.triton.tuning import EMBEDDING_ROWS, weight_signature
-    from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
 
     timed = 0
     for op in graph.ops:
-        t = graph.tensor(op.weights["weight"]) if op.kind == "embedding" else None
-        if t is None or "scales" not in op.weights:  # a dense table: torch's index_select
+        if op.kind != "embedding" or "scales" not in op.weights:  # a dense table: torch's index_select
             continue
-        aux = {r: graph.tensor(op.weights[r]) for r in ("scales", "zeros", "meta") if r in op.weights}
-        try:
-            w = gpu_weight(t, gpu_arrays(t, aux, device), dtype)
-        except ValueError as e:
-            raise PassError(f"autotune: embedding {t.name}: {e}") from None
+        w = _device_weight(graph, op, device, dtype)
         sig = weight_signature(w)
         g = torch.Generator(device="cpu").manual_seed(w.n)
         for m in sorted({int(r) for r in opts.rows}):
@@ -917,7 +923,6 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
     from mgx.kernels.triton.linear import GEMV_MAX_M, dense_product, linear, linear_silu_mul
     from mgx.kernels.triton.lm_head import lm_head_argmax
     from mgx.kernels.triton.tuning import candidates, config_dict, shape_key
-    from mgx.kernels.triton.weights import gpu_arrays, gpu_weight
 
     device, arch = _device()
     kernels = _native_kernels(graph) if opts.native else None
@@ -948,19 +953,14 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
         for op in graph.ops:
             if op.kind not in ("linear", "lm_head"):
                 continue
-            t = graph.tensor(op.weights["weight"])
-            aux = {r: graph.tensor(op.weights[r]) for r in ("scales", "zeros", "meta") if r in op.weights}
             kernel = _kernel_of(graph, op)
 
-            def upload(t: ir.Tensor = t, aux: dict = aux, silu: bool = kernel == "linear_silu_mul") -> Any:
+            def upload(op: ir.Op = op, silu: bool = kernel == "linear_silu_mul") -> Any:
                 """The weight on the device as the CUDA backend holds it (scale pairs where it makes them)."""
-                w = gpu_weight(t, gpu_arrays(t, aux, device), dtype)
+                w = _device_weight(graph, op, device, dtype)
                 return scale_pairs(w, silu) if reads_half_scales(kernels) and half_scales_hold(w) else w
 
-            try:
-                w = upload()
-            except ValueError as e:
-                raise PassError(f"autotune: {op.kind} {t.name}: {e}") from None
+            w = upload()
             copies = ws = None  # copies of w, for timing the decode regime in graphs (made when first needed)
             for m in sorted({int(r) for r in opts.rows}):
                 key = (kernel, shape_key(w, m))

@@ -849,6 +849,8 @@ def silu_mul_candidates(f: int) -> list[SiluMulConfig]:
     default = _default_silu_mul(f)
     return [default] + [c for c in _SILU_MUL_CONFIGS if c != default and c.block <= next_pow2(f)
                         and 32 * c.num_warps <= c.block <= MAX_ELEMENTS_PER_THREAD * 32 * c.num_warps]  # fmt: skip
+
+
 # Split K only while the fp32 workspace stays small (decode batches, not prefill chunks).
 SPLIT_MAX_M = 256
 _TARGET_PROGRAMS = 256  # about two waves of programs on an H200's 132 SMs

@@ -163,7 +163,7 @@ class Tunings:
         self.staged_x: bool | None = None  # norms staging x for the staged twins, where stored
         self.fused_mlp: bool | None = None  # the int4 MLP in one launch, where stored
         self.unknown: list[str] = []  # kernels of entries this runtime does not know (skipped)
-        self._shaped: dict[tuple[str, str], tuple[list[int], list[Any]]] = {}  # attention and RMSNorm by M
+        self._shaped: dict[tuple[str, str], tuple[list[int], list[Any]]] = {}  # the _SHAPED kinds by M
         self._norms: dict[tuple[int, int, bool], tuple[list[int], list[RMSNormConfig]]] = {}  # by norm_signature's fields
         rows: dict[tuple[str, str], dict[int, LinearConfig]] = {}
         shaped_rows: dict[tuple[str, str], dict[int, Any]] = {}
@@ -207,9 +207,9 @@ class Tunings:
         return sum(len(ms) for ms, _ in (*self._by.values(), *self._shaped.values())) + switches
 
     def lookup(self, kernel: str, signature: str, m: int) -> Any:
-        """The stored ``kernel`` configuration (``ATTENTION_DECODE``, ``ATTENTION_PREFILL``, ``ROPE_KV``,
-        ``DEQUANTIZE``, ``SILU_MUL``, ``ARGMAX_MERGE``, ``EMBEDDING_ROWS`` or ``DECODE_MERGE``) for ``signature`` at ``m`` rows: the smallest tuned M >= m, the
-        largest beyond them; None where that shape was not tuned (the kernel's defaults)."""
+        """The stored configuration of ``kernel`` (one of the signature-keyed kinds, ``_SHAPED``) for
+        ``signature`` at ``m`` rows: the smallest tuned M >= m, the largest beyond them; None where
+        that shape was not tuned (the kernel's defaults)."""
         return _nearest(self._shaped.get((kernel, signature)), m)
 
     def stored(self, kernel: str, signature: str) -> list[Any]:
