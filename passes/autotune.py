@@ -130,6 +130,7 @@ class AutotuneOptions:
     def __post_init__(self) -> None:
         if not self.rows or any(int(m) < 1 for m in self.rows):
             raise PassError(f"autotune: rows must be positive row counts, got {list(self.rows)}")
+        object.__setattr__(self, "rows", tuple(sorted({int(m) for m in self.rows})))  # each count once, ascending
         if self.dtype not in ("bf16", "f16", "f32"):
             raise PassError(f"autotune: dtype must be bf16, f16 or f32, got {self.dtype!r}")
         if self.repeats < 1:
@@ -498,7 +499,7 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
     from mgx.kernels.triton.tuning import ATTENTION_DECODE, ATTENTION_PREFILL
 
     shapes, decode_sig = _attention_shapes(graph)
-    rows = sorted({int(r) for r in opts.rows})
+    rows = list(opts.rows)
     context = max(1, min(opts.decode_context, int(graph.arch.max_position)))
     timed = 0
     for sig, (hq, hk, d, windows) in shapes.items():
@@ -555,7 +556,7 @@ def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entr
     hq, hk, d, _ = shapes[sig]
     context = max(1, int(graph.arch.max_position))
     timed = 0
-    for m in sorted({int(r) for r in opts.rows if int(r) <= GRAPH_MAX_M}):
+    for m in (r for r in opts.rows if r <= GRAPH_MAX_M):
         splits = decode_splits(m, hk, context, num_sms(device), 64, 1)
         if splits <= SELF_MERGE_MAX_SPLITS:
             continue
@@ -606,7 +607,7 @@ def _tune_norms(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any,
     for sig, (width, group, residual, op) in _norm_shapes(graph).items():
         weight = _norm_weight(graph, op, device, dtype)
         eps = float(op.attrs["eps"])
-        for m in sorted({int(r) for r in opts.rows}):
+        for m in opts.rows:
             x = torch.randn(m, width, dtype=dtype, device=device)
             res = torch.randn(m, width, dtype=dtype, device=device) if residual else None
 
@@ -650,7 +651,7 @@ def _tune_rope(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: Any, 
         a = op.attrs
         how = {"head_dim": int(a["head_dim"]), "rotary_dim": int(a["rotary_dim"]), "attention_scaling": float(a["attention_scaling"])}
         configs = [RopeConfig(), *(c for c in CONFIGS if c != RopeConfig())]
-        for m in sorted({int(r) for r in opts.rows}):
+        for m in opts.rows:
             b = paged_batch([m], [m], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=KV_BLOCK, dtype=dtype,
                             device=device, spare_blocks=0)  # fmt: skip
 
@@ -783,7 +784,7 @@ def _tune_embedding_rows(graph: ir.Graph, opts: AutotuneOptions, device: Any, dt
         w = _device_weight(graph, op, device, dtype)
         sig = weight_signature(w)
         g = torch.Generator(device="cpu").manual_seed(w.n)
-        for m in sorted({int(r) for r in opts.rows}):
+        for m in opts.rows:
             if (EMBEDDING_ROWS, f"{sig},M={m}") in entries:
                 continue
             ids = torch.randint(0, w.n, (m,), generator=g, dtype=torch.int32).to(device)
@@ -962,7 +963,7 @@ def run(graph: ir.Graph, options: dict[str, Any], context: PassContext) -> PassR
 
             w = upload()
             copies = ws = None  # copies of w, for timing the decode regime in graphs (made when first needed)
-            for m in sorted({int(r) for r in opts.rows}):
+            for m in opts.rows:
                 key = (kernel, shape_key(w, m))
                 if key in entries:
                     continue
