@@ -265,6 +265,9 @@ def test_autotune_refuses_other_targets_and_hosts_without_a_gpu() -> None:
             PASSES["autotune"](graph, {}, PassContext(target="cuda"))
     with pytest.raises(PassError, match="rows"):
         PASSES["autotune"](graph, {"rows": [0]}, PassContext(target="cuda"))
+    from mgx.passes.autotune import AutotuneOptions
+
+    assert AutotuneOptions(rows=(16, 1, 16, 4)).rows == (1, 4, 16)  # each row count once, ascending
 
 
 def test_tunings_pick_the_nearest_row_count_of_the_same_regime() -> None:
