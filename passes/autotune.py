@@ -499,13 +499,12 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
     from mgx.kernels.triton.tuning import ATTENTION_DECODE, ATTENTION_PREFILL
 
     shapes, decode_sig = _attention_shapes(graph)
-    rows = list(opts.rows)
     context = max(1, min(opts.decode_context, int(graph.arch.max_position)))
     timed = 0
     for sig, (hq, hk, d, windows) in shapes.items():
         heads = {"num_heads": hq, "num_kv_heads": hk, "head_dim": d, "block_size": KV_BLOCK, "dtype": dtype, "device": device}
         scale = d**-0.5
-        for m in (r for r in rows if opts.decode_attention and r <= GRAPH_MAX_M and sig == decode_sig):
+        for m in (r for r in opts.rows if opts.decode_attention and r <= GRAPH_MAX_M and sig == decode_sig):
             b = paged_batch([context] * m, [1] * m, **heads, spare_blocks=0)
             counters = new_decode_counters(device, m, hk)
 
@@ -518,7 +517,7 @@ def _tune_attention(graph: ir.Graph, opts: AutotuneOptions, device: Any, dtype: 
 
             timed += _tune_by_output(ATTENTION_DECODE, f"{sig},M={m}", DECODE_CONFIGS, decode, opts, entries,
                                      measured, failed)  # fmt: skip
-        for m in (r for r in rows if opts.prefill_attention and r >= PREFILL_MIN_M):
+        for m in (r for r in opts.rows if opts.prefill_attention and r >= PREFILL_MIN_M):
             b = paged_batch([m], [m], **heads, spare_blocks=0)
 
             def prefill(c: Any, b: Any = b, m: int = m, scale: float = scale, windows: tuple = windows) -> Any:
@@ -547,7 +546,13 @@ def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entr
     import torch
 
     from mgx.kernels.triton._common import num_sms
-    from mgx.kernels.triton.attention import MERGE_CONFIGS, SELF_MERGE_MAX_SPLITS, decode_splits, merge_splits
+    from mgx.kernels.triton.attention import (
+        MERGE_CONFIGS,
+        SELF_MERGE_MAX_SPLITS,
+        DecodeConfig,
+        decode_splits,
+        merge_splits,
+    )
     from mgx.kernels.triton.tuning import DECODE_MERGE
 
     shapes, sig = _attention_shapes(graph)
@@ -557,7 +562,7 @@ def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entr
     context = max(1, int(graph.arch.max_position))
     timed = 0
     for m in (r for r in opts.rows if r <= GRAPH_MAX_M):
-        splits = decode_splits(m, hk, context, num_sms(device), 64, 1)
+        splits = decode_splits(m, hk, context, num_sms(device), DecodeConfig().block_n, 1)  # one-tile pieces
         if splits <= SELF_MERGE_MAX_SPLITS:
             continue
         g = torch.Generator(device="cpu").manual_seed(m * splits)

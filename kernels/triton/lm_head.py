@@ -132,7 +132,7 @@ def lm_head_argmax(
     use_dot = m > GEMV_MAX_M if config is None else cfg.block_m >= 16
     block_m = cfg.block_m if use_dot else 1  # the GEMV takes one row per program
     block_k = max(min(cfg.block_k, next_pow2(weight.k)), min_block_k(weight))
-    num_tiles = cdiv(n, cfg.block_n)
+    num_tiles = lm_head_tiles(n, cfg, m, weight.k, weight.scheme)
     ids = torch.empty(m, dtype=torch.int32, device=x.device)
     vals = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
