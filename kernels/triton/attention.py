@@ -479,24 +479,24 @@ def paged_attention_decode(
         num_splits = decode_splits(n, hk, max_context_len, num_sms(q.device), block_n)
     g = hq // hk
     split = num_splits > 1
-    merge = split and counters is not None
-    if merge and (counters.dtype != torch.int32 or counters.numel() < n * hk):
+    self_merge = split and counters is not None  # the split programs merge their partials themselves
+    if self_merge and (counters.dtype != torch.int32 or counters.numel() < n * hk):
         raise ValueError(f"decode counters: {counters.numel()} {counters.dtype}; this launch needs {n * hk} int32")
     f32 = torch.float32
     part_o = torch.empty((n, hq, num_splits, d), dtype=f32, device=q.device) if split else out
     part_m = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
     part_l = torch.empty((n, hq, num_splits), dtype=f32, device=q.device) if split else out
     _decode_kernel[(n, hk, num_splits)](
-        q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l, counters if merge else out,
+        q, k_cache, v_cache, block_table, context_lens, out, part_o, part_m, part_l, counters if self_merge else out,
         k_new, v_new, inv, k_new.stride(0), v_new.stride(0), scaling,
         q.stride(0), out.stride(0), block_table.stride(0), block_table.shape[1], float(scale) * LOG2E,
         int(sliding_window), num_splits,
         HK=hk, G=g, D=d, PAGE=page, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, BLOCK_P=merge_tile(num_splits) if merge else 1, BLOCK_R=next_pow2(g) if merge else 1,
-        SPLIT=split, MERGE=merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_P=merge_tile(num_splits) if self_merge else 1, BLOCK_R=next_pow2(g) if self_merge else 1,
+        SPLIT=split, MERGE=self_merge, ROT=rot, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
         num_stages=num_stages, **overlap_options(),
     )  # fmt: skip
-    if split and not merge:
+    if split and not self_merge:
         merge_splits(part_o, part_m, part_l, out, config=merge)
     return out
 

@@ -123,6 +123,19 @@ def test_decode_merges_more_splits_than_it_loads_at_once(num_splits: int, merge:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(config))
 
 
+def test_decode_launches_its_merge_kernel_with_the_configuration_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``paged_attention_decode``'s ``merge`` reaches the merge kernel (a local flag of the same name
+    once hid it, so a tuned configuration was dropped for the default)."""
+    b = paged_batch([70], [1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, device=DEVICE)
+    seen = []
+    real = attention.merge_splits
+    monkeypatch.setattr(attention, "merge_splits", lambda *a, config=None: seen.append(config) or real(*a, config=config))
+    for config in attention.MERGE_CONFIGS:
+        attention.paged_attention_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.context_lens, scale=0.3,
+                                         num_splits=3, block_n=16, merge=config)  # fmt: skip
+    assert seen == attention.MERGE_CONFIGS
+
+
 def test_merge_splits_checks_its_partials_and_weighs_each_split_by_its_softmax() -> None:
     """``merge_splits`` alone: each row's splits combined as sum(2^(m - top) * o) / sum(2^(m - top) * l),
     an empty split (m = -inf) weighing nothing; partials of another shape are refused."""
