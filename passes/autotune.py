@@ -541,8 +541,9 @@ def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entr
                        measured: dict[str, dict[str, Any]], failed: list[str]) -> int:  # fmt: skip
     """Time split decode's merge kernel (``attention.merge_splits``) for the model's decode shape at
     each batch bucket where, at the model's longest context, the backend's splits (one-tile pieces of
-    64 tokens) outnumber SELF_MERGE_MAX_SPLITS, on random partials of that many splits; a candidate
-    must first give the default's output element by element. Returns how many were timed."""
+    the decode attention's tile width: the entry just tuned for that bucket's, else the default's)
+    outnumber SELF_MERGE_MAX_SPLITS, on random partials of that many splits; a candidate must first
+    give the default's output element by element. Returns how many were timed."""
     import torch
 
     from mgx.kernels.triton._common import num_sms
@@ -553,7 +554,7 @@ def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entr
         decode_splits,
         merge_splits,
     )
-    from mgx.kernels.triton.tuning import DECODE_MERGE
+    from mgx.kernels.triton.tuning import ATTENTION_DECODE, DECODE_MERGE
 
     shapes, sig = _attention_shapes(graph)
     if not sig:
@@ -562,7 +563,9 @@ def _tune_decode_merge(graph: ir.Graph, opts: AutotuneOptions, device: Any, entr
     context = max(1, int(graph.arch.max_position))
     timed = 0
     for m in (r for r in opts.rows if r <= GRAPH_MAX_M):
-        splits = decode_splits(m, hk, context, num_sms(device), DecodeConfig().block_n, 1)  # one-tile pieces
+        tuned = entries.get((ATTENTION_DECODE, f"{sig},M={m}"))  # the backend's tiles at this bucket
+        block_n = int(tuned.config["block_n"]) if tuned is not None else DecodeConfig().block_n
+        splits = decode_splits(m, hk, context, num_sms(device), block_n, 1)  # one-tile pieces
         if splits <= SELF_MERGE_MAX_SPLITS:
             continue
         g = torch.Generator(device="cpu").manual_seed(m * splits)

@@ -26,6 +26,7 @@ from mgx.kernels.triton.attention import (
     DecodeConfig,
     MergeConfig,
     PrefillConfig,
+    decode_splits,
 )
 from mgx.kernels.triton.linear import DequantizeConfig, LinearConfig, SiluMulConfig, dequantize_candidates
 from mgx.kernels.triton.lm_head import ArgmaxMergeConfig, merge_candidates
@@ -939,6 +940,33 @@ def test_autotune_tunes_split_decodes_merge_where_long_contexts_need_it_and_the_
     assert [int(i) for i in got] == ref
     assert used and all(splits == 2 and counters is None for splits, counters, _ in used)
     assert {merge for _, _, merge in used} == {merges[f"{sig},M=1"]}
+
+
+@pytest.mark.interpreted
+def test_autotune_tunes_decodes_merge_for_the_splits_of_the_tile_width_it_chose(no_gpu_needed, monkeypatch) -> None:  # noqa: ANN001
+    """With decode attention tuned in the same build, the merge is tuned for the splits of the tile
+    width stored for that bucket, which the backend cuts its contexts into: at 1,024 tokens over
+    2 KV heads, 64-token pieces are 16 (they merge themselves), the chosen 32-token ones 32."""
+    from mgx.kernels.triton import _common, attention
+
+    monkeypatch.setattr(_common, "num_sms", lambda device: 132)  # an H200's
+    merged = []
+    real = attention.merge_splits
+    monkeypatch.setattr(attention, "merge_splits", lambda o, *a, **k: merged.append(o.shape[2]) or real(o, *a, **k))
+    graph = tiny_contents(max_position=1024).graph
+    result = PASSES["autotune"](graph, {"rows": [1], "dtype": "f32", "prefill_attention": False, "decode_attention": True,
+                                        "rms_norm": False, "rope": False, "native": False}, PassContext(target="cuda"))  # fmt: skip
+    every = result.stats["autotune"]["interpreter"]
+    sig = attention_key(graph)
+    decode = {e.shape_key: DecodeConfig(**e.config) for e in every if e.kernel == "paged_attention_decode"}
+    assert decode == {f"{sig},M=1": DecodeConfig(32, 8)}  # the fake timer's narrow tiles
+    assert [e.shape_key for e in every if e.kernel == "decode_merge"] == [f"{sig},M=1"]
+    backend = CUDABackend(graph, device="cpu", dtype="f32")
+    backend.use_tunings(result.stats["autotune"])
+    config = backend._decode_config(1)
+    assert config.block_n == 32
+    splits = decode_splits(1, 2, 1024, 132, config.block_n, backend._decode_min_tiles)
+    assert merged and set(merged) == {splits} and splits == 32
 
 
 @pytest.mark.interpreted
