@@ -185,18 +185,7 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
         records.append(PassRecord(name, dict(opts), result.summary))
         collect_pass_stats(result.stats, tunings, images)
         if name == "autotune":
-            log(f"{scheme}: autotune {time.perf_counter() - t1:.1f}s: {result.summary}")
-            TIMES[f"autotune_{scheme}_s"] = time.perf_counter() - t1
-            TIMES[f"autotune_{scheme}_shapes"] = result.stats["timings"]
-            how = {"after_norm": ", after its norm", "norm": ", norm in its loads", "add": ", add in its epilogue"}
-            for shape, t in result.stats["timings"].items():
-                log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
-                    f"best Triton {t['triton_us']:.1f} us, {t['triton_config']}{how.get(t['fused'], '')})"
-                    + "".join(f"; {kind} {us:.1f}" for kind, us in t.get("native_us", {}).items()))
-            TIMES[f"autotune_{scheme}_attention"] = result.stats.get("attention_timings", {})
-            for shape, t in result.stats.get("attention_timings", {}).items():
-                default = f"{t['default_us']:.1f}" if t.get("default_us") is not None else "-"
-                log(f"  {shape}: {t['chosen']} {t['us']:.1f} us (default {default} us)")
+            log_autotune(scheme, result.summary, result.stats, time.perf_counter() - t1)
     fp = Fingerprint("random", "wordlevel", "bf16", base, "cuda")
     variants = [(scheme, tunings)]
     if untuned_twin and tunings:
@@ -210,6 +199,27 @@ def build_artifact(graph, scheme: str, out_dir: Path, autotune_rows: list[int],
         paths[label] = path
     log(f"{scheme}: passes and write {time.perf_counter() - t0:.1f}s, {path.stat().st_size / 1e9:.2f} GB")
     return paths
+
+
+def log_autotune(scheme: str, summary: str, stats: dict, seconds: float) -> None:
+    """Log what the autotune pass chose for ``scheme`` and keep it for the JSON (TIMES): each linear
+    and LM head shape (its kind, time, and the best Triton configuration beside it), then each
+    attention, RoPE, merge, dequantize, SiLU product and embedding lookup shape against the default's
+    time, so that one model run shows every tuned kind at the model's shapes."""
+    log(f"{scheme}: autotune {seconds:.1f}s: {summary}")
+    TIMES[f"autotune_{scheme}_s"] = seconds
+    TIMES[f"autotune_{scheme}_shapes"] = stats["timings"]
+    how = {"after_norm": ", after its norm", "norm": ", norm in its loads", "add": ", add in its epilogue"}
+    for shape, t in stats["timings"].items():
+        log(f"  {shape}: {t['chosen']} {t['us']:.1f} us ({t['weight_gb_s']:.0f} GB/s of weights; "
+            f"best Triton {t['triton_us']:.1f} us, {t['triton_config']}{how.get(t['fused'], '')})"
+            + "".join(f"; {kind} {us:.1f}" for kind, us in t.get("native_us", {}).items()))
+    for group in ("attention", "elementwise"):
+        timings = stats.get(f"{group}_timings", {})
+        TIMES[f"autotune_{scheme}_{group}"] = timings
+        for shape, t in timings.items():
+            default = f"{t['default_us']:.1f}" if t.get("default_us") is not None else "-"
+            log(f"  {shape}: {t['chosen']} {t['us']:.1f} us (default {default} us)")
 
 
 def weight_bytes_per_token(engine) -> int:  # noqa: ANN001

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue 6 asks to run on a CUDA GPU, in the order that gets the most out of a short lease:
 #
-#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [serving] [phases] [tiles] [fused-mlp]
+#   OUT=gpu-results JOBS=12 bash examples/gpu_check.sh [tests] [kernels] [model-1b] [model-8b] [ratio-8b] [serving] [phases] [tiles] [fused-mlp]
 #
 # (no arguments: the first four). Logs and JSON land in $OUT; each part has its own time limit
 # (seconds, TESTS_S / KERNELS_S / MODEL_S), so one slow part cannot starve the next.
@@ -15,6 +15,11 @@
 #   (and the weights uploaded again with 1 and 8 staging fill threads);
 #   the 8B shape needs about 75 s to trace and minutes per quantized scheme: one scheme per lease call.
 #   TUNE=1 adds --tune (mgx-run tune's in-graph choices before each scheme is measured).
+# - ratio-8b: the 8B shape's INT4 against bf16 as the targets' table measures it (both autotuned,
+#   no transformers, batch 1 only, no A/B flips; about 9 minutes on an H200): the INT4/bf16 ratio,
+#   each scheme's graph and share of copy bandwidth, and every shape autotune tuned at the 8B shapes
+#   (linears, LM head, attention, RoPE, the decode and argmax merges, the int4 embedding lookup)
+#   against its default's time.
 # - serving: the 1B bf16 shape under a Poisson load (bench_gpu_model.py --serve, 8 req/s, in one
 #   process and in new ones with and without --warm-up, Triton's cache empty), then
 #   bench_compiles.py --warm-up with an empty Triton cache: what a warmed-up engine still compiles.
@@ -45,7 +50,8 @@ for part in "${parts[@]}"; do
         -k smollm2 --junitxml="$out/gpu-smollm2.xml" > "$out/tests-smollm2.log" 2>&1
       echo "tests (SmolLM2): rc=$? $(tail -n 1 "$out/tests-smollm2.log")"
       timeout "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider -rs -n "$jobs" tests/kernels tests/gpu \
-        tests/e2e/test_cuda_backend.py tests/e2e/test_autotune.py tests/e2e/test_cuda_kernels.py -k "not smollm2" \
+        tests/e2e/test_cuda_backend.py tests/e2e/test_autotune.py tests/e2e/test_cuda_kernels.py tests/e2e/test_tune.py \
+        -k "not smollm2" \
         --junitxml="$out/gpu.xml" > "$out/tests.log" 2>&1
       echo "tests (the rest): rc=$? $(tail -n 1 "$out/tests.log")"
       grep -ho 'property name="[a-z0-9_]*" value="[^"]*"' "$out"/gpu*.xml
@@ -60,6 +66,12 @@ for part in "${parts[@]}"; do
         --autotune 1 --hf eager,compile --profile-prefill --upload-threads 1,8 ${TUNE:+--tune} --json "$out/$part.json" > "$out/$part.log" 2>&1
       echo "$part: rc=$?"
       grep -E '^\{' "$out/$part.log" | cut -c1-600
+      ;;
+    ratio-8b)
+      timeout "${MODEL_S:-580}" python3 examples/bench_gpu_model.py --shape llama-8b --schemes int4,bf16 --autotune 1 \
+        --hf '' --batches '' --no-flips --json "$out/ratio-8b.json" > "$out/ratio-8b.log" 2>&1
+      echo "ratio-8b: rc=$?"
+      grep -E '^summary|autotune [0-9.]+s|best Triton|default [0-9.-]+ us' "$out/ratio-8b.log" | cut -c1-400
       ;;
     serving)
       timeout "${MODEL_S:-540}" python3 examples/bench_gpu_model.py --shape llama-1b --schemes bf16 --hf '' --batches '' \
@@ -111,7 +123,7 @@ for part in "${parts[@]}"; do
       grep -o 'the int4 MLP in one launch in [0-9]* of [0-9]* layers' "$out/fused-mlp-8b.json" | sort | uniq -c
       ;;
     *)
-      echo "unknown part $part (tests, kernels, model-1b, model-8b, serving, phases, tiles, fused-mlp)" >&2
+      echo "unknown part $part (tests, kernels, model-1b, model-8b, ratio-8b, serving, phases, tiles, fused-mlp)" >&2
       exit 2
       ;;
   esac

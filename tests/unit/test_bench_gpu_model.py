@@ -236,3 +236,32 @@ def test_summary_gives_each_engines_batch_1_figures_and_the_schemes_ratios_to_bf
     ]
     no_bf16 = "summary mgx int4: batch 1 540.0 tok/s (52.0% of copy bandwidth), graph 1.800 ms"
     assert bench.summary_lines(rows[:1]) == [no_bf16]  # no bf16 in the run: no ratio
+
+
+def test_autotune_log_names_every_tuned_shape_of_every_group_and_keeps_them_for_the_json(bench, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """The model run's log and JSON carry the elementwise kinds (embedding lookup, argmax merge,
+    dequantize, SiLU product) beside the linear and attention ones: the only record of what autotune
+    chose for them at the model's shapes. Their entries come from the pass itself (its format)."""
+    import torch
+
+    from mgx.kernels.triton.attention import MERGE_CONFIGS
+    from mgx.passes import autotune as ap
+
+    fake_us = {4: 3.0, 1: 5.0, 2: 2.0, 8: 4.0, 16: 6.0}  # by warps; 2 warps wins
+    monkeypatch.setattr(ap, "_time", lambda fn, repeats, weights=None, graph=False: fake_us[fn.__defaults__[0].num_warps] * 1e-6)
+    attention, elementwise = {}, {}
+    opts = ap.AutotuneOptions()
+    for kernel, measured in (("decode_merge", attention), ("argmax_merge", elementwise)):
+        ap._tune_by_output(kernel, "S=7,M=1", MERGE_CONFIGS, lambda c: torch.ones(3), opts, {}, measured, [])
+    linear = {"linear N=8,K=4,M=1": {"chosen": "imma", "us": 1.5, "weight_gb_s": 900.0, "triton_us": 2.5,
+                                     "triton_config": "BM=1", "fused": "after_norm", "native_us": {"imma": 1.5}}}  # fmt: skip
+    monkeypatch.setattr(bench, "TIMES", {})
+    bench.log_autotune("int4", "sm_90: 3 shapes tuned", {"timings": linear, "attention_timings": attention,
+                                                          "elementwise_timings": elementwise}, 12.0)  # fmt: skip
+    err = capsys.readouterr().err
+    assert "int4: autotune 12.0s: sm_90: 3 shapes tuned" in err
+    assert "linear N=8,K=4,M=1: imma 1.5 us (900 GB/s of weights; best Triton 2.5 us, BM=1, after its norm); imma 1.5" in err
+    for kernel in ("decode_merge", "argmax_merge"):
+        assert f"{kernel} S=7,M=1: {{'num_warps': 2}} 2.0 us (default 3.0 us)" in err
+    assert bench.TIMES == {"autotune_int4_s": 12.0, "autotune_int4_shapes": linear, "autotune_int4_attention": attention,
+                           "autotune_int4_elementwise": elementwise}  # fmt: skip
